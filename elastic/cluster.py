@@ -1,0 +1,143 @@
+"""One worker's connection to the job: etcd client, membership, rendezvous, monitor and group.
+
+``form()`` is the cluster half of a re-formation: stop watching the old round, release and
+destroy its group, agree on the next round (waiting as a spare if left out), and form the new
+group on a fresh etcd-backed store. It knows nothing of the training state.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from elastic.embedded_etcd import free_port
+from elastic.errors import FencedError
+from elastic.etcd_client import EtcdClient, parse_endpoints
+from elastic.etcd_store import EtcdStore
+from elastic.events import EventLog, Stopwatch
+from elastic.keys import JobKeys
+from elastic.membership import EtcdMembership
+from elastic.monitor import ChangeMonitor
+from elastic.process_group import ProcessGroup, resolve_backend
+from elastic.rendezvous import Rendezvous, RendezvousConfig, Topology
+from elastic.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+_STORE_TIMEOUT = timedelta(seconds=60)
+
+
+class Cluster:
+    """The cluster side of one worker process.
+
+    Args:
+        settings: the worker's settings (etcd and job id must be set).
+        events: where events are recorded.
+    """
+
+    def __init__(self, settings: WorkerSettings, events: EventLog) -> None:
+        if not settings.etcd or not settings.job_id:
+            raise ValueError(
+                "ElasticState.run() needs an etcd and a job id: launch with `elastic run`, or "
+                "set ELASTIC_ETCD and ELASTIC_JOB_ID (or pass etcd= and job_id=).")
+        self.settings = settings
+        self.events = events
+        self.keys = JobKeys(settings.job_id)
+        self.client = EtcdClient(settings.etcd)
+        etcd_ports = frozenset(port for _, port in parse_endpoints(settings.etcd))
+        self.group = ProcessGroup(resolve_backend(settings.backend),
+                                  timeout=timedelta(minutes=30), skip_ports=etcd_ports)
+        self.config = RendezvousConfig(
+            min_workers=settings.min_workers, max_workers=settings.max_workers,
+            settle=settings.settle, timeout=settings.rendezvous_timeout)
+        self.topology: Topology | None = None
+        self._store: EtcdStore | None = None
+        self.membership: EtcdMembership
+        self.rendezvous: Rendezvous
+        self.monitor: ChangeMonitor
+        self._register()
+
+    def _register(self) -> None:
+        self.membership = EtcdMembership(self.client, self.keys, self.settings.advertise_addr,
+                                         self.settings.lease_ttl)
+        self.rendezvous = Rendezvous(self.client, self.membership, self.config)
+        self.monitor = ChangeMonitor(self.keys, self.membership.member_id, self._on_broken)
+        self.membership.add_listener(self.monitor.on_events)
+        self.membership.on_fenced(lambda: self.group.release("this member was fenced"))
+        self.membership.register()
+        self.events.bind(member=self.membership.member_id)
+        self.events.emit("joined", lease_ttl_s=self.settings.lease_ttl.total_seconds())
+
+    def _on_broken(self, reason: str) -> None:
+        self.events.emit("failure_detected", reason=reason, source="watch")
+        self.group.release(reason)
+
+    @property
+    def member_id(self) -> str:
+        return self.membership.member_id
+
+    @property
+    def is_fenced(self) -> bool:
+        return self.membership.fenced.is_set()
+
+    def renew_identity(self) -> None:
+        """After fencing: drops the old identity for good and registers as a new member."""
+        old = self.membership.member_id
+        self.membership.leave()
+        self._register()
+        self.events.emit("reregistered", previous_member=old)
+
+    def form(self, reason: str, version: int) -> Topology:
+        """Leaves the current round and forms the next one with this member in it.
+
+        Raises:
+            RendezvousTimeoutError: too few workers for too long.
+            EtcdUnavailableError: etcd stayed unreachable past the retry deadline.
+        """
+        self.monitor.disarm()
+        self.group.release(f"re-forming ({reason})")
+        self._drop_group()
+        while True:
+            if self.is_fenced:
+                self.renew_identity()
+                reason = "start"
+            with Stopwatch() as waited:
+                try:
+                    topology = self.rendezvous.join(reason, version, free_port())
+                except FencedError:
+                    continue
+            if topology is not None:
+                break
+            self.events.emit("spare", waited_s=waited.seconds)
+            reason = "spare"
+        self.events.bind(round=topology.round, rank=topology.rank,
+                         world_size=topology.world_size)
+        self.events.emit("round_formed", reason=reason, rendezvous_s=waited.seconds)
+        with Stopwatch() as formed:
+            self._store = EtcdStore(self.client, topology.store_prefix, _STORE_TIMEOUT)
+            self.group.form(self._store, topology.rank, topology.world_size)
+        self.events.emit("group_formed", backend=self.group.backend, form_s=formed.seconds)
+        self.topology = topology
+        self.monitor.arm(topology, self.client)
+        return topology
+
+    def _drop_group(self) -> None:
+        self.group.destroy()
+        self.topology = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def finish(self) -> None:
+        """Says this member returned from the training function and waits for the others."""
+        if self.topology is not None:
+            self.monitor.disarm()
+            self.rendezvous.finish(self.topology, timeout=timedelta(minutes=5))
+
+    def close(self) -> None:
+        """Destroys the group, leaves the job (revoking the lease) and closes the client."""
+        self.monitor.disarm()
+        self._drop_group()
+        self.membership.leave()
+        self.events.emit("left")
+        self.client.close()

@@ -1,0 +1,43 @@
+"""Typed errors of the cluster layer.
+
+Expected control flow ends in ``Interrupt``; failures end in ``Error``. Every message says what
+to do next.
+"""
+
+from __future__ import annotations
+
+
+class ElasticError(Exception):
+    """Base class of every failure raised by the ``elastic`` package."""
+
+
+class EtcdUnavailableError(ElasticError):
+    """etcd could not be reached within the retry deadline."""
+
+
+class FencedError(ElasticError):
+    """This member's lease is gone: it must not act under its old identity."""
+
+
+class RendezvousTimeoutError(ElasticError):
+    """A round could not be formed before its deadline (too few workers, or never admitted)."""
+
+
+class PeerFailureError(ElasticError):
+    """A peer died or was cut off: the process group is broken and must be re-formed."""
+
+
+class RendezvousClosedError(ElasticError):
+    """The job has completed: no new round will form."""
+
+
+class ElasticInterrupt(Exception):
+    """Base class of the expected control-flow signals of the run loop."""
+
+
+class MembershipChangedInterrupt(ElasticInterrupt):
+    """Raised at a commit when the world changes: the state is committed, the group re-forms."""
+
+
+class LeaveInterrupt(ElasticInterrupt):
+    """Raised at a commit on the member that was asked to leave (SIGTERM/SIGINT)."""

@@ -1,0 +1,318 @@
+"""The one module that knows the etcd client library (aetcd, asyncio).
+
+It owns an event loop in one background thread and offers a small synchronous API: keys and
+values are ``str``/``bytes``, leases are ints, watches call back from the loop thread. Transient
+errors are retried with tenacity against a deadline, then become ``EtcdUnavailableError`` naming
+the URLs. It must not know about jobs, rounds or torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import aetcd
+import tenacity
+
+from elastic.errors import EtcdUnavailableError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_TRANSIENT = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, aetcd.InternalError)
+# gRPC's default reconnect backoff adds ~15 s after an outage; these recover at once.
+_GRPC_OPTIONS = {
+    "grpc.initial_reconnect_backoff_ms": 200,
+    "grpc.min_reconnect_backoff_ms": 200,
+    "grpc.max_reconnect_backoff_ms": 1000,
+    "grpc.keepalive_time_ms": 5000,
+    "grpc.keepalive_timeout_ms": 2000,
+}
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as read from etcd."""
+
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One change seen by a watch: ``kind`` is "put" or "delete"."""
+
+    kind: str
+    key: str
+    value: bytes
+    revision: int
+
+
+def parse_endpoints(urls: str) -> list[tuple[str, int]]:
+    """Parses ``http://host:port[,http://host:port...]`` into (host, port) pairs.
+
+    Raises:
+        ValueError: a URL has no host or port.
+    """
+    endpoints = []
+    for url in (u.strip() for u in urls.split(",")):
+        if not url:
+            continue
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        if not parts.hostname or not parts.port:
+            raise ValueError(f"etcd URL {url!r} needs a host and a port, e.g. http://127.0.0.1:2379.")
+        endpoints.append((parts.hostname, parts.port))
+    if not endpoints:
+        raise ValueError("No etcd URL given: pass --etcd http://HOST:PORT or set ELASTIC_ETCD.")
+    return endpoints
+
+
+class EtcdClient:
+    """A synchronous etcd v3 client over aetcd, with bounded retries and endpoint fail-over.
+
+    Args:
+        urls: comma-separated client URLs of the etcd cluster.
+        retry_for: how long an operation retries transient errors before giving up.
+        rpc_timeout: the deadline of one RPC.
+    """
+
+    def __init__(self, urls: str, *, retry_for: timedelta = timedelta(seconds=10),
+                 rpc_timeout: timedelta = timedelta(seconds=3)) -> None:
+        self.urls = urls
+        self._endpoints = parse_endpoints(urls)
+        self._retry_for = retry_for
+        self._rpc_timeout_s = rpc_timeout.total_seconds()
+        self._endpoint_index = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="elastic-etcd",
+                                        daemon=True)
+        self._thread.start()
+        self._client: aetcd.Client | None = None
+        self._closed = False
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return future.result(timeout=self._rpc_timeout_s + 5)
+
+    async def _connected(self) -> aetcd.Client:
+        if self._client is None:
+            host, port = self._endpoints[self._endpoint_index % len(self._endpoints)]
+            client = aetcd.Client(host=host, port=port, timeout=self._rpc_timeout_s,
+                                  options=_GRPC_OPTIONS)
+            await client.connect()
+            self._client = client
+        return self._client
+
+    async def _fail_over(self) -> None:
+        """Drops the current connection and moves to the next endpoint."""
+        client, self._client = self._client, None
+        self._endpoint_index += 1
+        if client is not None:
+            await client.close()
+
+    def _call(self, op: Callable[[aetcd.Client], Coroutine[Any, Any, T]], what: str) -> T:
+        """Runs one idempotent operation with bounded retries of transient errors."""
+        if self._closed:
+            raise EtcdUnavailableError(f"The etcd client for {self.urls} is closed.")
+
+        async def attempt() -> T:
+            try:
+                return await op(await self._connected())
+            except _TRANSIENT:
+                if len(self._endpoints) > 1:
+                    await self._fail_over()
+                raise
+
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_delay(self._retry_for.total_seconds()),
+            retry=tenacity.retry_if_exception_type(_TRANSIENT),
+            wait=tenacity.wait_exponential_jitter(initial=0.05, max=1.0),
+            before_sleep=tenacity.before_sleep_log(log, logging.DEBUG),
+            reraise=True,
+        )
+        try:
+            return retrying(lambda: self._submit(attempt()))
+        except _TRANSIENT as exc:
+            raise EtcdUnavailableError(
+                f"etcd at {self.urls} did not answer {what} for "
+                f"{self._retry_for.total_seconds():.0f} s ({type(exc).__name__}: {exc}). "
+                "Check that etcd runs and that --etcd / ELASTIC_ETCD names its client URL."
+            ) from exc
+
+    # -- key-value ----------------------------------------------------------------------------
+    def put(self, key: str, value: bytes | str, lease: int | None = None) -> int:
+        """Writes a key; returns the revision of the write."""
+        data = value.encode() if isinstance(value, str) else value
+        result = self._call(lambda c: c.put(key.encode(), data, lease=lease), f"put {key}")
+        return result.header.revision
+
+    def get(self, key: str) -> KeyValue | None:
+        """Reads one key, or None when it does not exist."""
+        got = self._call(lambda c: c.get(key.encode()), f"get {key}")
+        return None if got is None else _kv(got)
+
+    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """Reads every key under ``prefix``; returns them (sorted by key) and the revision read."""
+        result = self._call(lambda c: c.get_prefix(prefix.encode(), sort_order="ascend"),
+                            f"get {prefix}*")
+        return [_kv(aetcd.KeyValue(kv)) for kv in result.kvs], result.header.revision
+
+    def delete(self, key: str) -> bool:
+        """Deletes one key; returns whether it existed."""
+        result = self._call(lambda c: c.delete(key.encode()), f"delete {key}")
+        return result is not None
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Deletes every key under ``prefix``."""
+        self._call(lambda c: c.delete_prefix(prefix.encode()), f"delete {prefix}*")
+
+    def create(self, key: str, value: bytes | str, *, also: dict[str, bytes | str] | None = None,
+               lease: int | None = None) -> bool:
+        """Creates ``key`` (and writes ``also``) only if ``key`` does not exist yet.
+
+        A compare-and-swap: retried safely because a lost reply is resolved by reading back.
+
+        Returns:
+            True when this call created the key.
+        """
+        data = value.encode() if isinstance(value, str) else value
+        extra = {k: (v.encode() if isinstance(v, str) else v) for k, v in (also or {}).items()}
+
+        async def txn(c: aetcd.Client) -> bool:
+            ok, _ = await c.transaction(
+                compare=[c.transactions.create(key.encode()) == 0],
+                success=[c.transactions.put(key.encode(), data, lease=lease)]
+                + [c.transactions.put(k.encode(), v) for k, v in extra.items()],
+                failure=[])
+            return bool(ok)
+
+        if self._call(txn, f"create {key}"):
+            return True
+        existing = self.get(key)
+        return existing is not None and existing.value == data and existing.lease == (lease or 0)
+
+    def replace(self, key: str, value: bytes | str, mod_revision: int) -> bool:
+        """Writes ``key`` only if its mod revision is still ``mod_revision`` (0: absent)."""
+        data = value.encode() if isinstance(value, str) else value
+
+        async def txn(c: aetcd.Client) -> bool:
+            compare = (c.transactions.mod(key.encode()) == mod_revision if mod_revision
+                       else c.transactions.create(key.encode()) == 0)
+            ok, _ = await c.transaction(compare=[compare],
+                                        success=[c.transactions.put(key.encode(), data)],
+                                        failure=[])
+            return bool(ok)
+
+        return self._call(txn, f"replace {key}")
+
+    # -- leases -------------------------------------------------------------------------------
+    def grant(self, ttl: timedelta) -> int:
+        """Grants a lease of ``ttl`` (whole seconds, at least 1); returns its id."""
+        seconds = max(1, round(ttl.total_seconds()))
+        lease = self._call(lambda c: c.lease(seconds), "lease grant")
+        return lease.id
+
+    def refresh(self, lease: int) -> int:
+        """Keeps a lease alive once; returns its remaining TTL in seconds, <= 0 when it is gone."""
+        reply = self._call(lambda c: c.refresh_lease(lease), "lease keepalive")
+        return 0 if reply is None else int(reply.TTL)
+
+    def revoke(self, lease: int) -> None:
+        """Revokes a lease, deleting every key bound to it."""
+        self._call(lambda c: c.revoke_lease(lease), "lease revoke")
+
+    # -- watches ------------------------------------------------------------------------------
+    def watch_prefix(self, prefix: str, start_revision: int,
+                     callback: Callable[[list[WatchEvent]], None]) -> Callable[[], None]:
+        """Watches ``prefix`` from ``start_revision``; re-watches after errors from the last seen.
+
+        ``callback`` runs on the client's loop thread and must not block. Returns a function
+        that cancels the watch.
+        """
+        stopped = asyncio.Event()
+        task = asyncio.run_coroutine_threadsafe(
+            self._watch_forever(prefix, start_revision, callback, stopped), self._loop)
+
+        def cancel() -> None:
+            self._loop.call_soon_threadsafe(stopped.set)
+            try:
+                task.result(timeout=self._rpc_timeout_s + 2)
+            except (TimeoutError, asyncio.CancelledError):
+                task.cancel()
+
+        return cancel
+
+    async def _watch_forever(self, prefix: str, revision: int,
+                             callback: Callable[[list[WatchEvent]], None],
+                             stopped: asyncio.Event) -> None:
+        backoff_s = 0.05
+        while not stopped.is_set():
+            try:
+                client = await self._connected()
+                watch = await client.watch_prefix(prefix.encode(), start_revision=revision)
+                stopper = asyncio.ensure_future(_cancel_when(stopped, watch))
+                try:
+                    async for event in watch:
+                        seen = _event(event)
+                        revision = seen.revision + 1
+                        backoff_s = 0.05
+                        callback([seen])
+                finally:
+                    stopper.cancel()
+            except aetcd.ClientError as exc:
+                if stopped.is_set():
+                    return
+                log.debug("watch on %s broke (%r); re-watching from revision %d", prefix, exc,
+                          revision)
+                if isinstance(exc, aetcd.RevisionCompactedError):
+                    revision = exc.compacted_revision
+                if isinstance(exc, _TRANSIENT) and len(self._endpoints) > 1:
+                    await self._fail_over()
+                try:
+                    await asyncio.wait_for(stopped.wait(), backoff_s)
+                except asyncio.TimeoutError:
+                    backoff_s = min(1.0, backoff_s * 2)
+
+    def close(self) -> None:
+        """Closes the connection and stops the loop thread."""
+        if self._closed:
+            return
+        self._closed = True
+
+        async def shutdown() -> None:
+            if self._client is not None:
+                await self._client.close()
+                self._client = None
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=5)
+        except (TimeoutError, aetcd.ClientError) as exc:
+            log.debug("etcd client close: %r", exc)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+
+async def _cancel_when(stopped: asyncio.Event, watch: Any) -> None:
+    await stopped.wait()
+    await watch.cancel()
+
+
+def _kv(kv: Any) -> KeyValue:
+    return KeyValue(key=kv.key.decode(), value=bytes(kv.value), mod_revision=kv.mod_revision,
+                    create_revision=kv.create_revision, lease=kv.lease)
+
+
+def _event(event: Any) -> WatchEvent:
+    kind = "put" if str(event.kind).endswith("PUT") else "delete"
+    return WatchEvent(kind=kind, key=event.kv.key.decode(), value=bytes(event.kv.value),
+                      revision=event.kv.mod_revision)

@@ -1,0 +1,162 @@
+"""torch.distributed process-group lifecycle in a long-lived process: form, release, destroy.
+
+No etcd here: the caller hands in a store, rank and world size. ``release()`` may be called from
+another thread (the membership watcher) to unblock a collective that waits on a peer which is
+gone or frozen:
+
+- NCCL: the communicators are aborted.
+- gloo (torch 2.13 has no abort that unblocks an in-flight collective): the group's own connected
+  sockets, recorded when it was formed, are shut down. Their identity is checked by inode before
+  use, so a reused descriptor number is never touched; gloo's listening socket is never touched
+  (shutting it down ends the process).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+def resolve_backend(backend: str) -> str:
+    """Maps "auto" to nccl when CUDA is available, gloo otherwise.
+
+    Raises:
+        ValueError: an unknown backend, or nccl without CUDA.
+    """
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend {backend!r} must be one of auto, gloo, nccl.")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs CUDA, and none is available: use gloo or auto.")
+    return backend
+
+
+@dataclass(frozen=True)
+class _SocketId:
+    fd: int
+    inode: int
+
+
+def _socket_fds() -> dict[int, int]:
+    """Returns {fd: inode} for every socket this process holds."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found[int(name)] = int(target[8:-1])
+    return found
+
+
+def _is_connected_tcp(fd: int, skip_ports: frozenset[int]) -> bool:
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return False
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return False
+        peer = sock.getpeername()
+        return peer[1] not in skip_ports
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
+class ProcessGroup:
+    """The default process group of one round, formed and released in the same process.
+
+    Args:
+        backend: "gloo" or "nccl" (resolved already).
+        timeout: the group's collective timeout (a backstop; release() is the fast path).
+        skip_ports: remote ports of connections that are not the group's (etcd's).
+    """
+
+    def __init__(self, backend: str, timeout: timedelta, skip_ports: frozenset[int]) -> None:
+        self.backend = backend
+        self.timeout = timeout
+        self._skip_ports = skip_ports
+        self._sockets: list[_SocketId] = []
+        self._lock = threading.Lock()
+        self._released = threading.Event()
+        self.rank = -1
+        self.world_size = 0
+
+    @property
+    def is_formed(self) -> bool:
+        return dist.is_initialized()
+
+    @property
+    def is_released(self) -> bool:
+        return self._released.is_set()
+
+    def form(self, store: dist.Store, rank: int, world_size: int) -> None:
+        """Initialises the default group; returns once every rank has connected."""
+        before = _socket_fds()
+        if self.backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
+                                timeout=self.timeout)
+        if self.backend == "gloo":
+            # gloo connects the full mesh lazily on some builds: one collective forces it.
+            dist.barrier()
+        after = _socket_fds()
+        with self._lock:
+            self._sockets = [_SocketId(fd, inode) for fd, inode in after.items()
+                             if before.get(fd) != inode
+                             and _is_connected_tcp(fd, self._skip_ports)]
+            self._released.clear()
+        self.rank, self.world_size = rank, world_size
+
+    def release(self, reason: str) -> None:
+        """Unblocks every collective of this group now; safe from any thread, idempotent."""
+        with self._lock:
+            if self._released.is_set() or not dist.is_initialized():
+                return
+            self._released.set()
+            sockets, self._sockets = self._sockets, []
+        log.info("releasing process group: %s", reason)
+        if self.backend == "nccl":
+            self._abort_nccl()
+            return
+        current = _socket_fds()
+        for sock_id in sockets:
+            if current.get(sock_id.fd) != sock_id.inode:
+                continue  # closed by gloo already; the number may belong to someone else now
+            try:
+                with socket.socket(fileno=os.dup(sock_id.fd)) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError as exc:
+                log.debug("shutdown of fd %d: %r", sock_id.fd, exc)
+
+    def _abort_nccl(self) -> None:
+        group = dist.group.WORLD
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            abort(group)
+        elif group is not None:
+            group.abort()
+
+    def destroy(self) -> None:
+        """Destroys the default group (after release() if a peer may be stuck)."""
+        with self._lock:
+            self._sockets = []
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._released.clear()
+        self.rank, self.world_size = -1, 0

@@ -1,0 +1,276 @@
+"""``ElasticState``: a TrainState that runs a training function through re-formations.
+
+The only module that joins every layer: the cluster (``elastic.cluster``), the state
+(``state.TrainState``) and, through the state, durable checkpoints. One recovery: the user's
+function raises (a collective failed, or a commit agreed on a change), the state rolls back to
+its last commit if needed, the cluster forms the next round, the newest commit is broadcast from
+its holder, ``on_reset`` callbacks run, and the function is called again.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.cluster import Cluster
+from elastic.errors import (FencedError, LeaveInterrupt, MembershipChangedInterrupt,
+                            PeerFailureError)
+from elastic.events import EventLog, Stopwatch
+from elastic.settings import WorkerSettings
+from state import ElasticSampler, TrainState
+
+log = logging.getLogger(__name__)
+
+_MAX_REFORMATIONS = 10_000
+_COMM_ERROR_HINTS = ("connection", "gloo", "nccl", "timed out", "timeout", "peer", "socket",
+                     "broken pipe", "closed", "distbackenderror", "process group")
+
+
+class ElasticState(TrainState):
+    """Training state that survives workers leaving and joining.
+
+    Args:
+        checkpoint: an fsspec URL for durable commits (default ``ELASTIC_CHECKPOINT``).
+        min_workers: fewest workers to train with (default ``ELASTIC_MIN_WORKERS`` or 1).
+        max_workers: most workers to train with; extra ones wait as spares.
+        etcd: comma-separated etcd client URLs (default ``ELASTIC_ETCD``).
+        job_id: the job's name in etcd (default ``ELASTIC_JOB_ID``).
+        **objects: Stateful objects and plain values, as for ``TrainState``.
+    """
+
+    def __init__(self, checkpoint: str | None = None, *, min_workers: int | None = None,
+                 max_workers: int | None = None, etcd: str | None = None,
+                 job_id: str | None = None, **objects: Any) -> None:
+        self._settings = WorkerSettings.resolve(etcd=etcd, job_id=job_id,
+                                                min_workers=min_workers,
+                                                max_workers=max_workers, checkpoint=checkpoint)
+        self._cluster: Cluster | None = None
+        self._callbacks: list[Callable[[ElasticState], None]] = []
+        self._leave_requested = threading.Event()
+        self._generation = 0
+        super().__init__(**objects)
+
+    # -- topology ---------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        topology = self._cluster.topology if self._cluster else None
+        return topology.rank if topology else 0
+
+    @property
+    def world_size(self) -> int:
+        topology = self._cluster.topology if self._cluster else None
+        return topology.world_size if topology else 1
+
+    @property
+    def local_rank(self) -> int:
+        return self._settings.local_rank
+
+    @property
+    def generation(self) -> int:
+        """How many times the group was formed in this process (1 after the first round)."""
+        return self._generation
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def member_id(self) -> str | None:
+        return self._cluster.member_id if self._cluster else None
+
+    def on_reset(self, callback: Callable[["ElasticState"], None]) -> None:
+        """Calls ``callback(state)`` after every re-formation (e.g. to scale the LR)."""
+        self._callbacks.append(callback)
+
+    def request_leave(self) -> None:
+        """Asks this worker to leave at its next commit (what SIGTERM/SIGINT do)."""
+        self._leave_requested.set()
+
+    # -- collective agreement --------------------------------------------------------------
+    def commit(self, durable: bool = False) -> int:  # noqa: D417 (see TrainState.commit)
+        """Snapshots every object in host memory, then agrees with all ranks on membership.
+
+        Collective: every rank calls it at the same point. If a join or leave is pending, the
+        commit is kept and ``MembershipChangedInterrupt`` hands over to the run loop, which
+        re-forms the group and calls the training function again (no work is lost).
+
+        Raises:
+            MembershipChangedInterrupt: the world changes now (caught by ``run``).
+            PeerFailureError: a peer failed during the agreement (caught by ``run``).
+        """
+        if self._cluster is not None:
+            self._cluster.membership.check_not_fenced()
+        version = super().commit()
+        if durable:
+            self._commit_durably(version)
+        self.check_membership()
+        return version
+
+    def check_membership(self) -> None:
+        """The membership agreement of ``commit()`` without a snapshot.
+
+        Raises:
+            MembershipChangedInterrupt: the world changes now.
+            LeaveInterrupt: this worker was asked to leave and the others know it.
+            PeerFailureError: a peer failed during the agreement.
+        """
+        cluster = self._cluster
+        if cluster is None or cluster.topology is None:
+            return
+        flags = torch.tensor([int(cluster.monitor.pending.is_set()),
+                              int(self._leave_requested.is_set())], dtype=torch.int32)
+        if cluster.group.backend == "nccl":
+            flags = flags.cuda()
+        try:
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+            work.wait(timeout=cluster.group.timeout)
+        except RuntimeError as exc:
+            raise PeerFailureError(f"membership agreement failed: {exc}") from exc
+        pending, leaving = (int(v) for v in flags.cpu().tolist())
+        if leaving and self._leave_requested.is_set():
+            raise LeaveInterrupt("this worker leaves the job")
+        if pending or leaving:
+            raise MembershipChangedInterrupt(cluster.monitor.reason or "a member leaves")
+
+    def _commit_durably(self, version: int) -> None:
+        """Writes the commit to the checkpoint URL (wired in by the checkpoint issue)."""
+        del version
+
+    # -- the run loop ----------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Joins the job and calls ``fn(state, *args, **kwargs)`` until it returns.
+
+        Returns:
+            What ``fn`` returned, or None on a worker that left (SIGTERM) or that found the
+            job already finished.
+
+        Raises:
+            RendezvousTimeoutError: fewer than min_workers for longer than the timeout.
+            EtcdUnavailableError: etcd could not be reached.
+            Exception: whatever ``fn`` raised that is not a peer failure.
+        """
+        worker = f"{os.uname().nodename}-{os.getpid()}"
+        events = EventLog(self._settings.log_dir, worker)
+        self._cluster = Cluster(self._settings, events)
+        restore_signals = self._install_signal_handlers()
+        gc.freeze()  # keeps the full collections after a failure cheap
+        try:
+            if not self.has_commit:
+                super().commit()  # the initial state is the first rollback point
+            return self._loop(self._cluster, fn, args, kwargs)
+        finally:
+            restore_signals()
+            self._cluster.close()
+            self._cluster = None
+
+    def _loop(self, cluster: Cluster, fn: Callable[..., Any], args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> Any:
+        reason = "start"
+        for _ in range(_MAX_REFORMATIONS):
+            with Stopwatch() as recovery:
+                self._reform(cluster, reason)
+            cluster.events.emit("resumed", reason=reason, recovery_s=recovery.seconds,
+                                version=self.version)
+            outcome = self._call(cluster, fn, args, kwargs)
+            if outcome is _LEFT:
+                cluster.events.emit("leaving", version=self.version)
+                return None
+            if isinstance(outcome, _Retry):
+                reason = outcome.reason
+                continue
+            cluster.finish()
+            cluster.events.emit("finished", version=self.version)
+            return outcome
+        raise PeerFailureError(f"gave up after {_MAX_REFORMATIONS} re-formations.")
+
+    def _call(self, cluster: Cluster, fn: Callable[..., Any], args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except MembershipChangedInterrupt as exc:
+            cluster.events.emit("membership_changed", why=str(exc), version=self.version)
+            return _Retry("change")
+        except LeaveInterrupt:
+            return _LEFT
+        except Exception as exc:  # user code: decide between a peer failure and a bug
+            if not self._is_peer_failure(cluster, exc):
+                cluster.events.emit("error", error=repr(exc)[:500])
+                raise
+            cluster.events.emit("failure_detected", source="collective", error=repr(exc)[:300])
+        self.restore()  # outside the handler: the traceback (and the old DDP) are freed
+        gc.collect()
+        return _Retry("failure")
+
+    @staticmethod
+    def _is_peer_failure(cluster: Cluster, exc: Exception) -> bool:
+        if isinstance(exc, (PeerFailureError, FencedError)):
+            return True
+        if cluster.group.is_released or cluster.is_fenced:
+            return True
+        text = f"{type(exc).__name__} {exc}".lower()
+        return isinstance(exc, RuntimeError) and any(h in text for h in _COMM_ERROR_HINTS)
+
+    def _reform(self, cluster: Cluster, reason: str) -> None:
+        topology = cluster.form(reason, self.version)
+        self._generation += 1
+        os.environ.update(RANK=str(topology.rank), WORLD_SIZE=str(topology.world_size),
+                          LOCAL_RANK=str(self.local_rank), MASTER_ADDR=topology.master_addr,
+                          MASTER_PORT=str(topology.master_port))
+        with Stopwatch() as synced:
+            src = self._newest_rank()
+            self.sync(src, timeout=timedelta(minutes=5))
+        for sampler in self._samplers():
+            sampler.set_topology(topology.rank, topology.world_size)
+        cluster.events.emit("state_synced", src_rank=src, version=self.version,
+                            sync_s=synced.seconds, generation=self._generation)
+        for callback in self._callbacks:
+            callback(self)
+
+    def _newest_rank(self) -> int:
+        """All-gathers commit versions; the newest wins, the lowest rank among equals."""
+        mine = torch.tensor([self.version], dtype=torch.int64)
+        gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+        if self._cluster is not None and self._cluster.group.backend == "nccl":
+            mine, gathered = mine.cuda(), [g.cuda() for g in gathered]
+        dist.all_gather(gathered, mine)
+        versions = [int(g.item()) for g in gathered]
+        return versions.index(max(versions))
+
+    def _samplers(self) -> list[ElasticSampler]:
+        return [obj for obj in self._stateful.values() if isinstance(obj, ElasticSampler)]
+
+    def _install_signal_handlers(self) -> Callable[[], None]:
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+        def on_signal(signum: int, frame: Any) -> None:
+            del frame
+            log.info("signal %d: leaving at the next commit", signum)
+            self._leave_requested.set()
+
+        for sig in previous:
+            signal.signal(sig, on_signal)
+
+        def restore() -> None:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+        return restore
+
+
+class _Retry:
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+_LEFT = object()

@@ -1,0 +1,85 @@
+"""Worker settings: explicit arguments first, then the ``ELASTIC_*`` environment variables.
+
+``elastic run`` sets the variables for its workers; a worker started by hand with
+``ELASTIC_ETCD`` and ``ELASTIC_JOB_ID`` joins the job the same way. This is the one place (with
+the CLI) that reads ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} must be an integer.") from None
+
+
+def _env_seconds(name: str, default: float) -> timedelta:
+    raw = os.environ.get(name, "").strip()
+    try:
+        return timedelta(seconds=float(raw)) if raw else timedelta(seconds=default)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} must be a number of seconds.") from None
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """Everything a worker needs to join a job."""
+
+    etcd: str | None
+    job_id: str | None
+    min_workers: int
+    max_workers: int | None
+    checkpoint: str | None
+    backend: str
+    advertise_addr: str
+    local_rank: int
+    lease_ttl: timedelta
+    settle: timedelta
+    rendezvous_timeout: timedelta
+    log_dir: str | None
+
+    @staticmethod
+    def resolve(*, etcd: str | None, job_id: str | None, min_workers: int | None,
+                max_workers: int | None, checkpoint: str | None) -> "WorkerSettings":
+        """Fills what the caller left None from the environment.
+
+        Raises:
+            ValueError: a value is malformed or the limits contradict each other.
+        """
+        env = os.environ
+        settings = WorkerSettings(
+            etcd=etcd or env.get("ELASTIC_ETCD") or None,
+            job_id=job_id or env.get("ELASTIC_JOB_ID") or None,
+            min_workers=min_workers if min_workers is not None
+            else (_env_int("ELASTIC_MIN_WORKERS") or 1),
+            max_workers=max_workers if max_workers is not None
+            else _env_int("ELASTIC_MAX_WORKERS"),
+            checkpoint=checkpoint or env.get("ELASTIC_CHECKPOINT") or None,
+            backend=env.get("ELASTIC_BACKEND", "auto"),
+            advertise_addr=env.get("ELASTIC_ADVERTISE_ADDR", "127.0.0.1"),
+            local_rank=_env_int("LOCAL_RANK") or 0,
+            lease_ttl=_env_seconds("ELASTIC_LEASE_TTL", 3.0),
+            settle=_env_seconds("ELASTIC_SETTLE", 0.5),
+            rendezvous_timeout=_env_seconds("ELASTIC_RENDEZVOUS_TIMEOUT", 300.0),
+            log_dir=env.get("ELASTIC_LOG_DIR") or None,
+        )
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        if self.min_workers < 1:
+            raise ValueError(f"min_workers ({self.min_workers}) must be >= 1.")
+        if self.max_workers is not None and self.max_workers < self.min_workers:
+            raise ValueError(f"max_workers ({self.max_workers}) must be >= min_workers "
+                             f"({self.min_workers}).")
+        if self.lease_ttl < timedelta(seconds=1):
+            raise ValueError(f"ELASTIC_LEASE_TTL ({self.lease_ttl}) must be at least 1 second.")

@@ -1,0 +1,210 @@
+"""Broadcasting a committed payload over a torch.distributed process group.
+
+Owns the wire format of ``TrainState.sync``: a small pickled skeleton (the payload with
+every tensor replaced by a ``TensorSlot``) sent with ``broadcast_object_list``, then the
+tensors in dtype-homogeneous byte buckets of bounded size. Receivers rebuild the payload
+from the skeleton alone, never from their own (possibly empty) structure. Knows
+collectives, never etcd; must not import ``elastic`` or ``checkpoint``.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from state.errors import SyncError
+from state.stateful import rebuild_mapping, rebuild_sequence
+
+__all__ = ["TensorSlot", "BUCKET_BYTES", "split_tensors", "fill_tensors", "plan_buckets",
+           "broadcast_payload"]
+
+BUCKET_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Placeholder for a tensor in a skeleton: its position in the tensor list and its form."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the tensor occupies when contiguous."""
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * self.dtype.itemsize
+
+
+def split_tensors(tree: Any, tensors: list[torch.Tensor]) -> Any:
+    """Replaces every tensor in ``tree`` by a ``TensorSlot``, appending it to ``tensors``.
+
+    Args:
+        tree: A nested payload of mappings, lists, tuples, tensors and other leaves.
+        tensors: Receives the tensors in slot-index order.
+
+    Returns:
+        The skeleton: ``tree`` with tensors replaced by slots.
+    """
+    if isinstance(tree, torch.Tensor):
+        tensors.append(tree)
+        return TensorSlot(len(tensors) - 1, tuple(tree.shape), tree.dtype)
+    if isinstance(tree, Mapping):
+        return rebuild_mapping(tree, {k: split_tensors(v, tensors) for k, v in tree.items()})
+    if isinstance(tree, (list, tuple)):
+        return rebuild_sequence(tree, [split_tensors(v, tensors) for v in tree])
+    return tree
+
+
+def fill_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    """Inverse of ``split_tensors``: puts ``tensors[slot.index]`` back in place of each slot."""
+    if isinstance(skeleton, TensorSlot):
+        return tensors[skeleton.index]
+    if isinstance(skeleton, Mapping):
+        return rebuild_mapping(skeleton, {k: fill_tensors(v, tensors) for k, v in skeleton.items()})
+    if isinstance(skeleton, (list, tuple)):
+        return rebuild_sequence(skeleton, [fill_tensors(v, tensors) for v in skeleton])
+    return skeleton
+
+
+def collect_slots(skeleton: Any, slots: list[TensorSlot]) -> None:
+    """Appends every slot of ``skeleton`` to ``slots`` (in tree order)."""
+    if isinstance(skeleton, TensorSlot):
+        slots.append(skeleton)
+    elif isinstance(skeleton, Mapping):
+        for value in skeleton.values():
+            collect_slots(value, slots)
+    elif isinstance(skeleton, (list, tuple)):
+        for value in skeleton:
+            collect_slots(value, slots)
+
+
+def plan_buckets(slots: list[TensorSlot], cap_bytes: int = BUCKET_BYTES) -> list[list[TensorSlot]]:
+    """Groups slots by dtype into buckets of at most ``cap_bytes`` each.
+
+    A tensor larger than the cap gets a bucket of its own. The plan depends only on the
+    slot list, so every rank computes the same one. Empty tensors are left out.
+
+    Args:
+        slots: Tensor placeholders, in index order.
+        cap_bytes: Largest bucket size in bytes.
+
+    Returns:
+        Buckets of slots; each bucket holds a single dtype.
+    """
+    by_dtype: dict[torch.dtype, list[TensorSlot]] = {}
+    for slot in sorted(slots, key=lambda s: s.index):
+        if slot.nbytes:
+            by_dtype.setdefault(slot.dtype, []).append(slot)
+    buckets: list[list[TensorSlot]] = []
+    for group in by_dtype.values():
+        current: list[TensorSlot] = []
+        size = 0
+        for slot in group:
+            if current and size + slot.nbytes > cap_bytes:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(slot)
+            size += slot.nbytes
+        if current:
+            buckets.append(current)
+    return buckets
+
+
+def broadcast_payload(
+    payload: Any,
+    src: int,
+    group: dist.ProcessGroup | None = None,
+    timeout: datetime.timedelta | None = None,
+    cap_bytes: int = BUCKET_BYTES,
+) -> Any:
+    """Broadcasts ``payload`` from group rank ``src``; every rank returns the source's copy.
+
+    Collective: all ranks of ``group`` must call it. On the source, ``payload`` is the
+    committed payload (or None when there is none, which every rank then returns); on
+    the others it is ignored. Tensors travel on CPU for gloo and on the current CUDA
+    device for NCCL, and are returned on CPU.
+
+    Args:
+        payload: The source's payload; ignored on other ranks.
+        src: The source's rank within ``group``.
+        group: The process group; None means the default group.
+        timeout: Bound on each bucket broadcast; None waits for the group's own timeout.
+            The skeleton broadcast is bounded by the group's timeout only.
+        cap_bytes: Largest bucket size in bytes.
+
+    Returns:
+        The source's payload (tensors on CPU), or None if the source had none.
+
+    Raises:
+        SyncError: A broadcast failed or timed out.
+    """
+    is_src = dist.get_rank(group) == src
+    global_src = src if group is None else dist.get_global_rank(group, src)
+    tensors: list[torch.Tensor] = []
+    box = [split_tensors(payload, tensors) if is_src else None]
+    try:
+        dist.broadcast_object_list(box, src=global_src, group=group)
+    except RuntimeError as exc:
+        raise SyncError(f"broadcasting the state skeleton from rank {src} failed: {exc}") from exc
+    if box[0] is None:
+        return None
+    how = (global_src, group, _transport_device(group), timeout)
+    return _broadcast_tensors(box[0], tensors if is_src else None, how, cap_bytes)
+
+
+def _broadcast_tensors(skeleton: Any, sources: list[torch.Tensor] | None,
+                       how: tuple, cap_bytes: int) -> Any:
+    """Sends (source) or receives the skeleton's tensors in buckets; returns the payload."""
+    slots: list[TensorSlot] = []
+    collect_slots(skeleton, slots)
+    received: list[torch.Tensor | None] = [None] * len(slots)
+    for slot in slots:
+        if not slot.nbytes:
+            received[slot.index] = torch.empty(slot.shape, dtype=slot.dtype)
+    for bucket in plan_buckets(slots, cap_bytes):
+        _broadcast_bucket(bucket, sources, received, how)
+    return fill_tensors(skeleton, received)
+
+
+def _transport_device(group: dist.ProcessGroup | None) -> torch.device:
+    """CUDA (current device) for an NCCL group, else CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _broadcast_bucket(
+    bucket: list[TensorSlot],
+    sources: list[torch.Tensor] | None,
+    received: list[torch.Tensor | None],
+    how: tuple[int, dist.ProcessGroup | None, torch.device, datetime.timedelta | None],
+) -> None:
+    """Sends one bucket as bytes and unflattens it into ``received`` (CPU tensors)."""
+    global_src, group, device, timeout = how
+    nbytes = sum(slot.nbytes for slot in bucket)
+    if sources is not None:
+        flat = torch.cat([sources[s.index].detach().reshape(-1) for s in bucket])
+        wire = flat.view(torch.uint8).to(device)
+    else:
+        wire = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    try:
+        work = dist.broadcast(wire, src=global_src, group=group, async_op=True)
+        completed = work.wait() if timeout is None else work.wait(timeout)
+    except RuntimeError as exc:
+        raise SyncError(f"broadcasting a state bucket of {nbytes} bytes from global rank "
+                        f"{global_src} failed or timed out after {timeout}: {exc}") from exc
+    if completed is False:
+        raise SyncError(f"broadcasting a state bucket of {nbytes} bytes from global rank "
+                        f"{global_src} did not complete within {timeout}.")
+    values = wire.cpu().view(bucket[0].dtype)
+    sizes = [slot.nbytes // slot.dtype.itemsize for slot in bucket]
+    for slot, part in zip(bucket, torch.split(values, sizes)):
+        received[slot.index] = part.view(slot.shape)

@@ -1,0 +1,316 @@
+"""``TrainState``: the named objects of a training job, committed and restored together.
+
+Owns the registry of named objects (Stateful objects and plain values), the in-memory
+commit (one snapshot path, to CPU), rollback, the collective ``sync`` from one rank, and
+the thin hand-off to a durable store. Must not import ``elastic`` or ``checkpoint``: a store
+is any object with ``save(step, state_dict, metadata)`` and ``load(ref)``.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from state.errors import NoCommitError, StateError, StateKeyError
+from state.stateful import is_stateful, snapshot
+from state.sync import broadcast_payload
+
+__all__ = ["TrainState"]
+
+_PLAIN_LEAVES = (bool, int, float, complex, str, bytes, type(None), torch.Tensor)
+
+
+def _check_plain(name: str, value: Any) -> None:
+    """Raises TypeError unless ``value`` is a plain value (or a dict/list/tuple of them)."""
+    if isinstance(value, _PLAIN_LEAVES):
+        return
+    if isinstance(value, Mapping):
+        for item in value.values():
+            _check_plain(name, item)
+        return
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            _check_plain(name, item)
+        return
+    raise TypeError(
+        f"{name!r} holds a {type(value).__name__}, which is neither Stateful (state_dict/"
+        f"load_state_dict) nor a plain value (int, float, str, bool, None, tensor, dict/list)."
+    )
+
+
+def _restore_value(saved: Any, live: Any) -> Any:
+    """Copies a snapshotted plain value back, putting tensors on the live tensor's device."""
+    if isinstance(saved, torch.Tensor):
+        device = live.device if isinstance(live, torch.Tensor) else torch.device("cpu")
+        return saved.to(device, copy=True)
+    if isinstance(saved, Mapping):
+        live_map = live if isinstance(live, Mapping) else {}
+        return type(saved)((k, _restore_value(v, live_map.get(k))) for k, v in saved.items())
+    if isinstance(saved, (list, tuple)):
+        same = isinstance(live, (list, tuple)) and len(live) == len(saved)
+        lives = live if same else [None] * len(saved)
+        items = [_restore_value(v, lv) for v, lv in zip(saved, lives)]
+        return items if isinstance(saved, list) else type(saved)(items)
+    return snapshot(saved)
+
+
+class TrainState:
+    """Named training objects with an in-memory commit, rollback and broadcast.
+
+    Keyword objects are either Stateful (``state_dict``/``load_state_dict``: a module,
+    optimizer, LR scheduler, GradScaler, ``ElasticSampler``, your own) or plain values
+    (int, float, str, bool, None, tensors, dicts/lists/tuples of them). Every registered
+    object reads as an attribute (``state.model``); plain values also write as attributes
+    (``state.epoch += 1``). Setting an unregistered public name raises AttributeError
+    (catching typos); names of methods and properties cannot be registered.
+
+    Construction does not commit: call ``commit()`` for the first rollback point.
+
+    Example:
+        >>> state = TrainState(model=model, optimizer=opt, epoch=0)
+        >>> state.epoch += 1
+        >>> state.commit()
+        1
+    """
+
+    def __init__(self, **objects: Any) -> None:
+        self._stateful: dict[str, Any] = {}
+        self._values: dict[str, Any] = {}
+        self._commit: dict[str, Any] | None = None
+        self._version = 0
+        for name, obj in objects.items():
+            self.register(name, obj)
+
+    # -- the attribute routing: the one place plain values become attributes ---------------
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only when normal lookup fails; guard against a half-built instance.
+        registry = self.__dict__
+        if name in registry.get("_values", {}):
+            return registry["_values"][name]
+        if name in registry.get("_stateful", {}):
+            return registry["_stateful"][name]
+        raise AttributeError(f"{type(self).__name__} has no attribute or registered object {name!r}.")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        values = self.__dict__.get("_values")
+        if values is not None and name in values:
+            values[name] = value
+        elif name.startswith("_") or isinstance(getattr(type(self), name, None), property):
+            object.__setattr__(self, name, value)
+        elif name in self.__dict__.get("_stateful", {}):
+            raise AttributeError(f"{name!r} is a registered Stateful object and cannot be replaced; "
+                                 f"load new state into it with load_state_dict().")
+        else:
+            raise AttributeError(f"{name!r} is not a registered value of this {type(self).__name__}; "
+                                 f"call register({name!r}, value) first.")
+
+    def register(self, name: str, obj: Any) -> None:
+        """Adds a named Stateful object or plain value.
+
+        Args:
+            name: A Python identifier, not starting with ``_``, not already registered and
+                not the name of a method or property of this class.
+            obj: A Stateful object or a plain value.
+
+        Raises:
+            ValueError: The name is invalid, reserved or already registered.
+            TypeError: ``obj`` is neither Stateful nor a plain value.
+        """
+        if not name.isidentifier() or name.startswith("_"):
+            raise ValueError(f"name {name!r} must be an identifier that does not start with '_'.")
+        if hasattr(type(self), name):
+            raise ValueError(f"name {name!r} clashes with {type(self).__name__}.{name}; choose another name.")
+        if name in self._stateful or name in self._values:
+            raise ValueError(f"name {name!r} is already registered.")
+        if is_stateful(obj):
+            self._stateful[name] = obj
+        else:
+            _check_plain(name, obj)
+            self._values[name] = obj
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Names of all registered objects, Stateful first, in registration order."""
+        return tuple(self._stateful) + tuple(self._values)
+
+    # -- commit and rollback -----------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """Version of the current commit; 0 before the first commit."""
+        return self._version
+
+    @property
+    def has_commit(self) -> bool:
+        """Whether a commit exists to restore, save or broadcast."""
+        return self._commit is not None
+
+    def commit(self) -> int:
+        """Snapshots every registered object to CPU host memory as the new rollback point.
+
+        Tensor buffers of the previous commit are reused where shapes and dtypes match.
+
+        Returns:
+            The new version (the previous one plus 1).
+
+        Raises:
+            StateError: Copying failed; the previous commit is then dropped, since its
+                buffers may be half overwritten.
+        """
+        live = {name: obj.state_dict() for name, obj in self._stateful.items()}
+        live.update(self._values)
+        previous = self._commit or {}
+        try:
+            self._commit = {name: snapshot(value, previous.get(name)) for name, value in live.items()}
+        except (RuntimeError, TypeError, ValueError) as exc:
+            self._commit = None
+            raise StateError(f"commit of version {self._version + 1} failed; "
+                             f"no commit is left to restore: {exc}") from exc
+        self._version += 1
+        return self._version
+
+    def restore(self) -> None:
+        """Loads the current commit back into the live objects (rollback).
+
+        Stateful objects get ``load_state_dict`` of a fresh copy (so the commit stays
+        untouched by later training); plain-value tensors go back to the device of the
+        live tensor they replace.
+
+        Raises:
+            NoCommitError: There is no commit.
+            StateKeyError: The commit's names differ from the registered ones.
+        """
+        if self._commit is None:
+            raise NoCommitError("restore() needs a commit; call commit() first.")
+        self._check_names(self._commit)
+        for name, obj in self._stateful.items():
+            obj.load_state_dict(snapshot(self._commit[name]))
+        for name in self._values:
+            self._values[name] = _restore_value(self._commit[name], self._values[name])
+
+    def committed(self) -> dict[str, Any]:
+        """Returns the current commit as ``{"version": int, "objects": {name: state}}``.
+
+        The tensors are the commit's own CPU buffers, not copies: the next ``commit()``
+        overwrites them in place, so a caller that keeps the payload across a commit
+        (for example an asynchronous writer) must copy it first.
+
+        Raises:
+            NoCommitError: There is no commit.
+        """
+        if self._commit is None:
+            raise NoCommitError("committed() needs a commit; call commit() first.")
+        return {"version": self._version, "objects": dict(self._commit)}
+
+    def load_committed(self, payload: Mapping[str, Any]) -> None:
+        """Installs ``payload`` (from ``committed()``) as the current commit.
+
+        The payload is copied to CPU; call ``restore()`` to apply it to the live objects.
+
+        Args:
+            payload: ``{"version": int, "objects": {name: state}}``.
+
+        Raises:
+            StateKeyError: The payload's keys or object names do not match.
+        """
+        self._install(payload, copy=True)
+
+    def _install(self, payload: Mapping[str, Any], copy: bool) -> None:
+        """Validates and installs a payload, copying it to CPU when ``copy``."""
+        if not isinstance(payload, Mapping) or set(payload) != {"version", "objects"}:
+            keys = sorted(payload) if isinstance(payload, Mapping) else type(payload).__name__
+            raise StateKeyError(f"a committed payload has exactly the keys ['objects', 'version'], got {keys}.")
+        objects = payload["objects"]
+        self._check_names(objects)
+        self._commit = {name: (snapshot(state) if copy else state) for name, state in objects.items()}
+        self._version = int(payload["version"])
+
+    def _check_names(self, objects: Mapping[str, Any]) -> None:
+        """Raises StateKeyError unless ``objects`` names exactly the registered objects."""
+        missing = sorted(set(self.names) - set(objects))
+        unknown = sorted(set(objects) - set(self.names))
+        if missing or unknown:
+            raise StateKeyError(f"committed state does not match the registered objects: "
+                                f"missing {missing}, unknown {unknown}.")
+
+    # -- moving the commit -------------------------------------------------------------------
+
+    def sync(
+        self,
+        src_rank: int,
+        group: dist.ProcessGroup | None = None,
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
+        """Makes every rank's commit the one of ``src_rank``, then restores it everywhere.
+
+        Collective: every rank of ``group`` calls it. The source sends a small skeleton,
+        then its tensors in dtype buckets of at most 64 MB (see ``state.sync``). Receivers
+        build the payload from the skeleton, so their own structure (say, an optimizer
+        with empty state on a newly joined worker) does not matter.
+
+        Args:
+            src_rank: Rank within ``group`` whose commit wins.
+            group: The process group; None means the default group.
+            timeout: Bound on each bucket broadcast; None uses the group's timeout.
+
+        Raises:
+            NoCommitError: The source has no commit (raised on every rank).
+            SyncError: A broadcast failed or timed out.
+            StateKeyError: The source's objects differ from the registered ones.
+        """
+        is_src = dist.get_rank(group) == src_rank
+        payload = self.committed() if is_src and self.has_commit else None
+        received = broadcast_payload(payload, src_rank, group=group, timeout=timeout)
+        if received is None:
+            raise NoCommitError(f"sync() from rank {src_rank}: that rank has no commit.")
+        if not is_src:
+            self._install(received, copy=False)
+        self.restore()
+
+    def save(self, store: Any, step: int | None = None, metadata: dict[str, Any] | None = None) -> Any:
+        """Writes the current commit to a durable store.
+
+        Args:
+            store: Any object with ``save(step, state_dict, metadata)``.
+            step: Step to save under; defaults to the commit's version.
+            metadata: Extra metadata for the store.
+
+        Returns:
+            Whatever ``store.save`` returns.
+
+        Raises:
+            NoCommitError: There is no commit; call commit() before save().
+        """
+        if self._commit is None:
+            raise NoCommitError("commit() before save(): there is no commit to write.")
+        return store.save(self._version if step is None else step, self.committed(), metadata)
+
+    def load(self, store: Any, ref: Any = None) -> Any:
+        """Reads a commit from a durable store, installs it and restores it.
+
+        Args:
+            store: Any object with ``load(ref)`` returning an object with a ``state_dict``
+                attribute (the payload), a ``(payload, metadata)`` tuple or the payload.
+            ref: Which checkpoint to load; None means the store's latest.
+
+        Returns:
+            Whatever ``store.load`` returned (for its metadata).
+
+        Raises:
+            StateKeyError: The stored payload does not match the registered objects.
+        """
+        loaded = store.load(ref)
+        if hasattr(loaded, "state_dict") and not callable(loaded.state_dict):
+            payload = loaded.state_dict
+        elif isinstance(loaded, tuple):
+            payload = loaded[0]
+        else:
+            payload = loaded
+        self.load_committed(payload)
+        self.restore()
+        return loaded

@@ -1,0 +1,137 @@
+"""A real training job for the tests: float64 linear regression under ElasticState.run.
+
+Every batch's sample indices go into a committed ledger (so rolled-back batches drop out with
+the rollback), progress goes to ``progress-{index}.jsonl``, the final parameters and ledger to
+``result-{index}.json``. Faults fire inside the worker at a global step, once
+(``FAULTS="kill:1:30,stop:0:12,term:2:40"``: kind, worker index, step), each leaving a marker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+
+from elastic import ElasticSampler, ElasticState
+
+
+class Regression(Dataset):
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, 8, generator=g, dtype=torch.float64)
+        w = torch.arange(1, 9, dtype=torch.float64) / 8
+        self.y = self.x @ w + 0.01 * torch.randn(n, generator=g, dtype=torch.float64)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], i
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--samples", type=int, default=480)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--commit-every", type=int, default=4)
+    p.add_argument("--step-ms", type=float, default=20.0)
+    p.add_argument("--loader-workers", type=int, default=0)
+    return p.parse_args()
+
+
+def fire_faults(state: ElasticState, out: Path, index: int) -> None:
+    for spec in filter(None, os.environ.get("FAULTS", "").split(",")):
+        kind, who, step = spec.split(":")
+        if int(who) != index or int(step) != state.step:
+            continue
+        marker = out / f"fired-{kind}-{index}"
+        if marker.exists():
+            continue
+        marker.write_text(json.dumps({"step": state.step, "rank": state.rank,
+                                      "world": state.world_size, "t": time.time()}))
+        sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}[kind]
+        os.kill(os.getpid(), sig)
+
+
+def main() -> None:
+    args = parse()
+    out = Path(args.out)
+    index = int(os.environ["TEST_WORKER_INDEX"])
+    torch.manual_seed(index)  # different initial weights: the sync must make them equal
+    dataset = Regression(args.samples)
+    model = torch.nn.Linear(8, 1, dtype=torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sampler = ElasticSampler(dataset, seed=7, batch_size=args.batch)
+    state = ElasticState(model=model, optimizer=opt, sampler=sampler, epoch=0, step=0,
+                         ledger=[[] for _ in range(args.epochs)],
+                         skipped=[[] for _ in range(args.epochs)])
+    progress = open(out / f"progress-{index}.jsonl", "a", buffering=1)
+
+    def after_reset(s: ElasticState) -> None:
+        flat = torch.cat([p.detach().flatten() for p in s.model.parameters()])
+        progress.write(json.dumps({"event": "reset", "gen": s.generation, "rank": s.rank,
+                                   "world": s.world_size, "step": s.step,
+                                   "params": flat.tolist()}) + "\n")
+
+    state.on_reset(after_reset)
+
+    def train(s: ElasticState) -> dict:
+        ddp = DDP(s.model)
+        loader = DataLoader(dataset, batch_size=args.batch, sampler=s.sampler,
+                            num_workers=args.loader_workers)
+        pending: list[int] = []
+        while s.epoch < args.epochs:
+            s.sampler.set_epoch(s.epoch)
+            for x, y, idx in loader:
+                loss = torch.nn.functional.mse_loss(ddp(x).squeeze(1), y)
+                s.optimizer.zero_grad()
+                loss.backward()
+                s.optimizer.step()
+                s.sampler.record_batch(len(idx))
+                pending.extend(idx.tolist())
+                s.step += 1
+                progress.write(json.dumps({"step": s.step, "epoch": s.epoch, "rank": s.rank,
+                                           "world": s.world_size, "gen": s.generation,
+                                           "loss": loss.item()}) + "\n")
+                fire_faults(s, out, index)
+                time.sleep(args.step_ms / 1000)
+                if s.sampler.batches_done % args.commit_every == 0:
+                    record(s, pending)
+                    s.commit()
+            record(s, pending)
+            s.skipped[s.epoch] = s.sampler.skipped_indices()
+            s.epoch += 1
+            s.commit()
+        return {"loss": full_loss(s.model, dataset)}
+
+    def record(s: ElasticState, pending: list[int]) -> None:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, pending)
+        s.ledger[s.epoch].extend(i for part in everyone for i in part)
+        pending.clear()
+
+    result = state.run(train)
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    (out / f"result-{index}.json").write_text(json.dumps({
+        "result": result, "params": flat.tolist(), "ledger": state.ledger,
+        "skipped": state.skipped,
+        "member": state.member_id, "generation": state.generation, "step": state.step}))
+
+
+def full_loss(model: torch.nn.Module, dataset: Regression) -> float:
+    with torch.no_grad():
+        return torch.nn.functional.mse_loss(model(dataset.x).squeeze(1), dataset.y).item()
+
+
+if __name__ == "__main__":
+    main()
