@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from elastic.cluster import Cluster
 from elastic.errors import (FencedError, LeaveInterrupt, MembershipChangedInterrupt,
-                            PeerFailureError)
+                            PeerFailureError, RendezvousClosedError)
 from elastic.events import EventLog, Stopwatch
 from elastic.settings import WorkerSettings
 from state import ElasticSampler, TrainState
@@ -176,8 +176,15 @@ class ElasticState(TrainState):
               kwargs: dict[str, Any]) -> Any:
         reason = "start"
         for _ in range(_MAX_REFORMATIONS):
+            if self._leave_requested.is_set():
+                cluster.events.emit("leaving", version=self.version)
+                return None
             with Stopwatch() as recovery:
-                self._reform(cluster, reason)
+                try:
+                    self._reform(cluster, reason)
+                except RendezvousClosedError as exc:
+                    cluster.events.emit("job_finished", why=str(exc))
+                    return None
             cluster.events.emit("resumed", reason=reason, recovery_s=recovery.seconds,
                                 version=self.version)
             outcome = self._call(cluster, fn, args, kwargs)
