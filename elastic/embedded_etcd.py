@@ -78,6 +78,8 @@ class EmbeddedEtcd:
         self._attempts = attempts
         self.process: subprocess.Popen[bytes] | None = None
         self.client_port = 0
+        self._peer_port = 0
+        self._binary = ""
         self.log_path = Path(self.data_dir) / "etcd.log"
 
     @property
@@ -90,10 +92,10 @@ class EmbeddedEtcd:
         Raises:
             EtcdUnavailableError: it did not become healthy in any attempt.
         """
-        binary = find_etcd_binary()
+        binary = self._binary = find_etcd_binary()
         for attempt in range(self._attempts):
-            self.client_port, peer_port = free_port(), free_port()
-            self._spawn(binary, peer_port)
+            self.client_port, self._peer_port = free_port(), free_port()
+            self._spawn(binary, self._peer_port)
             if self._wait_healthy():
                 log.info("etcd %s listening on %s", binary, self.url)
                 return self
@@ -142,6 +144,17 @@ class EmbeddedEtcd:
         self._terminate()
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def restart(self) -> None:
+        """Stops the server and starts it again on the same ports with the same data.
+
+        Raises:
+            EtcdUnavailableError: it did not come back.
+        """
+        self._terminate()
+        self._spawn(self._binary, self._peer_port)
+        if not self._wait_healthy():
+            raise EtcdUnavailableError(f"etcd did not come back on {self.url}; see {self.log_path}.")
 
     def pause(self) -> None:
         """Freezes the server (SIGSTOP), to test an unreachable etcd."""

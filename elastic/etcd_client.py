@@ -136,7 +136,7 @@ class EtcdClient:
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_delay(self._retry_for.total_seconds()),
             retry=tenacity.retry_if_exception_type(_TRANSIENT),
-            wait=tenacity.wait_exponential_jitter(initial=0.05, max=1.0),
+            wait=tenacity.wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.05),
             before_sleep=tenacity.before_sleep_log(log, logging.DEBUG),
             reraise=True,
         )

@@ -1,0 +1,136 @@
+"""The etcd layer against a real server: client, leases and fencing, watches, the torch store."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+from elastic.errors import EtcdUnavailableError
+from elastic.etcd_client import EtcdClient, WatchEvent
+from elastic.etcd_store import EtcdStore
+from elastic.keys import JobKeys
+from elastic.membership import EtcdMembership
+
+
+@pytest.fixture
+def client(etcd):
+    c = EtcdClient(etcd.url)
+    yield c
+    c.close()
+
+
+def test_create_is_a_compare_and_swap_that_only_one_caller_wins(client):
+    assert client.create("/t/cas/plan", "first", also={"/t/cas/round": "1"})
+    assert not client.create("/t/cas/plan", "second", also={"/t/cas/round": "2"})
+    assert client.get("/t/cas/plan").value == b"first"
+    assert client.get("/t/cas/round").value == b"1"
+
+
+def test_a_revoked_lease_deletes_its_keys_and_the_watch_sees_it(client):
+    _, revision = client.get_prefix("/t/lease/")
+    seen: list[WatchEvent] = []
+    deleted = threading.Event()
+
+    def on_events(events: list[WatchEvent]) -> None:
+        seen.extend(events)
+        if any(e.kind == "delete" for e in events):
+            deleted.set()
+
+    cancel = client.watch_prefix("/t/lease/", revision + 1, on_events)
+    try:
+        lease = client.grant(timedelta(seconds=5))
+        client.put("/t/lease/k", "v", lease=lease)
+        client.revoke(lease)
+        assert deleted.wait(timeout=10)
+        assert [e.kind for e in seen] == ["put", "delete"]
+        assert client.refresh(lease) <= 0
+    finally:
+        cancel()
+
+
+def test_a_member_whose_lease_expires_is_fenced(client):
+    membership = EtcdMembership(client, JobKeys("fence-test"), "127.0.0.1", timedelta(seconds=1))
+    fenced = threading.Event()
+    membership.on_fenced(fenced.set)
+    membership.register()
+    try:
+        # Revoking from outside is what a frozen member finds when it wakes: the lease is gone.
+        client.revoke(membership.lease)
+        assert fenced.wait(timeout=10)
+        assert membership.fenced.is_set()
+    finally:
+        membership.leave()
+
+
+def test_a_graceful_leave_deletes_the_member_key_at_once(client):
+    keys = JobKeys("leave-test")
+    membership = EtcdMembership(client, keys, "127.0.0.1", timedelta(seconds=30))
+    membership.register()
+    assert client.get(keys.member(membership.member_id)) is not None
+    membership.leave()
+    assert client.get(keys.member(membership.member_id)) is None
+    assert not membership.fenced.is_set()
+
+
+def test_a_watch_resumes_after_etcd_restarts_without_losing_events(private_etcd):
+    client = EtcdClient(private_etcd.url, retry_for=timedelta(seconds=30))
+    try:
+        _, revision = client.get_prefix("/t/restart/")
+        got: list[str] = []
+        arrived = threading.Condition()
+
+        def on_events(events: list[WatchEvent]) -> None:
+            with arrived:
+                got.extend(e.key for e in events)
+                arrived.notify_all()
+
+        cancel = client.watch_prefix("/t/restart/", revision + 1, on_events)
+        client.put("/t/restart/before", "1")
+        private_etcd.restart()
+        client.put("/t/restart/after", "2")
+        with arrived:
+            assert arrived.wait_for(lambda: len(got) >= 2, timeout=30), got
+        assert got == ["/t/restart/before", "/t/restart/after"]
+        cancel()
+    finally:
+        client.close()
+
+
+def test_an_unreachable_etcd_raises_after_the_retry_deadline_naming_the_url():
+    from elastic.embedded_etcd import free_port
+    url = f"http://127.0.0.1:{free_port()}"
+    client = EtcdClient(url, retry_for=timedelta(seconds=2))
+    started = time.monotonic()
+    try:
+        with pytest.raises(EtcdUnavailableError, match=url.replace(".", r"\.")):
+            client.put("/x", "y")
+        assert time.monotonic() - started < 15
+    finally:
+        client.close()
+
+
+def test_the_etcd_store_serves_torch_store_operations(client):
+    store = EtcdStore(client, "/t/store/", timedelta(seconds=5))
+    try:
+        store.set("a", b"1")
+        assert store.get("a") == b"1"
+        assert store.add("n", 2) == 2 and store.add("n", 3) == 5
+        assert store.compare_set("c", b"", b"x") == b"x"
+        assert store.compare_set("c", b"wrong", b"y") == b"x"
+        assert store.check(["a", "n"]) and not store.check(["missing"])
+        with pytest.raises(RuntimeError, match="missing"):
+            store.wait(["missing"], timedelta(milliseconds=200))
+        writer = EtcdClient(client.urls)
+        threading.Timer(0.2, writer.put, args=("/t/store/late", b"v")).start()
+        assert store.get("late") == b"v"  # blocks on the watch until another writer puts it
+        writer.close()
+    finally:
+        store.close()
+
+
+def test_etcd_urls_without_a_port_are_rejected_with_an_example():
+    with pytest.raises(ValueError, match="host and a port"):
+        EtcdClient("http://127.0.0.1")
