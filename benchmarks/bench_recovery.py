@@ -1,0 +1,240 @@
+"""Recovery, scale-up and steady-state throughput: elastic-trainer against torchrun, in one run.
+
+Usage: ``.venv/bin/python benchmarks/bench_recovery.py [--reps 5]``. It re-executes itself in a
+private network namespace (``unshare -n``, loopback only), because torchrun's rendezvous store
+listens on every interface; inside the namespace the only interface is a private loopback.
+
+Measured (wall clock, from the workers' per-step progress lines):
+- recovery: SIGKILL one of 4 gloo workers at step 30 -> the first step completed afterwards in
+  the new world (ours: world 3 in the same processes; torchrun --max-restarts: a restarted world).
+- node loss (ours): SIGSTOP one worker (no TCP reset, nobody sees it die) -> first step in world 3.
+- scale-up (ours): a 4th worker's process start -> its first step; the longest pause of the others.
+- steady state: steps/s of 2 workers, ours with commit() every 10 and every step, against the same
+  loop as plain DDP under torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+
+from elastic.embedded_etcd import EmbeddedEtcd, free_port  # noqa: E402
+
+POLL_S = 0.02
+
+
+def env_for(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
+               ELASTIC_ADVERTISE_ADDR="127.0.0.1", OMP_NUM_THREADS="1",
+               PYTHONPATH=f"{REPO}:{HERE}", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def read_progress(out: Path) -> list[dict]:
+    lines = []
+    for path in out.glob("progress-*.jsonl"):
+        lines += [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
+    return sorted(lines, key=lambda p: p["t"])
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(POLL_S)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+class Procs:
+    """Processes started by the benchmark, each in its own session; killed by PID at the end."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        log = open(self.out / f"log-{len(self.procs)}.txt", "wb")
+        proc = subprocess.Popen(args, env=env, cwd=HERE, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGCONT)
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait(timeout=10)
+
+
+def steps_of(out: Path, minimum: int, world: int):
+    """The pids that have completed ``minimum`` steps in a world of ``world``, or None."""
+    progress = read_progress(out)
+    pids = {p["pid"] for p in progress if p["step"] >= minimum and p["world"] == world}
+    return pids if len(pids) >= world else None
+
+
+def ours_fault(out: Path, sig: signal.Signals, lease_ttl: str = "2") -> float:
+    etcd = EmbeddedEtcd().start()
+    procs = Procs(out)
+    try:
+        env = env_for(ELASTIC_ETCD=etcd.url, ELASTIC_JOB_ID="bench", ELASTIC_LEASE_TTL=lease_ttl)
+        for _ in range(4):
+            procs.start([sys.executable, "elastic_worker.py", "--out", str(out)], env)
+        wait_for(lambda: steps_of(out, 30, 4), 120, "4 elastic workers at step 30")
+        victim = next(p["pid"] for p in reversed(read_progress(out)) if p["rank"] == 1)
+        killed_at = time.time()
+        os.kill(victim, sig)
+        first = wait_for(lambda: next((p for p in read_progress(out) if p["t"] > killed_at
+                                       and p["world"] == 3), None), 60, "a step in world 3")
+        return first["t"] - killed_at
+    finally:
+        procs.kill_all()
+        etcd.stop()
+
+
+def torchrun_kill(out: Path, rdzv: str = "c10d") -> float:
+    procs = Procs(out)
+    try:
+        rdzv_args = ([f"--master-addr=127.0.0.1", f"--master-port={free_port()}"] if rdzv == "static"
+                     else ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"])
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=4",
+               "--max-restarts=3", *rdzv_args, "torchrun_worker.py", "--out", str(out)]
+        procs.start(cmd, env_for())
+        original = wait_for(lambda: steps_of(out, 30, 4), 120, "4 torchrun workers at step 30")
+        victim = next(p["pid"] for p in reversed(read_progress(out)) if p["rank"] == 1)
+        killed_at = time.time()
+        os.kill(victim, signal.SIGKILL)
+        first = wait_for(lambda: next((p for p in read_progress(out) if p["t"] > killed_at
+                                       and p["pid"] not in original), None), 120,
+                         "a step after torchrun's restart")
+        return first["t"] - killed_at
+    finally:
+        procs.kill_all()
+
+
+def ours_scale_up(out: Path) -> tuple[float, float, float]:
+    etcd = EmbeddedEtcd().start()
+    procs = Procs(out)
+    try:
+        env = env_for(ELASTIC_ETCD=etcd.url, ELASTIC_JOB_ID="bench")
+        for _ in range(3):
+            procs.start([sys.executable, "elastic_worker.py", "--out", str(out)], env)
+        old = wait_for(lambda: steps_of(out, 30, 3), 120, "3 elastic workers at step 30")
+        started_at = time.time()
+        procs.start([sys.executable, "elastic_worker.py", "--out", str(out)], env)
+        first = wait_for(lambda: next((p for p in read_progress(out) if p["pid"] not in old), None),
+                         120, "the joiner's first step")
+        times = [p["t"] for p in read_progress(out) if p["pid"] in old and p["rank"] == 0]
+        window = [t for t in times if started_at - 1 <= t <= first["t"] + 1]
+        gaps = [b - a for a, b in zip(window, window[1:])]
+        steady = [b - a for a, b in zip(times, times[1:]) if b < started_at]
+        return first["t"] - started_at, max(gaps), statistics.median(steady)
+    finally:
+        procs.kill_all()
+        etcd.stop()
+
+
+def throughput(out: Path, kind: str, steps: int = 400) -> float:
+    procs = Procs(out)
+    etcd = EmbeddedEtcd().start() if kind != "torchrun" else None
+    try:
+        if kind == "torchrun":
+            procs.start([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                         "--nproc-per-node=2", "--rdzv-backend=c10d",
+                         f"--rdzv-endpoint=127.0.0.1:{free_port()}", "torchrun_worker.py",
+                         "--out", str(out), "--steps", str(steps)], env_for())
+        else:
+            assert etcd is not None
+            every = "1" if kind == "ours-commit-1" else "10"
+            env = env_for(ELASTIC_ETCD=etcd.url, ELASTIC_JOB_ID="bench")
+            for _ in range(2):
+                procs.start([sys.executable, "elastic_worker.py", "--out", str(out), "--steps",
+                             str(steps), "--commit-every", every], env)
+        for proc in procs.procs:
+            proc.wait(timeout=300)
+        rank0 = [p for p in read_progress(out) if p["rank"] == 0]
+        window = [p["t"] for p in rank0 if 50 < p["step"] <= steps]
+        return (len(window) - 1) / (window[-1] - window[0])
+    finally:
+        procs.kill_all()
+        if etcd:
+            etcd.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--json", default=str(HERE / "results" / "recovery.json"))
+    args = parser.parse_args()
+    if os.environ.get("BENCH_NETNS") != "1":
+        inner = f"ip link set lo up && exec {sys.executable} {Path(__file__)} " \
+                f"--reps {args.reps} --json {args.json}"
+        os.execvpe("unshare", ["unshare", "-n", "sh", "-c", inner],
+                   dict(os.environ, BENCH_NETNS="1"))
+    root = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
+    results: dict[str, list[float]] = {k: [] for k in (
+        "ours_kill_s", "torchrun_kill_s", "ours_node_loss_s", "joiner_first_step_s",
+        "others_max_pause_s", "steady_step_s", "tput_torchrun", "tput_ours_commit_10",
+        "tput_ours_commit_1")}
+    try:
+        for rep in range(args.reps):
+            d = root / f"rep{rep}"
+            results["ours_kill_s"].append(ours_fault(mk(d / "kill"), signal.SIGKILL))
+            results["torchrun_kill_s"].append(torchrun_kill(mk(d / "torchrun")))
+            results["ours_node_loss_s"].append(ours_fault(mk(d / "stop"), signal.SIGSTOP))
+            joiner, pause, steady = ours_scale_up(mk(d / "scale"))
+            results["joiner_first_step_s"].append(joiner)
+            results["others_max_pause_s"].append(pause)
+            results["steady_step_s"].append(steady)
+            for kind in ("torchrun", "ours-commit-10", "ours-commit-1"):
+                key = "tput_" + kind.replace("-", "_")
+                results[key].append(throughput(mk(d / kind), kind))
+            print(f"rep {rep}: " + ", ".join(f"{k}={v[-1]:.3f}" for k, v in results.items()),
+                  flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=1))
+    report(results)
+
+
+def mk(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def report(results: dict[str, list[float]]) -> None:
+    med = {k: statistics.median(v) for k, v in results.items()}
+    print("\n| measure | median | all runs |\n|---|---|---|")
+    for key, values in results.items():
+        print(f"| {key} | {med[key]:.3f} | {', '.join(f'{v:.3f}' for v in values)} |")
+    print(f"\nrecovery ratio torchrun/ours: {med['torchrun_kill_s'] / med['ours_kill_s']:.1f}x")
+    print(f"throughput ours(commit/10) / torchrun: "
+          f"{med['tput_ours_commit_10'] / med['tput_torchrun']:.3f}")
+    print(f"throughput ours(commit/1) / torchrun: "
+          f"{med['tput_ours_commit_1'] / med['tput_torchrun']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

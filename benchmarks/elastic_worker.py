@@ -1,0 +1,49 @@
+"""The same loop as ``torchrun_worker.py`` under ``ElasticState.run`` (in-process recovery)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+
+import workload
+from elastic import ElasticSampler, ElasticState
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=10**9)
+    p.add_argument("--commit-every", type=int, default=10)
+    args = p.parse_args()
+    data = workload.dataset()
+    model = workload.model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    state = ElasticState(model=model, optimizer=opt, sampler=ElasticSampler(data, seed=0),
+                         epoch=0, step=0)
+    progress = workload.Progress(args.out, f"elastic-{os.getpid()}")
+
+    def train(s: ElasticState) -> None:
+        ddp = DDP(s.model)
+        loader = DataLoader(data, batch_size=32, sampler=s.sampler)
+        while s.step < args.steps:
+            s.sampler.set_epoch(s.epoch)
+            for x, y in loader:
+                workload.train_step(ddp, s.optimizer, x, y)
+                s.sampler.record_batch(len(x))
+                s.step += 1
+                progress.step(s.step, s.rank, s.world_size, generation=s.generation)
+                if s.step % args.commit_every == 0:
+                    s.commit()
+                if s.step >= args.steps:
+                    return
+            s.epoch += 1
+
+    state.run(train)
+
+
+if __name__ == "__main__":
+    main()

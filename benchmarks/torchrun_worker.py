@@ -1,0 +1,65 @@
+"""The plain DDP loop of the benchmark, as a torchrun user writes it (restart-based recovery)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+import workload
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=10**9)
+    args = p.parse_args()
+    init_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    progress = workload.Progress(args.out, f"torchrun-{os.getpid()}")
+    data = workload.dataset()
+    ddp = DDP(workload.model())
+    opt = torch_opt(ddp)
+    sampler = DistributedSampler(data, seed=0)
+    loader = DataLoader(data, batch_size=32, sampler=sampler)
+    step, epoch = 0, 0
+    while step < args.steps:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            workload.train_step(ddp, opt, x, y)
+            step += 1
+            progress.step(step, rank, world, restart=os.environ.get("TORCHELASTIC_RESTART_COUNT"))
+            if step >= args.steps:
+                break
+        epoch += 1
+    dist.destroy_process_group()
+
+
+def init_group() -> None:
+    """env:// as torchrun users write it, with a per-restart key prefix.
+
+    Without the prefix, torch 2.13's torchrun (c10d and static rendezvous, gloo) restarts the
+    workers against the agent's store that still holds the dead attempt's gloo addresses, and
+    every restart fails in connectFullMesh ("Connection refused"); measured in this benchmark.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group("gloo")
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{restart}/", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
+def torch_opt(ddp):
+    import torch
+    return torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+
+
+if __name__ == "__main__":
+    main()

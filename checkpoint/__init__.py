@@ -1,0 +1,43 @@
+"""Durable checkpoints on any fsspec URL: layout, manifest, checksums, retention, fencing.
+
+Knows neither etcd nor process groups, and never imports ``state`` or ``elastic``.
+
+Example:
+    >>> store = CheckpointStore("s3://bucket/run-7", keep=3)
+    >>> future = store.save_async(step, {"model": model.state_dict()}, {"epoch": 2})
+    >>> loaded = store.load()   # newest checkpoint that verifies
+"""
+
+from checkpoint.compat import check_compatible
+from checkpoint.errors import (
+    CheckpointBackendError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFencedError,
+    CheckpointIncompatibleError,
+    CheckpointNotFoundError,
+    CheckpointUnsafeError,
+    CheckpointWriteError,
+)
+from checkpoint.listing import CheckpointRef
+from checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest
+from checkpoint.store import CheckpointStore, LoadedCheckpoint
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "CheckpointBackendError",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointFencedError",
+    "CheckpointIncompatibleError",
+    "CheckpointNotFoundError",
+    "CheckpointRef",
+    "CheckpointStore",
+    "CheckpointUnsafeError",
+    "CheckpointWriteError",
+    "FileEntry",
+    "LoadedCheckpoint",
+    "Manifest",
+    "check_compatible",
+]

@@ -1,0 +1,182 @@
+"""The fsspec boundary: resolving a URL to a filesystem, and every I/O call made through it.
+
+This module owns scheme resolution (with an error naming the package to install), retries of
+transient storage errors (tenacity, bounded), and durability on local disks (fsync of files and
+directories). It knows nothing about manifests, tensors or retention, and never imports the rest
+of the project.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.registry import known_implementations
+from tenacity import (
+    before_sleep_log,
+    retry,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential_jitter,
+)
+
+from checkpoint.errors import CheckpointBackendError
+
+logger = logging.getLogger(__name__)
+
+#: Errors worth another try: a dropped connection or a timeout. Everything else (missing file,
+#: permission denied, a full disk) is reported at once.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
+
+io_retry = retry(
+    stop=stop_after_delay(60) | stop_after_attempt(5),
+    retry=retry_if_exception_type(TRANSIENT_ERRORS),
+    wait=wait_exponential_jitter(max=5.0, jitter=0.5),  # 1 s, 2 s, 4 s (+ up to 0.5 s)
+    before_sleep=before_sleep_log(logger, logging.WARNING),
+    reraise=True,
+)
+
+
+def _install_hint(protocol: str) -> str:
+    """Returns what to install for ``protocol``, from fsspec's table of known implementations."""
+    known = known_implementations.get(protocol, {})
+    return known.get("err") or f"Install the package that provides the {protocol!r} fsspec scheme."
+
+
+def resolve_filesystem(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+    """Resolves ``url`` to an fsspec filesystem and the root path inside it.
+
+    Args:
+        url: A local path or any fsspec URL (``file://``, ``memory://``, ``s3://`` ...).
+        storage_options: Keyword arguments for the filesystem (credentials, endpoint_url ...).
+
+    Returns:
+        The filesystem instance and the root path without its protocol, no trailing slash.
+
+    Raises:
+        CheckpointBackendError: The scheme is unknown, or its package is not installed.
+    """
+    protocol, _ = fsspec.core.split_protocol(url)
+    protocol = protocol or "file"
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ImportError as exc:
+        raise CheckpointBackendError(
+            f"Checkpoint URL {url!r} needs the fsspec backend for {protocol!r}, which is not "
+            f"installed: {_install_hint(protocol)} (pip install it into this environment)."
+        ) from exc
+    except ValueError as exc:
+        raise CheckpointBackendError(
+            f"Checkpoint URL {url!r} has scheme {protocol!r}, which no installed fsspec "
+            f"implementation provides. Use a local path, file://, memory://, s3:// (pip install "
+            f"s3fs), gs:// (pip install gcsfs), az:// (pip install adlfs), or pip install the "
+            f"package that registers {protocol!r} with fsspec."
+        ) from exc
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    return fs, root.rstrip("/") or "/"
+
+
+@dataclass(frozen=True)
+class Storage:
+    """A checkpoint root on one fsspec filesystem, with retried, durable I/O helpers.
+
+    Attributes:
+        fs: The fsspec filesystem.
+        root: The root path inside ``fs`` (no protocol, no trailing slash).
+    """
+
+    fs: Any
+    root: str
+
+    @property
+    def is_local(self) -> bool:
+        """Whether the files live on a local disk (fsync and mmap apply)."""
+        return isinstance(self.fs, LocalFileSystem)
+
+    def join(self, *parts: str) -> str:
+        """Returns the path of ``parts`` under the root."""
+        return "/".join([self.root.rstrip("/"), *parts])
+
+    def url_of(self, path: str) -> str:
+        """Returns ``path`` as a full URL with its protocol."""
+        return self.fs.unstrip_protocol(path)
+
+    @io_retry
+    def entries(self) -> dict[str, dict[str, Any]]:
+        """Lists files and directories up to two levels below the root.
+
+        Returns:
+            A map from the path relative to the root to fsspec's info (``type``, ``size``).
+        """
+        self.fs.invalidate_cache(self.root)
+        try:
+            found = self.fs.find(self.root, maxdepth=2, withdirs=True, detail=True)
+        except FileNotFoundError:
+            return {}
+        prefix = self.root.rstrip("/") + "/"
+        return {p[len(prefix):]: info for p, info in found.items() if p.startswith(prefix)}
+
+    @io_retry
+    def read_bytes(self, path: str) -> bytes:
+        """Reads a whole file."""
+        return self.fs.cat_file(path)
+
+    @io_retry
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Writes a whole (small) file, durably on local disks."""
+        with self.open_write(path) as f:
+            f.write(data)
+            self.sync_file(f)
+
+    @io_retry
+    def remove(self, path: str, recursive: bool = False) -> None:
+        """Removes a file or a directory tree; a missing path is not an error."""
+        try:
+            self.fs.rm(path, recursive=recursive)
+        except FileNotFoundError:
+            pass
+
+    @contextlib.contextmanager
+    def open_write(self, path: str) -> Iterator[IO[bytes]]:
+        """Opens ``path`` for writing, creating its parent directory first."""
+        parent = path.rsplit("/", 1)[0]
+        if self.is_local:
+            self.fs.makedirs(parent, exist_ok=True)
+        with self.fs.open(path, "wb") as f:
+            yield f
+
+    def sync_file(self, f: IO[bytes]) -> None:
+        """Forces a local file's data to disk; object stores commit on close instead."""
+        if self.is_local:
+            f.flush()
+            os.fsync(f.fileno())
+
+    def writeback(self, f: IO[bytes]) -> Callable[[], None] | None:
+        """Returns a call that forces what was written to a local file so far onto the disk.
+
+        Meant to run on another thread while writing goes on: without it the kernel holds the
+        whole checkpoint in dirty pages until the final fsync, so serialising and the disk write
+        happen one after the other instead of overlapping. ``None`` for object stores (their
+        ``close`` commits).
+        """
+        if not self.is_local:
+            return None
+        fd = f.fileno()
+        return lambda: os.fdatasync(fd)
+
+    def sync_dir(self, path: str) -> None:
+        """Forces a local directory's entries (new files) to disk; no-op elsewhere."""
+        if not self.is_local:
+            return
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

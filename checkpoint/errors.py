@@ -1,0 +1,40 @@
+"""Typed errors of the checkpoint package.
+
+Every failure that leaves ``checkpoint`` is a :class:`CheckpointError`; third-party errors
+(fsspec, torch, the object store's client) are translated at the boundary with their cause
+chained. This module must not import anything from the rest of the project.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by the checkpoint package."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """No valid checkpoint exists where one was asked for."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint exists but its files do not match its manifest or cannot be decoded."""
+
+
+class CheckpointUnsafeError(CheckpointCorruptError):
+    """A payload asked to run code (or build arbitrary objects) while loading; it was refused."""
+
+
+class CheckpointIncompatibleError(CheckpointError):
+    """A loaded state does not fit the live state (missing/unknown key or a shape mismatch)."""
+
+
+class CheckpointBackendError(CheckpointError):
+    """The URL's scheme has no usable fsspec implementation (unknown, or its package is missing)."""
+
+
+class CheckpointFencedError(CheckpointError):
+    """A writer from an older generation tried to publish after a newer generation did."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint failed part-way; the previous checkpoints are untouched."""

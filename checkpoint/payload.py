@@ -1,0 +1,231 @@
+"""The payload: snapshotting a state dict to host memory, encoding it, and decoding it safely.
+
+The payload is one ``torch.save`` archive streamed through fsspec while its sha256 is computed
+(hashing overlaps the write, so a save runs at disk speed). Loading verifies the checksum first and
+then uses ``torch.load(weights_only=True)``, which never runs code from the file; local files are
+memory-mapped. This module does not decide where files go or which checkpoint is current.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import IO, Any
+
+import torch
+
+from checkpoint.backend import Storage, io_retry
+from checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointIncompatibleError,
+    CheckpointUnsafeError,
+)
+from checkpoint.manifest import FileEntry
+
+PAYLOAD_NAME = "state.pt"
+_CHUNK = 8 << 20  # bytes handed to the filesystem per write call
+_OVERLAP_MIN = 256 << 10  # below this, hashing in parallel costs more than it saves
+_WRITEBACK = 32 << 20  # local disks: push to disk every this many bytes
+_PLAIN = (int, float, str, bool, type(None), bytes, complex, torch.dtype, torch.device, torch.Size)
+
+
+def _unstaged(path: str, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu")
+
+
+def to_host(obj: Any, stage: Callable[[str, torch.Tensor], torch.Tensor] = _unstaged,
+            path: str = "state_dict", memo: dict[int, torch.Tensor] | None = None) -> Any:
+    """Returns ``obj`` with every tensor on the CPU, checking that it can be saved and loaded.
+
+    Args:
+        obj: Nested dicts/lists/tuples of tensors and plain values.
+        stage: Turns one tensor (at ``path``) into its host version; the default moves it to
+            the CPU without copying CPU tensors, :class:`HostStaging` copies.
+        path: Where ``obj`` sits, for error messages and staging buffers.
+        memo: Tensors already converted (keeps tied tensors tied).
+
+    Returns:
+        The converted structure (same container types).
+
+    Raises:
+        TypeError: A value is not a tensor, a plain value or a container of them.
+    """
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in memo:
+            memo[id(obj)] = stage(path, obj)
+        return memo[id(obj)]
+    if isinstance(obj, _PLAIN):
+        return obj
+    if isinstance(obj, Mapping):
+        items = ((k, to_host(v, stage, f"{path}.{k}", memo)) for k, v in obj.items())
+        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+    if isinstance(obj, (list, tuple)):
+        out = [to_host(v, stage, f"{path}.{i}", memo) for i, v in enumerate(obj)]
+        return out if isinstance(obj, list) else tuple(out)
+    raise TypeError(
+        f"{path} has type {type(obj).__qualname__}; a checkpoint holds tensors, int, float, str, "
+        f"bool, None and dicts/lists/tuples of them (convert it, e.g. with its state_dict()).")
+
+
+class HostStaging:
+    """Host-memory copies of a state for asynchronous writes, reused from one save to the next.
+
+    Copying into buffers that already exist avoids allocating (and page-faulting) a whole state's
+    worth of fresh memory on every save, which is most of the time the caller is blocked. A buffer
+    is reused only after the write that read it has finished (the store allows one in flight).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def snapshot(self, obj: Any) -> Any:
+        """Returns a host copy of ``obj`` that later in-place updates of ``obj`` do not reach.
+
+        Raises:
+            TypeError: As :func:`to_host`.
+        """
+        used: dict[str, torch.Tensor] = {}
+
+        def stage(path: str, tensor: torch.Tensor) -> torch.Tensor:
+            buf = self._buffers.get(path)
+            src = tensor.detach()
+            if (buf is None or buf.shape != src.shape or buf.dtype != src.dtype
+                    or not buf.is_contiguous()):
+                buf = torch.empty(src.shape, dtype=src.dtype, device="cpu")
+            used[path] = buf.copy_(src)
+            return buf
+
+        out = to_host(obj, stage)
+        self._buffers = used
+        return out
+
+    def clear(self) -> None:
+        """Releases the buffers."""
+        self._buffers = {}
+
+
+class _HashingWriter:
+    """A write-only stream for torch.save: hashes what it forwards while a worker thread writes
+    it, and on local disks has a second worker push written data to disk as it goes."""
+
+    def __init__(self, storage: Storage, raw: IO[bytes], pool: ThreadPoolExecutor) -> None:
+        self._raw = raw
+        self._pool = pool  # two workers: one writes, one syncs
+        self._datasync = storage.writeback(raw)
+        self._sync: Future[None] | None = None
+        self._synced = 0  # bytes already handed to a datasync
+        self._sha = hashlib.sha256()
+        self.size = 0
+        self.error: BaseException | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            for start in range(0, view.nbytes, _CHUNK):
+                chunk = view[start:start + _CHUNK]
+                if chunk.nbytes < _OVERLAP_MIN:
+                    self._raw.write(chunk)
+                    self._sha.update(chunk)
+                    continue
+                written = self._pool.submit(self._write_behind, chunk, self.size + start)
+                self._sha.update(chunk)  # hashlib releases the GIL: runs while the write does
+                written.result()
+        except Exception as exc:  # recorded, then re-raised: torch turns it into RuntimeError
+            self.error = exc
+            raise
+        self.size += view.nbytes
+        return view.nbytes
+
+    def _write_behind(self, chunk: memoryview, offset: int) -> None:
+        self._raw.write(chunk)
+        end = offset + chunk.nbytes
+        idle = self._sync is None or self._sync.done()
+        if self._datasync is not None and idle and end - self._synced >= _WRITEBACK:
+            self._raw.flush()
+            self._sync = self._pool.submit(self._datasync)
+            self._synced = end
+
+    def flush(self) -> None:
+        """Nothing to do: the underlying file is flushed and synced when the payload is done."""
+
+    def finish(self) -> FileEntry:
+        """Waits for the background sync (raising its error) and returns size and checksum."""
+        if self._sync is not None:
+            self._sync.result()
+        return FileEntry(size=self.size, sha256=self._sha.hexdigest())
+
+
+@io_retry
+def write_payload(storage: Storage, path: str, state: Any) -> FileEntry:
+    """Streams ``state`` with torch.save to ``path``, durably on local disks.
+
+    A transient error rewrites the whole file (the state is an immutable snapshot, so this is
+    idempotent).
+
+    Returns:
+        The written file's size and sha256.
+
+    Raises:
+        OSError: (or the filesystem's own error) The storage failed during the write.
+    """
+    with storage.open_write(path) as raw, ThreadPoolExecutor(2, "checkpoint-io") as pool:
+        writer = _HashingWriter(storage, raw, pool)
+        try:
+            torch.save(state, writer)
+        except RuntimeError as exc:
+            if writer.error is not None:
+                raise writer.error from exc
+            raise
+        entry = writer.finish()
+        storage.sync_file(raw)
+    return entry
+
+
+def _local_digest(storage: Storage, path: str) -> tuple[int, str]:
+    """Size and sha256 of a local file; the next chunk is read while this one is hashed."""
+    sha, size = hashlib.sha256(), 0
+    bufs = (bytearray(_CHUNK), bytearray(_CHUNK))
+    with storage.fs.open(path, "rb") as f, ThreadPoolExecutor(1, "checkpoint-read") as pool:
+        current, n = 0, f.readinto(bufs[0])
+        while n:
+            following = pool.submit(f.readinto, bufs[1 - current])
+            sha.update(memoryview(bufs[current])[:n])
+            size += n
+            current, n = 1 - current, following.result()
+    return size, sha.hexdigest()
+
+
+def read_payload(storage: Storage, path: str, expected: FileEntry) -> Any:
+    """Verifies ``path`` against its manifest entry and decodes it without running code.
+
+    Raises:
+        CheckpointCorruptError: Missing file, wrong size or checksum, or an undecodable archive.
+        CheckpointUnsafeError: The archive asks for code or objects outside the weights-only set.
+    """
+    try:
+        if storage.is_local:
+            size, digest = _local_digest(storage, path)
+            source: Any = path
+        else:
+            data = storage.read_bytes(path)
+            size, digest = len(data), hashlib.sha256(data).hexdigest()
+            source = io.BytesIO(data)
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(f"payload {path} is missing.") from exc
+    if (size, digest) != (expected.size, expected.sha256):
+        raise CheckpointCorruptError(
+            f"payload {path} does not match its manifest: {size} bytes, sha256 {digest} "
+            f"(manifest: {expected.size} bytes, sha256 {expected.sha256}).")
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True, mmap=storage.is_local)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointUnsafeError(
+            f"payload {path} was refused: it holds objects that weights-only loading does not "
+            f"allow (code or arbitrary classes); nothing from it was run. {exc}") from exc
+    except (RuntimeError, EOFError, ValueError, KeyError) as exc:
+        raise CheckpointCorruptError(f"payload {path} cannot be decoded: {exc}") from exc

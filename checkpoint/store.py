@@ -1,0 +1,355 @@
+"""CheckpointStore: durable, fenced, retained checkpoints under one fsspec URL.
+
+Owns the layout ``{url}/{step:012d}/`` (payload first, ``manifest.json`` last), which directories
+count as checkpoints (only those whose manifest is valid and whose files are all there), retention,
+cleanup of torn writes, fencing by generation, and the single background writer of ``save_async``.
+It knows nothing about process groups, etcd or training objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from checkpoint.backend import Storage, resolve_filesystem
+from checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFencedError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+)
+from checkpoint.listing import CheckpointRef, Scan, scan_checkpoints
+from checkpoint.manifest import MANIFEST_NAME, Manifest, checked_metadata, step_dir_name
+from checkpoint.payload import PAYLOAD_NAME, HostStaging, read_payload, to_host, write_payload
+
+logger = logging.getLogger(__name__)
+#: Storage failures that a write translates into CheckpointWriteError.
+_WRITE_FAILURES = (OSError, RuntimeError, ValueError)
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """What ``CheckpointStore.load`` returns.
+
+    Attributes:
+        ref: The checkpoint that was read.
+        state_dict: The decoded state (tensors on the CPU).
+        metadata: The metadata saved with it.
+    """
+
+    ref: CheckpointRef
+    state_dict: Any
+    metadata: Mapping[str, Any]
+
+
+class CheckpointStore:
+    """Saves and loads checkpoints under one fsspec URL.
+
+    Args:
+        url: Local path or fsspec URL of the checkpoint root (``s3://bucket/run-7`` ...).
+        keep: How many complete checkpoints to keep (older ones are deleted once a newer one is
+            complete); ``None`` keeps all.
+        storage_options: Passed to the fsspec filesystem (credentials, ``endpoint_url`` ...).
+
+    Raises:
+        ValueError: ``keep`` is not a positive int or None.
+        CheckpointBackendError: The URL's scheme is unknown or its package is not installed.
+    """
+
+    def __init__(self, url: str, keep: int | None = 3,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"keep ({keep!r}) must be an int >= 1, or None to keep all.")
+        fs, root = resolve_filesystem(url, dict(storage_options or {}))
+        self._storage = Storage(fs, root)
+        self._url = url
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._in_flight: Future[CheckpointRef] | None = None
+        self._writing_step: int | None = None
+        self._staging = HostStaging()
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        """The checkpoint root URL as given."""
+        return self._url
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore(url={self._url!r}, keep={self._keep})"
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def save(self, step: int, state_dict: Any,
+             metadata: Mapping[str, Any] | None = None) -> CheckpointRef:
+        """Writes a checkpoint and returns once it is complete (payload, then manifest).
+
+        Waits for an in-flight ``save_async`` first. CPU tensors are written in place, so do not
+        modify them until this returns.
+
+        Args:
+            step: Optimizer step; names the directory. Must not already hold a checkpoint.
+            state_dict: Nested dicts/lists/tuples of tensors and plain values.
+            metadata: JSON-able values; ``epoch``, ``world_size`` and ``generation`` (ints) are
+                also recorded as manifest fields, ``generation`` fences older writers.
+
+        Returns:
+            The new checkpoint.
+
+        Raises:
+            ValueError: Bad step or metadata. TypeError: a value that cannot be saved.
+            CheckpointError: ``step`` already has a checkpoint, or the store is closed.
+            CheckpointFencedError: A newer generation has already published.
+            CheckpointWriteError: The storage failed; earlier checkpoints are untouched.
+        """
+        meta = checked_metadata(step, metadata)
+        with self._lock:
+            self._check_open()
+            self._wait_in_flight(None)
+            payload = to_host(state_dict)
+            return self._write(step, payload, meta)
+
+    def save_async(self, step: int, state_dict: Any,
+                   metadata: Mapping[str, Any] | None = None) -> Future[CheckpointRef]:
+        """Snapshots ``state_dict`` to host memory now and writes it in the background.
+
+        At most one write is in flight: this first waits for the previous one. When it returns,
+        the caller may modify its tensors freely.
+
+        Args:
+            step: As for :meth:`save`.
+            state_dict: As for :meth:`save`.
+            metadata: As for :meth:`save`.
+
+        Returns:
+            A future resolving to the new checkpoint, or raising what :meth:`save` raises.
+
+        Raises:
+            ValueError: Bad step or metadata. TypeError: a value that cannot be saved.
+            CheckpointError: The store is closed.
+        """
+        meta = checked_metadata(step, metadata)
+        with self._lock:
+            self._check_open()
+            self._wait_in_flight(None)
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+            snapshot = self._staging.snapshot(state_dict)
+            self._in_flight = self._executor.submit(self._write, step, snapshot, meta)
+            return self._in_flight
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Waits for the in-flight asynchronous write, if any.
+
+        Args:
+            timeout: How long to wait; ``None`` waits until it is done.
+
+        Returns:
+            True if nothing is in flight any more.
+        """
+        future = self._in_flight
+        if future is None:
+            return True
+        done, _ = wait_futures([future], None if timeout is None else timeout.total_seconds())
+        return bool(done)
+
+    def close(self) -> None:
+        """Waits for the in-flight write, stops the background writer, frees staging memory.
+
+        Reading (``list``, ``latest``, ``load``) still works afterwards; saving does not.
+        """
+        with self._lock:
+            self._closed = True
+            self._wait_in_flight(None)
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            self._staging.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"{self!r} is closed; create a new store to save again.")
+
+    def _wait_in_flight(self, timeout_s: float | None) -> None:
+        if self._in_flight is not None:
+            wait_futures([self._in_flight], timeout_s)
+
+    def _write(self, step: int, payload: Any, meta: dict[str, Any]) -> CheckpointRef:
+        scan = self._scan()
+        if any(ref.step == step for ref in scan.valid):
+            raise CheckpointError(
+                f"step {step} already has a checkpoint at {self._dir_url(step)}; checkpoints are "
+                f"never overwritten: save under a new step, or delete that directory first.")
+        self._check_fence(scan, meta.get("generation"), step)
+        step_dir = self._storage.join(step_dir_name(step))
+        self._writing_step = step
+        try:
+            if step in scan.invalid:
+                self._discard(step_dir)  # leftover of a torn write
+            manifest = self._write_files(step, step_dir, payload, meta)
+        finally:
+            self._writing_step = None
+        logger.info("checkpoint step %d written to %s", step, self._dir_url(step))
+        try:
+            self._apply_retention()
+        except CheckpointError as exc:  # published already; retention retries on the next save
+            logger.warning("retention after step %d failed: %s", step, exc)
+        return CheckpointRef(step, self._dir_url(step), manifest)
+
+    def _write_files(self, step: int, step_dir: str, payload: Any,
+                     meta: dict[str, Any]) -> Manifest:
+        try:
+            entry = write_payload(self._storage, f"{step_dir}/{PAYLOAD_NAME}", payload)
+            manifest = Manifest(step=step, epoch=meta.get("epoch"),
+                                world_size=meta.get("world_size"),
+                                generation=meta.get("generation"), metadata=meta,
+                                files={PAYLOAD_NAME: entry})
+            if manifest.generation is not None:  # re-check: a newer one may have published
+                self._check_fence(self._scan(), manifest.generation, step)
+            self._storage.write_bytes(f"{step_dir}/{MANIFEST_NAME}", manifest.to_json())
+            self._storage.sync_dir(step_dir)
+            self._storage.sync_dir(self._storage.root)
+            return manifest
+        except CheckpointFencedError:
+            self._discard(step_dir)
+            raise
+        except _WRITE_FAILURES as exc:
+            self._discard(step_dir)
+            raise CheckpointWriteError(
+                f"writing checkpoint step {step} to {self._dir_url(step)} failed: {exc!r}. "
+                f"Earlier checkpoints are intact; training can go on and save again.") from exc
+
+    def _discard(self, step_dir: str) -> None:
+        try:
+            self._storage.remove(step_dir, recursive=True)
+        except OSError as exc:
+            logger.warning("could not remove the unfinished checkpoint %s (%r); it is ignored "
+                           "by readers and removed by a later save", step_dir, exc)
+
+    def _check_fence(self, scan: Scan, generation: int | None, step: int) -> None:
+        if generation is None:
+            return
+        newest = max((r.generation for r in scan.valid if r.generation is not None), default=None)
+        if newest is not None and newest > generation:
+            raise CheckpointFencedError(
+                f"step {step} from generation {generation} was not published: generation "
+                f"{newest} has already written to {self._url}. This writer is stale; rejoin the "
+                f"job to get the current generation.")
+
+    def _apply_retention(self) -> None:
+        scan = self._scan()
+        if not scan.valid:
+            return
+        newest = scan.valid[-1].step
+        stale = scan.valid[:-self._keep] if self._keep is not None else []
+        torn = [s for s in sorted(scan.removable) if s < newest and s != self._writing_step]
+        for ref in stale:
+            self._remove_checkpoint(ref.step, manifest_first=True)
+        for step in torn:
+            logger.warning("removing unfinished checkpoint directory %s (%s)",
+                           self._dir_url(step), scan.invalid[step])
+            self._remove_checkpoint(step, manifest_first=False)
+
+    def _remove_checkpoint(self, step: int, manifest_first: bool) -> None:
+        step_dir = self._storage.join(step_dir_name(step))
+        try:
+            if manifest_first:  # it stops being a checkpoint before its payload goes
+                self._storage.remove(f"{step_dir}/{MANIFEST_NAME}")
+            self._storage.remove(step_dir, recursive=True)
+        except OSError as exc:
+            logger.warning("retention could not remove %s: %r", self._dir_url(step), exc)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def list(self) -> list[CheckpointRef]:
+        """Returns the complete checkpoints, oldest first.
+
+        A checkpoint is complete when its manifest is valid and every file it lists exists with
+        the recorded size; checksums are verified by :meth:`load`.
+
+        Raises:
+            CheckpointError: The storage failed while listing.
+        """
+        return self._scan().valid
+
+    def latest(self) -> CheckpointRef | None:
+        """Returns the newest complete checkpoint, or None if there is none.
+
+        Raises:
+            CheckpointError: The storage failed while listing.
+        """
+        valid = self._scan().valid
+        return valid[-1] if valid else None
+
+    def load(self, ref: CheckpointRef | None = None) -> LoadedCheckpoint:
+        """Reads a checkpoint, verifying its checksums; never runs code from the file.
+
+        Args:
+            ref: The checkpoint to read. ``None`` reads the newest one that verifies, skipping
+                (with a warning) newer ones that are torn or corrupt.
+
+        Returns:
+            The checkpoint's state dict (tensors on the CPU) and metadata.
+
+        Raises:
+            CheckpointNotFoundError: ``ref`` is None and no checkpoint can be read.
+            CheckpointCorruptError: ``ref`` was given and does not verify or decode.
+            CheckpointUnsafeError: ``ref`` was given and its payload would run code.
+            CheckpointError: The storage failed while listing or reading.
+        """
+        if ref is not None:
+            return self._read(ref)
+        scan = self._scan()
+        skipped = [f"{self._dir_url(s)}: {why}" for s, why in sorted(scan.invalid.items())
+                   if s != self._writing_step and (not scan.valid or s > scan.valid[-1].step)]
+        for reason in skipped:
+            logger.warning("skipping checkpoint %s", reason)
+        for candidate in reversed(scan.valid):
+            try:
+                return self._read(candidate)
+            except CheckpointCorruptError as exc:
+                logger.warning("skipping checkpoint %s: %s; falling back to an older one",
+                               candidate.url, exc)
+                skipped.append(f"{candidate.url}: {exc}")
+        raise CheckpointNotFoundError(
+            f"no readable checkpoint under {self._url}"
+            + (f"; skipped: {'; '.join(skipped)}" if skipped else "")
+            + ". Start from scratch, or point the store at the right URL.")
+
+    def _read(self, ref: CheckpointRef) -> LoadedCheckpoint:
+        step_dir = self._storage.join(step_dir_name(ref.step))
+        if ref.manifest.payload_format != "torch.save" or PAYLOAD_NAME not in ref.manifest.files:
+            raise CheckpointCorruptError(
+                f"checkpoint {ref.url} has payload format {ref.manifest.payload_format!r} with "
+                f"files {sorted(ref.manifest.files)}; this version reads 'torch.save' only.")
+        try:
+            state = read_payload(self._storage, f"{step_dir}/{PAYLOAD_NAME}",
+                                 ref.manifest.files[PAYLOAD_NAME])
+        except OSError as exc:
+            raise CheckpointError(f"reading checkpoint {ref.url} failed: {exc!r}.") from exc
+        return LoadedCheckpoint(ref=ref, state_dict=state, metadata=ref.manifest.metadata)
+
+    def _dir_url(self, step: int) -> str:
+        return self._storage.url_of(self._storage.join(step_dir_name(step)))
+
+    def _scan(self) -> Scan:
+        try:
+            return scan_checkpoints(self._storage)
+        except OSError as exc:
+            raise CheckpointError(
+                f"listing checkpoints under {self._url} failed: {exc!r}. Check that the storage "
+                f"is reachable and the credentials allow listing and reading.") from exc

@@ -1,0 +1,182 @@
+"""Faults and bad input: storage errors mid-write (a fault-injecting fsspec filesystem), async
+writes that must not block the caller, unknown schemes, incompatible states, bad arguments."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import (
+    CheckpointBackendError,
+    CheckpointError,
+    CheckpointIncompatibleError,
+    CheckpointStore,
+    CheckpointWriteError,
+    check_compatible,
+)
+
+pytestmark = pytest.mark.timeout(60)
+URL = "faultmem://run"
+
+
+def big_state(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((256, 1024), value), "step": torch.tensor(int(value))}
+
+
+def test_storage_error_mid_write_keeps_previous_checkpoint_loadable(faulty_fs) -> None:
+    store = CheckpointStore(URL)
+    store.save(1, big_state(1.0))
+    faulty_fs.plan.fail_after_bytes = 100_000
+    with pytest.raises(CheckpointWriteError, match="step 2.*Earlier checkpoints are intact"):
+        store.save(2, big_state(2.0))
+    assert faulty_fs.plan.fired == 1
+    assert [r.step for r in store.list()] == [1]
+    assert not any("000000000002" in p for p in faulty_fs.store)  # partial payload removed
+    assert torch.equal(store.load().state_dict["w"], big_state(1.0)["w"])
+    assert store.save(3, big_state(3.0)).step == 3  # the job keeps training and saving
+
+
+def test_storage_error_mid_async_write_surfaces_through_the_future(faulty_fs) -> None:
+    store = CheckpointStore(URL)
+    store.save(1, big_state(1.0))
+    faulty_fs.plan.fail_after_bytes = 4096
+    future = store.save_async(2, big_state(2.0))
+    with pytest.raises(CheckpointWriteError) as info:
+        future.result(timeout=30)
+    assert isinstance(info.value.__cause__, OSError)
+    assert isinstance(info.value, CheckpointError)
+    assert store.load().ref.step == 1
+    store.close()
+
+
+def test_transient_connection_error_is_retried_and_the_save_completes(faulty_fs, caplog) -> None:
+    faulty_fs.plan.fail_after_bytes = 10
+    faulty_fs.plan.error = lambda: ConnectionResetError(104, "injected: connection reset")
+    with caplog.at_level(logging.WARNING, logger="checkpoint"):
+        ref = CheckpointStore(URL).save(1, big_state(1.0))
+    assert faulty_fs.plan.fired == 1 and "Retrying" in caplog.text
+    assert torch.equal(CheckpointStore(URL).load(ref).state_dict["w"], big_state(1.0)["w"])
+
+
+def test_async_save_returns_before_the_write_finishes(faulty_fs) -> None:
+    faulty_fs.plan.gate = threading.Event()
+    store = CheckpointStore(URL)
+    future = store.save_async(1, big_state(1.0))
+    assert faulty_fs.plan.started.wait(10), "the background write never started"
+    assert not future.done()  # the writer is stuck in storage; the caller is not
+    assert store.wait(timedelta(seconds=0.05)) is False
+    assert store.list() == []  # nothing is visible before the manifest
+    faulty_fs.plan.gate.set()
+    assert future.result(timeout=30).step == 1
+    assert store.wait(timedelta(seconds=10)) is True
+    store.close()
+
+
+def test_next_async_save_waits_for_the_previous_one(faulty_fs) -> None:
+    faulty_fs.plan.gate = threading.Event()
+    store = CheckpointStore(URL)
+    first = store.save_async(1, big_state(1.0))
+    assert faulty_fs.plan.started.wait(10)
+    second_returned = threading.Event()
+    results = []
+
+    def second_save() -> None:
+        results.append(store.save_async(2, big_state(2.0)))
+        second_returned.set()
+
+    thread = threading.Thread(target=second_save)
+    thread.start()
+    assert not second_returned.wait(0.2)  # blocked: one write in flight at most
+    faulty_fs.plan.gate.set()
+    assert second_returned.wait(10)
+    thread.join(10)
+    assert first.done() and results[0].result(timeout=30).step == 2
+    assert [r.step for r in store.list()] == [1, 2]
+    store.close()
+
+
+def test_unknown_scheme_is_a_backend_error_saying_what_to_install() -> None:
+    with pytest.raises(CheckpointBackendError, match="nosuchscheme.*pip install"):
+        CheckpointStore("nosuchscheme://bucket/run")
+
+
+def test_missing_backend_package_is_named_in_the_error() -> None:
+    pytest.importorskip("fsspec")
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("gcsfs is installed here")
+    with pytest.raises(CheckpointBackendError, match="gcsfs"):
+        CheckpointStore("gs://bucket/run")
+
+
+def test_check_compatible_names_the_key_and_both_shapes() -> None:
+    live = {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(4)}, "epoch": 1}
+    loaded = {"model": {"w": torch.zeros(4, 3), "b": torch.zeros(4)}, "epoch": 3}
+    with pytest.raises(CheckpointIncompatibleError,
+                       match=r"'model\.w'.*\(4, 3\).*\(3, 4\)"):
+        check_compatible(loaded, live)
+
+
+def test_check_compatible_names_missing_and_unexpected_keys() -> None:
+    live = {"model": {"w": torch.zeros(2)}}
+    with pytest.raises(CheckpointIncompatibleError, match="lacks key 'model.w'"):
+        check_compatible({"model": {}}, live)
+    with pytest.raises(CheckpointIncompatibleError, match="has key 'model.extra'"):
+        check_compatible({"model": {"w": torch.zeros(2), "extra": 1}}, live)
+    check_compatible({"model": {"w": torch.ones(2, dtype=torch.float64)}}, live)
+
+
+def test_values_that_cannot_be_loaded_safely_are_rejected_before_writing(tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path))
+    with pytest.raises(TypeError, match=r"state_dict\.opt\.fn has type function"):
+        store.save(1, {"opt": {"fn": lambda: 0}})
+    assert store.list() == [] and list(tmp_path.iterdir()) == []
+
+
+def test_bad_arguments_are_rejected_with_the_value_in_the_message(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"keep \(0\)"):
+        CheckpointStore(str(tmp_path), keep=0)
+    store = CheckpointStore(str(tmp_path))
+    with pytest.raises(ValueError, match=r"step \(-1\)"):
+        store.save(-1, {})
+    with pytest.raises(ValueError, match=r"metadata generation \('2'\)"):
+        store.save(1, {}, {"generation": "2"})
+    with pytest.raises(ValueError, match="JSON"):
+        store.save(1, {}, {"when": object()})
+    with pytest.raises(ValueError, match=r"metadata step \(2\) differs"):
+        store.save(1, {}, {"step": 2})
+
+
+def test_local_checkpoint_loads_memory_mapped_and_independent_of_the_file(tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path), keep=1)
+    store.save(1, big_state(1.0))
+    loaded = store.load()
+    store.save(2, big_state(2.0))  # retention deletes step 1 while its tensors are mapped
+    assert not (tmp_path / "000000000001").exists()
+    assert torch.equal(loaded.state_dict["w"], big_state(1.0)["w"])
+    loaded.state_dict["w"].add_(1.0)  # private mapping: writes never reach a file
+    assert torch.equal(store.load().state_dict["w"], big_state(2.0)["w"])
+
+
+def test_consecutive_async_saves_each_keep_their_own_values(tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path), keep=None)
+    state = big_state(0.0)
+    futures = []
+    for step in range(1, 4):
+        state["w"].fill_(float(step))  # staging buffers are reused between saves
+        futures.append(store.save_async(step, state))
+    assert [f.result(timeout=30).step for f in futures] == [1, 2, 3]
+    for ref in store.list():
+        assert torch.equal(store.load(ref).state_dict["w"], big_state(float(ref.step))["w"])
+    store.close()
+    with pytest.raises(CheckpointError, match="closed"):
+        store.save_async(4, state)
+    assert store.latest().step == 3  # reading still works
