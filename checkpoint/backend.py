@@ -115,7 +115,9 @@ class Storage:
         Returns:
             A map from the path relative to the root to fsspec's info (``type``, ``size``).
         """
-        self.fs.invalidate_cache(self.root)
+        # The whole cache: object-store listings of the step directories (cached while a writer
+        # was still writing them) would otherwise hide manifests written since.
+        self.fs.invalidate_cache()
         try:
             found = self.fs.find(self.root, maxdepth=2, withdirs=True, detail=True)
         except FileNotFoundError:

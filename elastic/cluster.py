@@ -7,11 +7,14 @@ group on a fresh etcd-backed store. It knows nothing of the training state.
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from datetime import timedelta
+from typing import Any
 
 from elastic.embedded_etcd import free_port
-from elastic.errors import FencedError
+from elastic.errors import EtcdUnavailableError, FencedError
 from elastic.etcd_client import EtcdClient, parse_endpoints
 from elastic.etcd_store import EtcdStore
 from elastic.events import EventLog, Stopwatch
@@ -127,6 +130,15 @@ class Cluster:
         if self._store is not None:
             self._store.close()
             self._store = None
+
+    def publish_checkpoint(self, ref: Any) -> None:
+        """Records the newest durable checkpoint in etcd (for ``elastic status``)."""
+        record = {"version": ref.step, "url": ref.url, "epoch": ref.epoch, "t": time.time(),
+                  "member": self.member_id}
+        try:
+            self.client.put(self.keys.commit, json.dumps(record))
+        except EtcdUnavailableError as exc:
+            log.warning("could not record checkpoint %s in etcd: %s", ref.url, exc)
 
     def finish(self) -> None:
         """Says this member returned from the training function and waits for the others."""

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.cluster import Cluster
+from elastic.durable import DurableCommits
 from elastic.errors import (FencedError, LeaveInterrupt, MembershipChangedInterrupt,
                             PeerFailureError, RendezvousClosedError)
 from elastic.events import EventLog, Stopwatch
@@ -57,6 +58,9 @@ class ElasticState(TrainState):
         self._callbacks: list[Callable[[ElasticState], None]] = []
         self._leave_requested = threading.Event()
         self._generation = 0
+        self._durable = DurableCommits(self._settings.checkpoint) if self._settings.checkpoint \
+            else None
+        self._warned_not_durable = False
         super().__init__(**objects)
 
     # -- topology ---------------------------------------------------------------------------
@@ -141,9 +145,29 @@ class ElasticState(TrainState):
         if pending or leaving:
             raise MembershipChangedInterrupt(cluster.monitor.reason or "a member leaves")
 
+    @property
+    def checkpoint_error(self) -> Exception | None:
+        """The last failed durable write, if any (training goes on; the previous one is valid)."""
+        return self._durable.last_error if self._durable else None
+
     def _commit_durably(self, version: int) -> None:
-        """Writes the commit to the checkpoint URL (wired in by the checkpoint issue)."""
-        del version
+        """Has rank 0 write the commit to the checkpoint URL in the background."""
+        if self._durable is None:
+            if not self._warned_not_durable:
+                log.warning("commit(durable=True) without a checkpoint URL: the commit stays in "
+                            "memory. Pass ElasticState(checkpoint=URL), --checkpoint or "
+                            "ELASTIC_CHECKPOINT to make it durable.")
+                self._warned_not_durable = True
+            return
+        if self.rank != 0:
+            return
+        topology = self._cluster.topology if self._cluster else None
+        epoch = self._values.get("epoch")
+        metadata = {"world_size": self.world_size, "generation": topology.round if topology else 0,
+                    "member": self.member_id or ""}
+        if isinstance(epoch, int) and not isinstance(epoch, bool):
+            metadata["epoch"] = epoch
+        self._durable.write(self.committed(), version, metadata)
 
     # -- the run loop ----------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -161,6 +185,9 @@ class ElasticState(TrainState):
         worker = f"{os.uname().nodename}-{os.getpid()}"
         events = EventLog(self._settings.log_dir, worker)
         self._cluster = Cluster(self._settings, events)
+        if self._durable is not None:
+            self._durable.events = events
+            self._durable.on_published(self._cluster.publish_checkpoint)
         restore_signals = self._install_signal_handlers()
         gc.freeze()  # keeps the full collections after a failure cheap
         try:
@@ -169,6 +196,8 @@ class ElasticState(TrainState):
             return self._loop(self._cluster, fn, args, kwargs)
         finally:
             restore_signals()
+            if self._durable is not None:
+                self._durable.store.wait()
             self._cluster.close()
             self._cluster = None
 
@@ -243,14 +272,28 @@ class ElasticState(TrainState):
             callback(self)
 
     def _newest_rank(self) -> int:
-        """All-gathers commit versions; the newest wins, the lowest rank among equals."""
-        mine = torch.tensor([self.version], dtype=torch.int64)
-        gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+        """All-gathers commit versions (and rank 0's newest checkpoint); returns the source.
+
+        The newest in-memory commit wins, the lowest rank among equals; a durable checkpoint
+        newer than every in-memory commit (a job started again, or a rank 0 that wrote one and
+        died) is read once, by rank 0, which then becomes the source.
+        """
+        rank = dist.get_rank()
+        durable = self._durable.latest_version() if self._durable and rank == 0 else 0
+        mine = torch.tensor([self.version, durable], dtype=torch.int64)
+        gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
         if self._cluster is not None and self._cluster.group.backend == "nccl":
             mine, gathered = mine.cuda(), [g.cuda() for g in gathered]
         dist.all_gather(gathered, mine)
-        versions = [int(g.item()) for g in gathered]
-        return versions.index(max(versions))
+        versions = [int(g[0].item()) for g in gathered]
+        newest_durable = int(gathered[0][1].item())
+        if newest_durable <= max(versions):
+            return versions.index(max(versions))
+        if rank == 0 and self._durable is not None:
+            payload = self._durable.load_latest(self.committed())
+            if payload is not None:
+                self.load_committed(payload)
+        return 0
 
     def _samplers(self) -> list[ElasticSampler]:
         return [obj for obj in self._stateful.values() if isinstance(obj, ElasticSampler)]

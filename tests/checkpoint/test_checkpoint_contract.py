@@ -95,6 +95,20 @@ class StoreContract:
         assert_same_state(loaded.state_dict, state)
         assert_same_state(store.load(ref).state_dict, state)
 
+    def test_a_reader_sees_checkpoints_completed_after_it_first_listed(self) -> None:
+        # Another process in real jobs: a filesystem instance of its own (no shared caches).
+        reader = self.store()
+        writer = CheckpointStore(self.url, storage_options={**(self.options or {}),
+                                                            "skip_instance_cache": True})
+        assert reader.list() == []
+        writer.save(1, sample_state())
+        assert [r.step for r in reader.list()] == [1]
+        self.put(f"{3:012d}/state.pt", b"a write in progress: no manifest yet")
+        assert [r.step for r in reader.list()] == [1]  # the reader lists the step meanwhile
+        writer.save(3, sample_state())
+        assert [r.step for r in reader.list()] == [1, 3]
+        assert reader.latest().step == 3
+
     def test_empty_store_has_no_latest_and_load_raises_not_found(self) -> None:
         store = self.store()
         assert store.latest() is None and store.list() == []

@@ -111,7 +111,7 @@ def main() -> None:
             record(s, pending)
             s.skipped[s.epoch] = s.sampler.skipped_indices()
             s.epoch += 1
-            s.commit()
+            s.commit(durable=True)
         return {"loss": full_loss(s.model, dataset)}
 
     def record(s: ElasticState, pending: list[int]) -> None:
