@@ -10,11 +10,13 @@ from elastic.errors import (ElasticError, ElasticInterrupt, EtcdUnavailableError
                             LeaveInterrupt, MembershipChangedInterrupt, PeerFailureError,
                             RendezvousClosedError, RendezvousTimeoutError)
 from elastic.runner import ElasticState
-from state import ElasticSampler, TrainState
+from state import (ElasticSampler, LinearLRScaling, RNGState, SeededDataset, SqrtLRScaling,
+                   StateError, TrainState, seed_everything)
 
 __all__ = [
     "CheckpointError", "CheckpointStore", "ElasticError", "ElasticInterrupt", "ElasticSampler",
-    "ElasticState", "EtcdUnavailableError", "FencedError", "LeaveInterrupt",
-    "MembershipChangedInterrupt", "PeerFailureError", "RendezvousClosedError",
-    "RendezvousTimeoutError", "TrainState",
+    "ElasticState", "EtcdUnavailableError", "FencedError", "LeaveInterrupt", "LinearLRScaling",
+    "MembershipChangedInterrupt", "PeerFailureError", "RNGState", "RendezvousClosedError",
+    "RendezvousTimeoutError", "SeededDataset", "SqrtLRScaling", "StateError", "TrainState",
+    "seed_everything",
 ]

@@ -11,6 +11,7 @@ import json
 import logging
 import time
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 from elastic.embedded_etcd import free_port
@@ -73,6 +74,9 @@ class Cluster:
 
     def _on_broken(self, reason: str) -> None:
         self.events.emit("failure_detected", reason=reason, source="watch")
+        store = self._store
+        if store is not None:
+            store.abort(reason)  # a group still forming stops waiting for the dead member
         self.group.release(reason)
 
     @property
@@ -90,11 +94,13 @@ class Cluster:
         self._register()
         self.events.emit("reregistered", previous_member=old)
 
-    def form(self, reason: str, version: int) -> Topology:
+    def form(self, reason: str, version: int,
+             cancelled: Callable[[], bool] = lambda: False) -> Topology:
         """Leaves the current round and forms the next one with this member in it.
 
         Raises:
             RendezvousTimeoutError: too few workers for too long.
+            LeaveInterrupt: ``cancelled()`` turned true while waiting for a round.
             EtcdUnavailableError: etcd stayed unreachable past the retry deadline.
         """
         self.monitor.disarm()
@@ -106,7 +112,7 @@ class Cluster:
                 reason = "start"
             with Stopwatch() as waited:
                 try:
-                    topology = self.rendezvous.join(reason, version, free_port())
+                    topology = self.rendezvous.join(reason, version, free_port(), cancelled)
                 except FencedError:
                     continue
             if topology is not None:
@@ -118,10 +124,10 @@ class Cluster:
         self.events.emit("round_formed", reason=reason, rendezvous_s=waited.seconds)
         with Stopwatch() as formed:
             self._store = EtcdStore(self.client, topology.store_prefix, _STORE_TIMEOUT)
+            self.topology = topology
+            self.monitor.arm(topology, self.client)  # a member dying now aborts the forming
             self.group.form(self._store, topology.rank, topology.world_size)
         self.events.emit("group_formed", backend=self.group.backend, form_s=formed.seconds)
-        self.topology = topology
-        self.monitor.arm(topology, self.client)
         return topology
 
     def _drop_group(self) -> None:

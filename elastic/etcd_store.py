@@ -34,6 +34,7 @@ class EtcdStore(dist.Store):
         self._prefix = prefix
         self._timeout = timeout
         self._values: dict[str, bytes] = {}
+        self._aborted: str | None = None
         self._changed = threading.Condition()
         kvs, revision = client.get_prefix(prefix)
         for kv in kvs:
@@ -53,6 +54,12 @@ class EtcdStore(dist.Store):
     def close(self) -> None:
         """Stops the watch (the keys are deleted with the round)."""
         self._cancel_watch()
+
+    def abort(self, reason: str) -> None:
+        """Makes every blocked and later ``wait``/``get`` fail at once (the round is broken)."""
+        with self._changed:
+            self._aborted = reason
+            self._changed.notify_all()
 
     # -- dist.Store -------------------------------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
@@ -102,6 +109,8 @@ class EtcdStore(dist.Store):
         deadline = time.monotonic() + limit
         with self._changed:
             while not all(k in self._values for k in keys):
+                if self._aborted is not None:
+                    raise RuntimeError(f"store {self._prefix} aborted: {self._aborted}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = [k for k in keys if k not in self._values]

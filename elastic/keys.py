@@ -10,6 +10,10 @@ Layout under ``/elastic/{job_id}/``:
 - ``rounds/{n}/store/``: the torch.distributed store of round ``n`` (fresh per round).
 - ``commit``: the newest commit version and the newest durable checkpoint, for ``elastic status``.
 - ``config``: the job's configuration, written by the first launcher.
+
+The launchers of a job (``elastic run``) register under a sibling job, ``{job_id}.launchers``
+(``JobKeys.launchers``), with the same layout: its ``members/`` are the live launchers and its
+rounds are the generations of ``--plain`` (torchrun-compatible) jobs.
 """
 
 from __future__ import annotations
@@ -76,6 +80,10 @@ class JobKeys:
     @property
     def config(self) -> str:
         return f"{self.prefix}config"
+
+    def launchers(self) -> "JobKeys":
+        """The keys of this job's launchers (their membership and ``--plain`` generations)."""
+        return JobKeys(f"{self.job_id}.launchers")
 
     def round_of(self, key: str) -> int | None:
         """Returns the round number in a ``rounds/{n}/...`` key, or None for other keys."""

@@ -41,6 +41,19 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+def _reset_group_names() -> None:
+    """Starts torch's group-name counter from 0 again before a new default group.
+
+    The counter names the group's store keys. ``destroy_process_group`` resets it, but an
+    ``init_process_group`` that failed half-way (a peer died while connecting) leaves it advanced
+    in this process only, and every later formation would then wait for keys its peers write
+    under another name. No group exists here, so no name can clash.
+    """
+    world = dist.distributed_c10d._world
+    if not dist.is_initialized() and hasattr(world, "group_count"):
+        world.group_count = 0
+
+
 @dataclass(frozen=True)
 class _SocketId:
     fd: int
@@ -85,11 +98,16 @@ class ProcessGroup:
         backend: "gloo" or "nccl" (resolved already).
         timeout: the group's collective timeout (a backstop; release() is the fast path).
         skip_ports: remote ports of connections that are not the group's (etcd's).
+        form_timeout: how long forming may take. A member that dies while the others connect
+            to it cannot be released (gloo waits on its listening socket), so the formation
+            runs under this short timeout and the group gets ``timeout`` once it is formed.
     """
 
-    def __init__(self, backend: str, timeout: timedelta, skip_ports: frozenset[int]) -> None:
+    def __init__(self, backend: str, timeout: timedelta, skip_ports: frozenset[int],
+                 form_timeout: timedelta = timedelta(seconds=20)) -> None:
         self.backend = backend
         self.timeout = timeout
+        self.form_timeout = form_timeout
         self._skip_ports = skip_ports
         self._sockets: list[_SocketId] = []
         self._lock = threading.Lock()
@@ -110,11 +128,13 @@ class ProcessGroup:
         before = _socket_fds()
         if self.backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        _reset_group_names()
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
-                                timeout=self.timeout)
+                                timeout=self.form_timeout)
         if self.backend == "gloo":
             # gloo connects the full mesh lazily on some builds: one collective forces it.
             dist.barrier()
+        dist.distributed_c10d._set_pg_timeout(self.timeout)
         after = _socket_fds()
         with self._lock:
             self._sockets = [_SocketId(fd, inode) for fd, inode in after.items()

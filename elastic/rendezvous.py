@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
-from elastic.errors import RendezvousClosedError, RendezvousTimeoutError
+from elastic.errors import LeaveInterrupt, RendezvousClosedError, RendezvousTimeoutError
 from elastic.etcd_client import EtcdClient, WatchEvent
 from elastic.keys import JobKeys
 from elastic.membership import EtcdMembership
@@ -91,7 +92,8 @@ class Rendezvous:
         kv = self._client.get(self._keys.plan(n)) if n > 0 else None
         return Plan.from_json(kv.value) if kv else None
 
-    def join(self, reason: str, version: int, port: int) -> Topology | None:
+    def join(self, reason: str, version: int, port: int,
+             cancelled: Callable[[], bool] = lambda: False) -> Topology | None:
         """Asks to be in the next round and waits until it forms.
 
         Returns:
@@ -101,6 +103,7 @@ class Rendezvous:
             RendezvousTimeoutError: fewer than min_workers for longer than the timeout, or
                 never admitted by the running members.
             FencedError: this member's lease was lost while waiting.
+            LeaveInterrupt: ``cancelled()`` turned true (SIGTERM) while waiting.
         """
         started = time.monotonic()
         while True:
@@ -110,7 +113,7 @@ class Rendezvous:
                                   self._membership.advertise_addr, port)
             self._client.put(self._keys.join(n, self._membership.member_id), request.to_json(),
                              lease=self._membership.lease)
-            plan = self._wait_for_plan(n, started)
+            plan = self._wait_for_plan(n, started, cancelled)
             if self._membership.member_id in plan.ranks:
                 return self._topology(plan)
             if self._membership.member_id in plan.spares:
@@ -118,7 +121,7 @@ class Rendezvous:
             log.info("round %d closed without %s; asking for the next", n,
                      self._membership.member_id)
 
-    def _wait_for_plan(self, n: int, started: float) -> Plan:
+    def _wait_for_plan(self, n: int, started: float, cancelled: Callable[[], bool]) -> Plan:
         previous = self.read_plan(n - 1)
         seen: tuple[frozenset[str], frozenset[str]] | None = None
         last_change = time.monotonic()
@@ -127,6 +130,8 @@ class Rendezvous:
             with self._changed:
                 epoch = self._epoch
             self._membership.check_not_fenced()
+            if cancelled():
+                raise LeaveInterrupt(f"asked to leave while waiting for round {n}")
             plan = self.read_plan(n)
             if plan is not None:
                 return plan

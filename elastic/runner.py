@@ -27,13 +27,13 @@ from elastic.errors import (FencedError, LeaveInterrupt, MembershipChangedInterr
                             PeerFailureError, RendezvousClosedError)
 from elastic.events import EventLog, Stopwatch
 from elastic.settings import WorkerSettings
-from state import ElasticSampler, TrainState
+from state import ElasticSampler, StateError, TrainState
 
 log = logging.getLogger(__name__)
 
 _MAX_REFORMATIONS = 10_000
 _COMM_ERROR_HINTS = ("connection", "gloo", "nccl", "timed out", "timeout", "peer", "socket",
-                     "broken pipe", "closed", "distbackenderror", "process group")
+                     "broken pipe", "closed", "distbackenderror", "process group", "aborted")
 
 
 class ElasticState(TrainState):
@@ -214,6 +214,16 @@ class ElasticState(TrainState):
                 except RendezvousClosedError as exc:
                     cluster.events.emit("job_finished", why=str(exc))
                     return None
+                except LeaveInterrupt:
+                    cluster.events.emit("leaving", version=self.version)
+                    return None
+                except (RuntimeError, PeerFailureError, StateError) as exc:
+                    if not self._is_peer_failure(cluster, exc):
+                        raise
+                    cluster.events.emit("failure_detected", source="formation",
+                                        error=repr(exc)[:300])
+                    reason = "failure"
+                    continue
             cluster.events.emit("resumed", reason=reason, recovery_s=recovery.seconds,
                                 version=self.version)
             outcome = self._call(cluster, fn, args, kwargs)
@@ -252,11 +262,13 @@ class ElasticState(TrainState):
             return True
         if cluster.group.is_released or cluster.is_fenced:
             return True
+        if isinstance(exc, StateError) and isinstance(exc.__cause__, RuntimeError):
+            exc = exc.__cause__  # a broadcast of the state sync failed
         text = f"{type(exc).__name__} {exc}".lower()
         return isinstance(exc, RuntimeError) and any(h in text for h in _COMM_ERROR_HINTS)
 
     def _reform(self, cluster: Cluster, reason: str) -> None:
-        topology = cluster.form(reason, self.version)
+        topology = cluster.form(reason, self.version, self._leave_requested.is_set)
         self._generation += 1
         os.environ.update(RANK=str(topology.rank), WORLD_SIZE=str(topology.world_size),
                           LOCAL_RANK=str(self.local_rank), MASTER_ADDR=topology.master_addr,

@@ -4,12 +4,20 @@ Knows torch and torch.distributed collectives; never imports ``elastic`` or ``ch
 """
 
 from state.errors import NoCommitError, StateError, StateKeyError, SyncError
+from state.global_batch import Share, sample_seed
+from state.lr_scaling import LinearLRScaling, SqrtLRScaling
+from state.rng import RNGState, SeededDataset, seed_everything
 from state.sampler import ElasticSampler
 from state.stateful import Stateful, is_stateful, snapshot
 from state.train_state import TrainState
 
 __all__ = [
     "ElasticSampler",
+    "LinearLRScaling",
+    "RNGState",
+    "SeededDataset",
+    "Share",
+    "SqrtLRScaling",
     "NoCommitError",
     "StateError",
     "StateKeyError",
@@ -17,5 +25,7 @@ __all__ = [
     "SyncError",
     "TrainState",
     "is_stateful",
+    "sample_seed",
+    "seed_everything",
     "snapshot",
 ]

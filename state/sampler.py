@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Sampler
 
 from state.errors import StateError, StateKeyError
+from state.global_batch import Share, share_of
 
 __all__ = ["ElasticSampler", "split_counts"]
 
@@ -86,23 +87,40 @@ class ElasticSampler(Sampler[int]):
     never by iteration, so prefetching (``num_workers > 0``) does not lose samples.
     The sampler is iterated in the main process.
 
+    **Constant global batch** (``global_batch_size=B``): global step ``k`` trains positions
+    ``k*B .. k*B+B-1`` of the permutation whatever the world size, split into contiguous
+    shares differing by at most one sample; the sampler then yields **lists** (this rank's
+    share of each global batch: pass it as a DataLoader's ``batch_sampler``), ``share()``
+    describes the batch being trained and ``share().loss_scale`` weights the summed loss
+    so that DDP's average is the mean over the global batch. The epoch's last global batch
+    holds the ``T < B`` samples left and follows the same rule (unless ``drop_last``, which
+    skips it); a rank without a sample (``T`` or ``B`` smaller than the world) trains one
+    dummy sample with ``loss_scale`` 0, so every rank still runs forward and backward.
+
     Args:
         dataset: Anything with ``__len__``.
         shuffle: Use a seeded random permutation, else ``0..n-1`` in order.
         seed: Seed of the permutation; epoch ``e`` uses ``seed + e``.
         drop_last: Always skip the final partial global batch.
         batch_size: Items per batch, if known in advance.
+        global_batch_size: Switches to constant-global-batch mode with this ``B``.
 
     Raises:
-        ValueError: ``batch_size`` is not positive or ``dataset`` has no length.
+        ValueError: A batch size is not positive, both are given, or ``dataset`` has no
+            length.
     """
 
     def __init__(self, dataset: Sized, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, batch_size: int | None = None) -> None:
+                 drop_last: bool = False, batch_size: int | None = None,
+                 global_batch_size: int | None = None) -> None:
         if not hasattr(dataset, "__len__"):
             raise ValueError(f"dataset ({type(dataset).__name__}) must have a length.")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size ({batch_size}) must be >= 1 or None.")
+        if global_batch_size is not None and (global_batch_size < 1 or batch_size is not None):
+            raise ValueError(f"global_batch_size ({global_batch_size}) must be >= 1 and comes "
+                             f"without batch_size ({batch_size}); pass only one of them.")
+        self._global_batch = global_batch_size
         self._size = len(dataset)
         self._shuffle = bool(shuffle)
         self._drop_last = bool(drop_last)
@@ -122,6 +140,16 @@ class ElasticSampler(Sampler[int]):
     def epoch(self) -> int:
         """The current epoch."""
         return self._epoch
+
+    @property
+    def seed(self) -> int:
+        """Seed of the permutation (and of ``SeededDataset``'s per-sample seeds)."""
+        return self._seed
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """``B`` in constant-global-batch mode, else None."""
+        return self._global_batch
 
     @property
     def consumed(self) -> int:
@@ -190,6 +218,9 @@ class ElasticSampler(Sampler[int]):
         """
         if n < 1:
             raise ValueError(f"record_batch(n) needs n ({n}) >= 1.")
+        if self._global_batch is not None:
+            self._record_global(n)
+            return
         if self._batch_size is None or n > self._batch_size:
             self._batch_size = int(n)
         split = self._split or self._start_split()
@@ -208,6 +239,8 @@ class ElasticSampler(Sampler[int]):
     # -- iteration -----------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[int]:
+        if self._global_batch is not None:
+            return self._iter_global()  # type: ignore[return-value]
         split = self._start_split()
         mine = self._permutation()[split.base + split.rank::split.world_size]
         return self._generate(split, mine)
@@ -232,12 +265,68 @@ class ElasticSampler(Sampler[int]):
             self._consumed = self._size
 
     def __len__(self) -> int:
+        if self._global_batch is not None:
+            return -(-(self._global_limit() - self._consumed) // self._global_batch)
         split = self._split
         base, rank, world = ((split.base, split.rank, split.world_size) if split
                              else (self._consumed, self._rank, self._world_size))
         if split is not None and split.counts is not None:
             return split.counts[rank]
         return split_counts(self._size - base, world, self._batch_size or 1, self._drop_last)[rank]
+
+    # -- constant global batch ---------------------------------------------------------------
+
+    def share(self) -> Share:
+        """This rank's share of the global batch being trained (the next to be recorded).
+
+        Call it between taking a batch from the loader and ``record_batch``; it depends only
+        on the committed position, so it is right under DataLoader prefetching.
+
+        Raises:
+            StateError: Not in constant-global-batch mode, or the epoch has no batch left.
+        """
+        if self._global_batch is None:
+            raise StateError("share() needs constant-global-batch mode; construct the sampler "
+                             "with ElasticSampler(..., global_batch_size=B).")
+        if self._consumed >= self._global_limit():
+            raise StateError(f"epoch {self._epoch} has no global batch left (consumed "
+                             f"{self._consumed} of {self._size}); call set_epoch(epoch + 1).")
+        return share_of(self._consumed, self._size, self._global_batch, self._rank,
+                        self._world_size)
+
+    def _global_limit(self) -> int:
+        """End of the positions trained this epoch (``drop_last`` cuts the short batch)."""
+        assert self._global_batch is not None
+        if self._drop_last:
+            return self._size // self._global_batch * self._global_batch
+        return self._size
+
+    def _iter_global(self) -> Iterator[list[int]]:
+        """Yields this rank's share of every global batch left in the epoch."""
+        assert self._global_batch is not None
+        perm, limit = self._permutation(), self._global_limit()
+        self._skip_global_tail()
+        rank, world = self._rank, self._world_size
+        for start in range(self._consumed, limit, self._global_batch):
+            share = share_of(start, self._size, self._global_batch, rank, world)
+            yield [perm[p] for p in share.positions]
+
+    def _record_global(self, n: int) -> None:
+        """Advances by one global batch; ``n`` must be this rank's share length."""
+        share = self.share()
+        if n != len(share.positions):
+            raise ValueError(f"record_batch(n={n}) but this rank's share of global step "
+                             f"{share.step} has {len(share.positions)} samples; pass the sampler "
+                             f"as DataLoader(batch_sampler=...) and record len(batch).")
+        self._consumed += share.total
+        self._batches_done += 1
+        self._skip_global_tail()
+
+    def _skip_global_tail(self) -> None:
+        """With ``drop_last``, marks a last global batch shorter than ``B`` as skipped."""
+        if self._global_limit() <= self._consumed < self._size:
+            self._skipped = self._size - self._consumed
+            self._consumed = self._size
 
     def _start_split(self) -> _Split:
         """Begins a new split of the unconsumed items over the current topology."""

@@ -62,6 +62,11 @@ class Job:
         self.procs[index] = proc
         return proc
 
+    def start_together(self, indices: list[int] | range) -> None:
+        """Starts workers that wait for each other before joining (one first round)."""
+        for index in indices:
+            self.start(index, START_BARRIER=str(len(indices)))
+
     def progress(self, index: int) -> list[dict[str, Any]]:
         path = self.out / f"progress-{index}.jsonl"
         if not path.exists():
@@ -88,6 +93,7 @@ class Job:
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            self.dump_stacks()
             raise AssertionError(f"worker {index} did not exit in {timeout} s\n{self.tails()}") \
                 from None
 
@@ -109,6 +115,17 @@ class Job:
 
     def signal(self, index: int, sig: signal.Signals) -> None:
         os.kill(self.procs[index].pid, sig)
+
+    def dump_stacks(self) -> None:
+        """Asks every live worker to write its threads' stacks to its log (SIGUSR1)."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGUSR1)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=1)  # gives the dumps time to land; the workers keep running
+            except subprocess.TimeoutExpired:
+                pass
 
     def tails(self, lines: int = 25) -> str:
         parts = []

@@ -18,8 +18,7 @@ ARGS = ["--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--batch", "8",
 def run_until_checkpoint(make_job, env: dict[str, str], store: CheckpointStore, epoch: int):
     """Starts 3 workers and SIGKILLs all of them once the durable commit of ``epoch`` exists."""
     job = make_job(ARGS, env)
-    for i in range(3):
-        job.start(i)
+    job.start_together(range(3))
     job.wait_until(lambda: any(ref.epoch == epoch for ref in store.list()), 120,
                    f"the durable commit of epoch {epoch}")
     for i in range(3):
@@ -32,8 +31,7 @@ def run_until_checkpoint(make_job, env: dict[str, str], store: CheckpointStore, 
 def resume(make_job, env: dict[str, str], expected_epoch: int, expected_params: list[float]):
     """Starts 2 workers on the same URL and checks where they resumed and how they ended."""
     job = make_job(ARGS, env)
-    for i in range(2):
-        job.start(i)
+    job.start_together(range(2))
     for i in range(2):
         assert job.wait_exit(i) == 0, job.tails()
     first_reset = next(p for p in job.progress(0) if p.get("event") == "reset")

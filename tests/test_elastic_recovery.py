@@ -43,8 +43,7 @@ def check_outcome(job: Job, survivors: list[int]) -> list[dict]:
 
 def test_survivors_finish_in_world_two_after_a_worker_is_killed(make_job):
     job = make_job(ARGS, {"FAULTS": "kill:2:20"})
-    for i in range(3):
-        job.start(i)
+    job.start_together(range(3))
     assert job.wait_exit(2) == -signal.SIGKILL
     assert job.fired("kill", 2)["world"] == 3
     assert job.wait_exit(0) == 0 and job.wait_exit(1) == 0
@@ -56,9 +55,8 @@ def test_survivors_finish_in_world_two_after_a_worker_is_killed(make_job):
 
 
 def test_a_joiner_enters_at_the_next_commit_with_rank_zero_parameters(make_job):
-    job = make_job(ARGS + ["--step-ms", "60"])
-    job.start(0)
-    job.start(1)
+    job = make_job(ARGS + ["--hold-at", "8"])
+    job.start_together([0, 1])
     job.wait_step(0, 5)
     job.start(2)
     for i in range(3):
@@ -77,8 +75,7 @@ def test_a_joiner_enters_at_the_next_commit_with_rank_zero_parameters(make_job):
 
 def test_a_terminated_worker_leaves_at_once_without_waiting_for_its_lease(make_job):
     job = make_job(ARGS, {"FAULTS": "term:1:20", "ELASTIC_LEASE_TTL": "30"})
-    for i in range(3):
-        job.start(i)
+    job.start_together(range(3))
     assert job.wait_exit(1) == 0
     fired_at = job.fired("term", 1)["t"]
     assert job.wait_exit(0) == 0 and job.wait_exit(2) == 0
@@ -93,8 +90,7 @@ def test_a_terminated_worker_leaves_at_once_without_waiting_for_its_lease(make_j
 
 def test_a_frozen_worker_is_dropped_within_the_lease_and_stays_fenced(make_job):
     job = make_job(ARGS + ["--step-ms", "30"], {"FAULTS": "stop:1:12", "ELASTIC_LEASE_TTL": "2"})
-    for i in range(3):
-        job.start(i)
+    job.start_together(range(3))
     job.wait_until(lambda: (job.out / "fired-stop-1").exists(), 60, "the SIGSTOP to fire")
     fired_at = job.fired("stop", 1)["t"]
     job.wait_until(lambda: any(p.get("world") == 2 and "loss" in p for p in job.progress(0)),
@@ -139,8 +135,26 @@ def test_an_unreachable_etcd_fails_after_bounded_retries_naming_the_url(make_job
 def test_a_killed_worker_with_dataloader_workers_keeps_samples_exactly_once(make_job,
                                                                            loader_workers):
     job = make_job(ARGS + ["--loader-workers", str(loader_workers)], {"FAULTS": "kill:0:25"})
-    for i in range(3):
-        job.start(i)
+    job.start_together(range(3))
     assert job.wait_exit(0) == -signal.SIGKILL
     assert job.wait_exit(1) == 0 and job.wait_exit(2) == 0
     check_outcome(job, [1, 2])
+
+
+def test_a_spare_beyond_max_workers_takes_over_when_a_worker_dies(make_job):
+    job = make_job(ARGS + ["--step-ms", "30"], {"ELASTIC_MAX_WORKERS": "2"})
+    job.start_together(range(3))
+    job.wait_until(lambda: any(e["event"] == "spare" for e in job.events()), 60, "a spare")
+    spare_pid = next(e["pid"] for e in job.events() if e["event"] == "spare")
+    spare = next(i for i, p in job.procs.items() if p.pid == spare_pid)
+    victim = next(i for i in job.procs if i != spare)
+    job.wait_step(victim, 3)
+    job.signal(victim, signal.SIGKILL)
+    survivors = [i for i in job.procs if i != victim]
+    assert job.wait_exit(victim) == -signal.SIGKILL
+    assert all(job.wait_exit(i) == 0 for i in survivors)
+    check_outcome(job, survivors)
+    events = job.events()
+    assert max(e["world_size"] for e in events if e["event"] == "resumed") == 2
+    trained = [p for p in job.progress(spare) if "loss" in p]
+    assert trained and all(p["world"] == 2 for p in trained)

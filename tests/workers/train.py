@@ -9,6 +9,7 @@ the rollback), progress goes to ``progress-{index}.jsonl``, the final parameters
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from elastic import ElasticSampler, ElasticState
+from tests.workers.sync_points import hold_until_world, wait_for_peers
 
 
 class Regression(Dataset):
@@ -46,13 +48,14 @@ def parse() -> argparse.Namespace:
     p.add_argument("--commit-every", type=int, default=4)
     p.add_argument("--step-ms", type=float, default=20.0)
     p.add_argument("--loader-workers", type=int, default=0)
+    p.add_argument("--hold-at", type=int, default=-1, help="commit step that waits for world 3")
     return p.parse_args()
 
 
 def fire_faults(state: ElasticState, out: Path, index: int) -> None:
     for spec in filter(None, os.environ.get("FAULTS", "").split(",")):
         kind, who, step = spec.split(":")
-        if int(who) != index or int(step) != state.step:
+        if int(who) != index or state.step < int(step):
             continue
         marker = out / f"fired-{kind}-{index}"
         if marker.exists():
@@ -64,6 +67,7 @@ def fire_faults(state: ElasticState, out: Path, index: int) -> None:
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1)  # the harness dumps every thread's stack on a hang
     args = parse()
     out = Path(args.out)
     index = int(os.environ["TEST_WORKER_INDEX"])
@@ -108,6 +112,8 @@ def main() -> None:
                 if s.sampler.batches_done % args.commit_every == 0:
                     record(s, pending)
                     s.commit()
+                    if args.hold_at >= 0 and s.step >= args.hold_at:
+                        hold_until_world(s, 3)
             record(s, pending)
             s.skipped[s.epoch] = s.sampler.skipped_indices()
             s.epoch += 1
@@ -120,6 +126,7 @@ def main() -> None:
         s.ledger[s.epoch].extend(i for part in everyone for i in part)
         pending.clear()
 
+    wait_for_peers(out, index)
     result = state.run(train)
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     (out / f"result-{index}.json").write_text(json.dumps({

@@ -1,0 +1,7 @@
+"""``python -m elastic``: the same as the ``elastic`` console script."""
+
+import sys
+
+from elastic.cli import main
+
+sys.exit(main())

@@ -1,0 +1,201 @@
+"""``elastic report LOGDIR``: a job's event files as tables and a PNG timeline.
+
+Reads every ``*.jsonl`` file in the directory (the workers' events, plus optional ``progress``
+records with a ``step`` field, e.g. written by ``examples/demo.py``). World size comes from the
+``resumed`` events of each round, recoveries are measured from the first ``failure_detected``
+to the last ``resumed`` of the round that followed it. Plotting uses matplotlib's Agg backend;
+nothing here talks to etcd.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastic.errors import ElasticError
+
+
+class ReportError(ElasticError):
+    """The log directory holds no events to report on."""
+
+
+@dataclass
+class Round:
+    """One formed round as seen in the events."""
+
+    round: int
+    t: float
+    world_size: int
+    reason: str
+    version: int
+    recovery_s: float | None = None
+
+
+@dataclass
+class Timeline:
+    """What the events of one job say, with times relative to the first event."""
+
+    t0: float
+    end: float
+    rounds: list[Round] = field(default_factory=list)
+    failures: list[float] = field(default_factory=list)
+    joins: list[float] = field(default_factory=list)
+    leaves: list[float] = field(default_factory=list)
+    steps: list[tuple[float, int]] = field(default_factory=list)
+
+
+def load_events(log_dir: str | Path) -> list[dict[str, Any]]:
+    """Every event in ``log_dir``'s JSON-lines files, sorted by time.
+
+    Raises:
+        ReportError: there is no such directory or no event in it.
+    """
+    path = Path(log_dir)
+    if not path.is_dir():
+        raise ReportError(f"{log_dir} is not a directory; pass the --log-dir of the run.")
+    events = []
+    for file in sorted(path.glob("*.jsonl")):
+        for line in file.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line torn by a kill
+            if isinstance(record, dict) and "t" in record and "event" in record:
+                events.append(record)
+    if not events:
+        raise ReportError(f"no events in {log_dir}: run with `elastic run --log-dir {log_dir}`.")
+    return sorted(events, key=lambda e: e["t"])
+
+
+def build_timeline(events: list[dict[str, Any]]) -> Timeline:
+    """Turns sorted events into rounds, recoveries, failures, joins and progress."""
+    t0 = events[0]["t"]
+    timeline = Timeline(t0=t0, end=events[-1]["t"] - t0)
+    by_round: dict[int, list[dict[str, Any]]] = {}
+    for e in events:
+        t, kind = e["t"] - t0, e["event"]
+        if kind == "resumed":
+            by_round.setdefault(int(e.get("round", 0)), []).append(e)
+        elif kind == "failure_detected":
+            timeline.failures.append(t)
+        elif kind == "joined":
+            timeline.joins.append(t)
+        elif kind == "leaving":
+            timeline.leaves.append(t)
+        elif kind == "progress" and "step" in e:
+            timeline.steps.append((t, int(e["step"])))
+    for n in sorted(by_round):
+        first = by_round[n][0]
+        timeline.rounds.append(Round(n, first["t"] - t0, int(first.get("world_size", 0)),
+                                     str(first.get("reason", "")),
+                                     max(int(e.get("version", 0)) for e in by_round[n])))
+    previous_start = -1.0
+    for r, n in zip(timeline.rounds, sorted(by_round)):
+        if r.reason == "failure":
+            detected = [f for f in timeline.failures if previous_start < f <= r.t]
+            last = max(e["t"] for e in by_round[n]) - t0
+            r.recovery_s = last - min(detected) if detected else None
+        previous_start = r.t
+    return timeline
+
+
+def steps_per_second(steps: list[tuple[float, int]], window_s: float = 2.0) -> list[tuple[float, float]]:
+    """A moving rate of the progress records: (t, steps/s) over ``window_s`` windows."""
+    rates, start = [], 0
+    for i, (t, step) in enumerate(steps):
+        while steps[start][0] < t - window_s:
+            start += 1
+        t_a, s_a = steps[start]
+        if t - t_a > 0.2:
+            rates.append((t, max(0.0, (step - s_a) / (t - t_a))))
+    return rates
+
+
+def render_tables(timeline: Timeline) -> str:
+    """The rounds, recoveries, joins and leaves as plain-text tables."""
+    lines = [f"{'round':>5}  {'t (s)':>7}  {'world':>5}  {'reason':<8}  {'version':>7}  "
+             f"recovery (s)"]
+    for r in timeline.rounds:
+        recovery = f"{r.recovery_s:.2f}" if r.recovery_s is not None else ""
+        lines.append(f"{r.round:>5}  {r.t:>7.2f}  {r.world_size:>5}  {r.reason:<8}  "
+                     f"{r.version:>7}  {recovery}")
+    recoveries = [r for r in timeline.rounds if r.recovery_s is not None]
+    lines.append("")
+    lines.append(f"recoveries: {len(recoveries)}" + "".join(
+        f"\n  at {r.t:.2f} s: {r.recovery_s:.2f} s (failure detected -> resumed in world "
+        f"{r.world_size})" for r in recoveries))
+    lines.append(f"workers joined: {len(timeline.joins)}   left gracefully: "
+                 f"{len(timeline.leaves)}   failures detected: {len(timeline.failures)}")
+    if timeline.steps:
+        lines.append(f"progress: {timeline.steps[-1][1]} steps in {timeline.end:.1f} s")
+    return "\n".join(lines)
+
+
+def plot(timeline: Timeline, out: str | Path) -> None:
+    """Writes the timeline PNG: world size (and steps/s when known), failures and joins."""
+    import matplotlib  # noqa: PLC0415 (optional dependency, heavy import)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    rates = steps_per_second(timeline.steps)
+    rows = 2 if rates else 1
+    fig, axes = plt.subplots(rows, 1, figsize=(9, 2.8 * rows + 0.6), sharex=True, squeeze=False)
+    ax = axes[0][0]
+    xs = [r.t for r in timeline.rounds] + [timeline.end]
+    ys = [r.world_size for r in timeline.rounds]
+    if ys:
+        ax.step(xs, ys + ys[-1:], where="post", color="tab:blue", linewidth=2)
+        ax.set_ylim(0, max(ys) + 1)
+    ax.set_ylabel("world size")
+    ax.set_title("elastic job timeline")
+    for r in timeline.rounds:
+        if r.recovery_s is not None:
+            ax.annotate(f"recovered in {r.recovery_s:.1f} s", (r.t, r.world_size),
+                        textcoords="offset points", xytext=(4, 6), fontsize=8)
+    for row in axes:
+        for i, t in enumerate(_incidents(timeline.failures)):
+            row[0].axvline(t, color="tab:red", linestyle="--", alpha=0.7,
+                           label="failure" if i == 0 else None)
+        for i, t in enumerate(timeline.joins):
+            row[0].axvline(t, color="tab:green", linestyle=":", alpha=0.6,
+                           label="worker joined" if i == 0 else None)
+    ax.legend(loc="lower right", fontsize=8)
+    if rates:
+        axes[1][0].plot([t for t, _ in rates], [v for _, v in rates], color="tab:orange")
+        axes[1][0].set_ylabel("optimizer steps/s")
+        axes[1][0].set_ylim(bottom=0)
+    axes[-1][0].set_xlabel("seconds since the first event")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def _incidents(times: list[float], gap_s: float = 1.0) -> list[float]:
+    """Failure detections of several workers within ``gap_s`` count as one incident."""
+    incidents: list[float] = []
+    for t in times:
+        if not incidents or t - incidents[-1] > gap_s:
+            incidents.append(t)
+    return incidents
+
+
+def report(log_dir: str, out: str | None = None) -> int:
+    """Prints the tables and writes the PNG; returns 0.
+
+    Raises:
+        ReportError: no events in ``log_dir``.
+    """
+    timeline = build_timeline(load_events(log_dir))
+    print(render_tables(timeline))
+    target = Path(out) if out else Path(log_dir) / "report.png"
+    try:
+        plot(timeline, target)
+    except ImportError:
+        print("elastic report: no PNG: matplotlib is missing "
+              "(`pip install 'elastic-trainer[report]'`).", file=sys.stderr)
+        return 1
+    print(f"timeline written to {target}")
+    return 0

@@ -1,0 +1,143 @@
+"""The local worker processes of one launcher: start, watch, signal, and always reap.
+
+Each worker runs in its own session (process group), so that a Ctrl-C in the terminal reaches
+only the launcher, which then asks every worker to leave. A waiter thread per process sets
+``changed`` when it exits; the launcher waits on that Event, never on a sleep. Stragglers are
+killed with their whole process group (DataLoader workers included), by PID.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Worker:
+    """One local worker process.
+
+    Attributes:
+        local_rank: its slot on this node (``LOCAL_RANK``).
+        proc: the process.
+        handled: whether the launcher has dealt with its exit.
+    """
+
+    local_rank: int
+    proc: subprocess.Popen[bytes]
+    handled: bool = field(default=False)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+
+class WorkerProcs:
+    """Starts and tracks a launcher's worker processes.
+
+    Args:
+        command: the worker command line (``python script.py args`` or ``python -m mod args``).
+        env: the environment every worker starts from.
+    """
+
+    def __init__(self, command: Sequence[str], env: Mapping[str, str]) -> None:
+        if not command:
+            raise ValueError("The worker command is empty.")
+        self.command = list(command)
+        self.env = dict(env)
+        self.changed = threading.Event()
+        self.workers: list[Worker] = []
+        self._lock = threading.Lock()
+
+    def start(self, local_rank: int, extra_env: Mapping[str, str]) -> Worker:
+        """Starts one worker with ``extra_env`` on top of the common environment."""
+        env = {**self.env, **extra_env}
+        proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        worker = Worker(local_rank, proc)
+        with self._lock:
+            self.workers.append(worker)
+        threading.Thread(target=self._wait, args=(proc,), name=f"elastic-wait-{proc.pid}",
+                         daemon=True).start()
+        log.info("started worker local_rank=%d pid=%d", local_rank, proc.pid)
+        return worker
+
+    def _wait(self, proc: subprocess.Popen[bytes]) -> None:
+        proc.wait()
+        self.changed.set()
+
+    def running(self) -> list[Worker]:
+        with self._lock:
+            return [w for w in self.workers if w.returncode is None]
+
+    def exited(self) -> list[Worker]:
+        """Workers that exited and were not handled yet (marks them handled)."""
+        with self._lock:
+            fresh = [w for w in self.workers if not w.handled and w.returncode is not None]
+            for worker in fresh:
+                worker.handled = True
+        return fresh
+
+    def terminate(self, grace_s: float) -> None:
+        """Sends SIGTERM to every running worker, waits up to ``grace_s``, then kills the rest.
+
+        SIGTERM goes to the worker alone (an ElasticState worker commits and leaves at its next
+        commit; its DataLoader workers must not die first); SIGKILL goes to its process group.
+        """
+        for worker in self.running():
+            _signal(worker.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for worker in self.running():
+            try:
+                worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("worker pid=%d did not leave within %.0f s; killing it",
+                            worker.pid, grace_s)
+        self.kill()
+
+    def kill(self) -> None:
+        """Kills every worker's process group (by the worker's PID) and reaps the workers."""
+        with self._lock:
+            workers = list(self.workers)
+        for worker in workers:
+            try:
+                os.killpg(worker.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                worker.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                log.error("worker pid=%d survived SIGKILL for 10 s", worker.pid)
+
+    def forget_exited(self) -> None:
+        """Drops finished workers (before a new generation of plain workers)."""
+        with self._lock:
+            self.workers = [w for w in self.workers if w.returncode is None]
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def describe_exit(returncode: int) -> str:
+    """``exit code 3`` or ``killed by SIGKILL``."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"

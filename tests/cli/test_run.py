@@ -1,0 +1,123 @@
+"""`elastic run` end to end: embedded etcd, joining launchers, SIGTERM, crashes, plain DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from elastic.etcd_client import EtcdClient
+from elastic.keys import JobKeys
+from tests.cli.launch import WORKERS, events, is_alive, wait_until, worker_pids
+
+pytestmark = pytest.mark.timeout(120)
+WORKER = str(WORKERS / "elastic_worker.py")
+
+
+def resumed_worlds(log_dir: Path) -> list[int]:
+    return [e["world_size"] for e in events(log_dir) if e["event"] == "resumed"]
+
+
+def etcd_processes_on(port: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "etcd" in cmdline and f"127.0.0.1:{port}" in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+def test_the_embedded_etcd_starts_prints_the_join_command_and_stops(cli, tmp_path):
+    run = cli("run", "-n", "1", "--log-dir", str(tmp_path / "events"), WORKER, "--steps", "10")
+    assert run.wait(90) == 0, run.text()
+    text = run.text()
+    match = re.search(r"elastic run --etcd (http://127\.0\.0\.1:(\d+)) --job-id (\S+) -n 1", text)
+    assert match, text
+    assert "elastic_worker.py --steps 10" in text
+    url, port = match.group(1), int(match.group(2))
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(f"{url}/health", timeout=2)
+    assert not etcd_processes_on(port), "the embedded etcd outlived the job"
+    assert "worker done at step 10" in text
+
+
+def test_a_second_launcher_joins_the_running_job_and_the_world_grows(cli, etcd, tmp_path):
+    log_dir, job = tmp_path / "events", f"join-{os.getpid()}"
+    common = ["run", "--etcd", etcd.url, "--job-id", job, "--log-dir", str(log_dir)]
+    first = cli(*common, "-n", "2", WORKER, "--steps", "100000", name="a")
+    wait_until(lambda: 2 in resumed_worlds(log_dir), 60, "world 2", [first])
+    status = cli("status", "--etcd", etcd.url, "--job-id", job, "--json", name="status")
+    assert status.wait(30) == 0
+    shown = json.loads(status.text())
+    assert len(shown["members"]) == 2 and shown["plan"]["world_size"] == 2
+    assert len(shown["launchers"]) == 1
+    second = cli(*common, "-n", "1", WORKER, "--steps", "100000", name="b")
+    wait_until(lambda: 3 in resumed_worlds(log_dir), 60, "world 3", [first, second])
+    for launcher in (first, second):
+        launcher.proc.send_signal(signal.SIGTERM)
+    assert first.wait(40) == 0 and second.wait(40) == 0
+    assert not [pid for pid in worker_pids(log_dir) if is_alive(pid)]
+
+
+def test_sigterm_to_the_launcher_ends_every_worker_gracefully(cli, etcd, tmp_path):
+    log_dir = tmp_path / "events"
+    run = cli("run", "--etcd", etcd.url, "--job-id", f"term-{os.getpid()}", "-n", "2",
+              "--log-dir", str(log_dir), WORKER, "--steps", "100000")
+    wait_until(lambda: 2 in resumed_worlds(log_dir), 60, "world 2", [run])
+    pids = worker_pids(log_dir)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(40) == 0, run.text()
+    assert not [pid for pid in pids if is_alive(pid)], "a worker outlived its launcher"
+    left = {e["pid"] for e in events(log_dir) if e["event"] == "left"}
+    assert left == pids, "not every worker left gracefully"
+
+
+def test_a_crashed_worker_has_its_lease_revoked_at_once_and_is_restarted(cli, etcd, tmp_path):
+    log_dir, job = tmp_path / "events", f"crash-{os.getpid()}"
+    run = cli("run", "--etcd", etcd.url, "--job-id", job, "-n", "2", "--lease-ttl", "30",
+              "--max-restarts", "1", "--log-dir", str(log_dir), WORKER, "--steps", "100000")
+    wait_until(lambda: 2 in resumed_worlds(log_dir), 60, "world 2", [run])
+    original = worker_pids(log_dir)
+    victim = min(original)
+    client = EtcdClient(etcd.url)
+    try:
+        keys = JobKeys(job)
+        registered = lambda: any(json.loads(kv.value)["pid"] == victim  # noqa: E731
+                                 for kv in client.get_prefix(keys.members)[0])
+        assert registered()
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: not registered(), 5, "the victim's member key to go", [run])
+        assert time.monotonic() - killed_at < 5, "the lease was not revoked at once (TTL 30 s)"
+    finally:
+        client.close()
+    wait_until(lambda: any(e["event"] == "resumed" and e["pid"] not in original
+                           and e["world_size"] == 2 for e in events(log_dir)),
+               60, "the restarted worker to rejoin in world 2", [run])
+    assert "restarting worker" in run.text()
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(40) == 0, run.text()
+
+
+def test_a_plain_ddp_script_runs_unchanged_and_survives_a_crash_by_restart(cli, etcd, tmp_path):
+    run = cli("run", "--plain", "--etcd", etcd.url, "--job-id", f"plain-{os.getpid()}",
+              "-n", "2", "--max-restarts", "1", str(WORKERS / "plain_ddp.py"), str(tmp_path),
+              env={"CRASH_RANK": "1"})
+    assert run.wait(90) == 0, run.text()
+    results = [json.loads((tmp_path / f"plain-{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["world"] == 2 and r["restart"] == 1 for r in results)
+    assert results[0]["params"] == results[1]["params"]
+    assert results[0]["master"] == "127.0.0.1"
+    assert "restarting every worker" in run.text()

@@ -1,0 +1,35 @@
+"""A small ElasticState worker for the CLI tests: a linear model, a commit every 5 steps."""
+
+import argparse
+import time
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from elastic import ElasticState
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=100)
+p.add_argument("--step-ms", type=float, default=20.0)
+args = p.parse_args()
+
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+state = ElasticState(model=model, optimizer=opt, step=0)
+
+
+def train(s: ElasticState) -> None:
+    ddp = DDP(s.model)
+    while s.step < args.steps:
+        loss = ddp(torch.ones(8, 4)).pow(2).mean()
+        s.optimizer.zero_grad()
+        loss.backward()
+        s.optimizer.step()
+        s.step += 1
+        time.sleep(args.step_ms / 1000)
+        if s.step % 5 == 0:
+            s.commit()
+
+
+state.run(train)
+print(f"worker done at step {state.step}", flush=True)

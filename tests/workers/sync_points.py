@@ -1,0 +1,44 @@
+"""Test-only synchronisation for the worker scripts (start together; hold until a join).
+
+Workers started together import torch at different speeds on a loaded machine; without a start
+barrier the first round could form before the last one registered and a fault planned for
+"world 3, step 12" would fire in world 2. These points make the scenarios deterministic.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+PACE_S = 0.05  # how often the files of other processes are looked at
+
+
+def wait_for_peers(out: Path, index: int, timeout_s: float = 120.0) -> None:
+    """With ``START_BARRIER=N``: announces this worker and waits until N workers announced."""
+    count = int(os.environ.get("START_BARRIER", "0"))
+    if not count:
+        return
+    (out / f"ready-{index}").touch()
+    deadline = time.monotonic() + timeout_s
+    pace = threading.Event()
+    while len(list(out.glob("ready-*"))) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(list(out.glob('ready-*')))} of {count} workers started")
+        pace.wait(PACE_S)
+
+
+def hold_until_world(state, world: int, timeout_s: float = 90.0) -> None:
+    """Keeps agreeing on membership until the world reaches ``world`` (a joiner is admitted).
+
+    ``check_membership`` raises ``MembershipChangedInterrupt`` once the joiner asked to join;
+    the run loop then re-forms with it.
+    """
+    deadline = time.monotonic() + timeout_s
+    pace = threading.Event()
+    while state.world_size < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the world did not reach {world} within {timeout_s} s")
+        state.check_membership()
+        pace.wait(PACE_S)
