@@ -77,6 +77,16 @@ class Procs:
         return proc
 
     def kill_all(self) -> None:
+        """SIGTERM first (torchrun then stops its workers, which live in sessions of their own),
+        then SIGKILL whatever is left, including every worker pid seen in the progress files."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
         for proc in self.procs:
             if proc.poll() is None:
                 try:
@@ -84,7 +94,18 @@ class Procs:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            proc.wait(timeout=10)
+                proc.wait(timeout=10)
+        for pid in {p["pid"] for p in read_progress(self.out)}:
+            if _is_our_worker(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _is_our_worker(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"_worker.py" in cmdline and b"--out" in cmdline
 
 
 def steps_of(out: Path, minimum: int, world: int):
@@ -209,7 +230,7 @@ def main() -> None:
             results["steady_step_s"].append(steady)
             for kind in ("torchrun", "ours-commit-10", "ours-commit-1"):
                 key = "tput_" + kind.replace("-", "_")
-                results[key].append(throughput(mk(d / kind), kind))
+                results[key].append(throughput(mk(d / f"tput-{kind}"), kind))
             print(f"rep {rep}: " + ", ".join(f"{k}={v[-1]:.3f}" for k, v in results.items()),
                   flush=True)
     finally:
