@@ -207,12 +207,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", default=str(HERE / "results" / "recovery.json"))
+    parser.add_argument("--throughput-only", action="store_true",
+                        help="only the steady-state comparison, order alternating per rep")
     args = parser.parse_args()
     if os.environ.get("BENCH_NETNS") != "1":
         inner = f"ip link set lo up && exec {sys.executable} {Path(__file__)} " \
-                f"--reps {args.reps} --json {args.json}"
+                f"--reps {args.reps} --json {args.json}" \
+                + (" --throughput-only" if args.throughput_only else "")
         os.execvpe("unshare", ["unshare", "-n", "sh", "-c", inner],
                    dict(os.environ, BENCH_NETNS="1"))
+    if args.throughput_only:
+        throughput_only(args.reps, Path(args.json))
+        return
     root = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
     results: dict[str, list[float]] = {k: [] for k in (
         "ours_kill_s", "torchrun_kill_s", "ours_node_loss_s", "joiner_first_step_s",
@@ -238,6 +244,31 @@ def main() -> None:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=1))
     report(results)
+
+
+def throughput_only(reps: int, json_path: Path) -> None:
+    """Steady state only: torchrun and ours (commit every 10), the order alternating per rep."""
+    root = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
+    results: dict[str, list[float]] = {"tput_torchrun": [], "tput_ours_commit_10": []}
+    try:
+        for rep in range(reps):
+            kinds = ["torchrun", "ours-commit-10"][:: 1 if rep % 2 == 0 else -1]
+            for kind in kinds:
+                key = "tput_" + kind.replace("-", "_")
+                results[key].append(throughput(mk(root / f"rep{rep}-{kind}"), kind))
+            ratio = results["tput_ours_commit_10"][-1] / results["tput_torchrun"][-1]
+            print(f"rep {rep}: {kinds[0]} first, ratio {ratio:.3f}", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(results, indent=1))
+    ratios = [o / t for o, t in zip(results["tput_ours_commit_10"], results["tput_torchrun"])]
+    print("\n| measure | median | all runs |\n|---|---|---|")
+    for key, values in results.items():
+        print(f"| {key} | {statistics.median(values):.1f} | "
+              f"{', '.join(f'{v:.1f}' for v in values)} |")
+    print(f"| ratio per rep | {statistics.median(ratios):.3f} | "
+          f"{', '.join(f'{r:.3f}' for r in ratios)} |")
 
 
 def mk(path: Path) -> Path:

@@ -1,0 +1,58 @@
+"""``elastic_worker.py``'s loop (TrainState, ElasticSampler, commit every 10) under torchrun.
+
+No etcd and no ElasticState: it isolates the cost of the state layer (snapshot, sampler, the
+agreement all-reduce) from the cluster layer. Run it like ``torchrun_worker.py``:
+``torchrun --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT
+torchrun_trainstate_worker.py --out DIR --steps 400`` (inside ``unshare -n``, see
+``bench_recovery.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+
+import workload
+from state import ElasticSampler, TrainState
+from torchrun_worker import init_group
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=400)
+    args = p.parse_args()
+    init_group()
+    data = workload.dataset()
+    model = workload.model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    s = TrainState(model=model, optimizer=opt, sampler=ElasticSampler(data, seed=0), epoch=0,
+                   step=0)
+    s.sampler.set_topology(dist.get_rank(), dist.get_world_size())
+    progress = workload.Progress(args.out, f"trainstate-{os.getpid()}")
+    ddp = DDP(s.model)
+    loader = DataLoader(data, batch_size=32, sampler=s.sampler)
+    flags = torch.zeros(2, dtype=torch.int32)  # the size of ElasticState's agreement
+    while s.step < args.steps:
+        s.sampler.set_epoch(s.epoch)
+        for x, y in loader:
+            workload.train_step(ddp, s.optimizer, x, y)
+            s.sampler.record_batch(len(x))
+            s.step += 1
+            progress.step(s.step, dist.get_rank(), dist.get_world_size())
+            if s.step % 10 == 0:
+                s.commit()
+                dist.all_reduce(flags, async_op=True).wait()
+            if s.step >= args.steps:
+                break
+        s.epoch += 1
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
