@@ -1,7 +1,9 @@
 """``elastic_worker.py``'s loop (TrainState, ElasticSampler, commit every 10) under torchrun.
 
-No etcd and no ElasticState: it isolates the cost of the state layer (snapshot, sampler, the
-agreement all-reduce) from the cluster layer. Run it like ``torchrun_worker.py``:
+No ElasticState: it isolates the cost of the state layer (snapshot, sampler, the agreement
+all-reduce) from the cluster layer. With ``--etcd URL`` each worker also registers an etcd
+membership (client, keepalive thread, job watch), to measure what those threads cost alone.
+Run it like ``torchrun_worker.py``:
 ``torchrun --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT
 torchrun_trainstate_worker.py --out DIR --steps 400`` (inside ``unshare -n``, see
 ``bench_recovery.py``).
@@ -26,8 +28,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--etcd", default="", help="also register an etcd membership here")
     args = p.parse_args()
     init_group()
+    if args.etcd:
+        register_membership(args.etcd)
     data = workload.dataset()
     model = workload.model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -52,6 +57,19 @@ def main() -> None:
                 break
         s.epoch += 1
     dist.destroy_process_group()
+
+
+def register_membership(url: str) -> None:
+    """Starts what an ElasticState worker runs beside training: client, keepalive, watch."""
+    from datetime import timedelta
+
+    from elastic.etcd_client import EtcdClient
+    from elastic.keys import JobKeys
+    from elastic.membership import EtcdMembership
+
+    membership = EtcdMembership(EtcdClient(url), JobKeys("threads-cost"), "127.0.0.1",
+                                timedelta(seconds=3))
+    membership.register()
 
 
 if __name__ == "__main__":
