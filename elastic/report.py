@@ -45,6 +45,8 @@ class Timeline:
     joins: list[float] = field(default_factory=list)
     leaves: list[float] = field(default_factory=list)
     steps: list[tuple[float, int]] = field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    changes_at_commit: int = 0
 
 
 def load_events(log_dir: str | Path) -> list[dict[str, Any]]:
@@ -87,6 +89,10 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
             timeline.leaves.append(t)
         elif kind == "progress" and "step" in e:
             timeline.steps.append((t, int(e["step"])))
+        elif kind in ("checkpoint_written", "checkpoint_failed", "checkpoint_loaded"):
+            timeline.checkpoints.append({**e, "t": t})
+        elif kind == "membership_changed" and e.get("rank") == 0:
+            timeline.changes_at_commit += 1
     for n in sorted(by_round):
         first = by_round[n][0]
         timeline.rounds.append(Round(n, first["t"] - t0, int(first.get("world_size", 0)),
@@ -129,9 +135,27 @@ def render_tables(timeline: Timeline) -> str:
         f"{r.world_size})" for r in recoveries))
     lines.append(f"workers joined: {len(timeline.joins)}   left gracefully: "
                  f"{len(timeline.leaves)}   failures detected: {len(timeline.failures)}")
+    lines.append(f"world changes agreed at a commit: {timeline.changes_at_commit}")
     if timeline.steps:
         lines.append(f"progress: {timeline.steps[-1][1]} steps in {timeline.end:.1f} s")
+    lines += _checkpoint_lines(timeline.checkpoints)
     return "\n".join(lines)
+
+
+def _checkpoint_lines(checkpoints: list[dict[str, Any]]) -> list[str]:
+    """The durable checkpoints: written (with blocked and write times), failed, loaded."""
+    if not checkpoints:
+        return []
+    lines = ["", f"{'t (s)':>7}  {'checkpoint':<10}  {'version':>7}  {'blocked (s)':>11}  "
+                 f"{'write (s)':>9}  url / error"]
+    for c in checkpoints:
+        kind = c["event"].removeprefix("checkpoint_")
+        blocked = f"{c['blocked_s']:.3f}" if "blocked_s" in c else ""
+        write = f"{c['write_s']:.3f}" if "write_s" in c else ""
+        detail = c.get("url") or c.get("error", "")
+        lines.append(f"{c['t']:>7.2f}  {kind:<10}  {c.get('version', ''):>7}  {blocked:>11}  "
+                     f"{write:>9}  {detail}")
+    return lines
 
 
 def plot(timeline: Timeline, out: str | Path) -> None:

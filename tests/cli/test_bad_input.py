@@ -88,7 +88,11 @@ def test_report_writes_a_png_and_prints_the_recoveries(cli, tmp_path):
             (0.5, "resumed", {"round": 1, "world_size": 3, "reason": "start", "version": 1}),
             (5.0, "failure_detected", {"round": 1}),
             (5.4, "resumed", {"round": 2, "world_size": 2, "reason": "failure", "version": 9}),
-            (9.0, "resumed", {"round": 3, "world_size": 3, "reason": "change", "version": 20})]
+            (8.9, "membership_changed", {"round": 2, "rank": 0, "version": 20}),
+            (9.0, "resumed", {"round": 3, "world_size": 3, "reason": "change", "version": 20}),
+            (9.5, "checkpoint_written", {"version": 24, "url": "file:///ck/000000000024",
+                                         "blocked_s": 0.004, "write_s": 0.25}),
+            (9.9, "checkpoint_failed", {"version": 28, "error": "storage gone"})]
     rows += [(0.5 + i * 0.25, "progress", {"step": i * 2}) for i in range(40)]
     with open(log_dir / "events-w.jsonl", "w") as out:
         for dt, event, fields in rows:
@@ -98,6 +102,9 @@ def test_report_writes_a_png_and_prints_the_recoveries(cli, tmp_path):
     assert run.wait(60) == 0, run.text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "0.40 s (failure detected -> resumed in world 2)" in run.text()
+    assert "world changes agreed at a commit: 1" in run.text()
+    assert "written          24        0.004      0.250  file:///ck/000000000024" in run.text()
+    assert "failed           28" in run.text() and "storage gone" in run.text()
 
 
 def test_report_on_a_directory_without_events_says_what_to_pass(cli, tmp_path):
