@@ -84,7 +84,8 @@ class EtcdStore(dist.Store):
                     self._values[key] = str(value).encode()
                     self._changed.notify_all()
                 return value
-        raise RuntimeError(f"EtcdStore.add({key!r}) lost {_ADD_ATTEMPTS} races in a row.")
+        raise RuntimeError(f"EtcdStore.add({key!r}) lost {_ADD_ATTEMPTS} races in a row; etcd is "
+                           "overloaded or too many workers share this round's store.")
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         expected_b = expected.encode() if isinstance(expected, str) else bytes(expected)
@@ -98,7 +99,8 @@ class EtcdStore(dist.Store):
             if self._client.replace(self._prefix + key, desired_b,
                                     current.mod_revision if current else 0):
                 return desired_b
-        raise RuntimeError(f"EtcdStore.compare_set({key!r}) lost {_ADD_ATTEMPTS} races in a row.")
+        raise RuntimeError(f"EtcdStore.compare_set({key!r}) lost {_ADD_ATTEMPTS} races in a row; "
+                           "etcd is overloaded or too many workers share this round's store.")
 
     def check(self, keys: list[str]) -> bool:
         with self._changed:

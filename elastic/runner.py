@@ -236,7 +236,9 @@ class ElasticState(TrainState):
             cluster.finish()
             cluster.events.emit("finished", version=self.version)
             return outcome
-        raise PeerFailureError(f"gave up after {_MAX_REFORMATIONS} re-formations.")
+        raise PeerFailureError(
+            f"gave up after {_MAX_REFORMATIONS} re-formations: some worker keeps failing. Look "
+            "for a crash loop in the workers' logs or the 'error' events of --log-dir.")
 
     def _call(self, cluster: Cluster, fn: Callable[..., Any], args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> Any:

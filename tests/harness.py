@@ -11,14 +11,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.polling import poll_until
+
 WORKER = Path(__file__).parent / "workers" / "train.py"
 REPO = Path(__file__).resolve().parent.parent
-POLL_S = 0.05  # progress lives in files written by other processes: poll them, bounded
 
 
 def loopback_env() -> dict[str, str]:
@@ -76,11 +76,8 @@ class Job:
 
     def wait_until(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
         """Waits for ``condition`` with a deadline; fails with the workers' log tails."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if condition():
-                return
-            time.sleep(POLL_S)
+        if poll_until(condition, timeout):
+            return
         raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.tails()}")
 
     def wait_step(self, index: int, step: int, timeout: float = 60) -> None:

@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -19,6 +18,8 @@ from typing import Any
 
 import fsspec
 import pytest
+
+from tests.polling import poll_until
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
 PAYLOAD_NAME = "state.pt"
@@ -117,14 +118,19 @@ def _free_port() -> int:
 
 
 def _wait_until_serving(endpoint: str, proc: subprocess.Popen, deadline_s: float) -> bool:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline and proc.poll() is None:
+    def serving() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"moto server exited with {proc.returncode}")
         try:
             urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
             return True
         except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(0.05)  # polling a server we started; bounded by the deadline
-    return False
+            return False
+
+    try:
+        return poll_until(serving, deadline_s)
+    except RuntimeError:
+        return False
 
 
 def _start_moto() -> tuple[subprocess.Popen, str]:

@@ -11,12 +11,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.harness import POLL_S, loopback_env
+from tests.harness import loopback_env
+from tests.polling import poll_until
 
 WORKERS = Path(__file__).parent / "workers"
 
@@ -61,11 +61,8 @@ def worker_pids(log_dir: Path) -> set[int]:
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str,
                clis: list[Cli] = ()) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(POLL_S)
+    if poll_until(condition, timeout):
+        return
     logs = "\n".join(cli.text()[-2000:] for cli in clis)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{logs}")
 

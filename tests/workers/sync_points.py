@@ -8,11 +8,9 @@ barrier the first round could form before the last one registered and a fault pl
 from __future__ import annotations
 
 import os
-import threading
-import time
 from pathlib import Path
 
-PACE_S = 0.05  # how often the files of other processes are looked at
+from tests.polling import poll_until
 
 
 def wait_for_peers(out: Path, index: int, timeout_s: float = 120.0) -> None:
@@ -21,12 +19,8 @@ def wait_for_peers(out: Path, index: int, timeout_s: float = 120.0) -> None:
     if not count:
         return
     (out / f"ready-{index}").touch()
-    deadline = time.monotonic() + timeout_s
-    pace = threading.Event()
-    while len(list(out.glob("ready-*"))) < count:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {len(list(out.glob('ready-*')))} of {count} workers started")
-        pace.wait(PACE_S)
+    if not poll_until(lambda: len(list(out.glob("ready-*"))) >= count, timeout_s):
+        raise TimeoutError(f"only {len(list(out.glob('ready-*')))} of {count} workers started")
 
 
 def hold_until_world(state, world: int, timeout_s: float = 90.0) -> None:
@@ -35,10 +29,9 @@ def hold_until_world(state, world: int, timeout_s: float = 90.0) -> None:
     ``check_membership`` raises ``MembershipChangedInterrupt`` once the joiner asked to join;
     the run loop then re-forms with it.
     """
-    deadline = time.monotonic() + timeout_s
-    pace = threading.Event()
-    while state.world_size < world:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the world did not reach {world} within {timeout_s} s")
-        state.check_membership()
-        pace.wait(PACE_S)
+    def admitted() -> bool:
+        state.check_membership()  # raises MembershipChangedInterrupt once the joiner asked
+        return state.world_size >= world
+
+    if not poll_until(admitted, timeout_s):
+        raise TimeoutError(f"the world did not reach {world} within {timeout_s} s")

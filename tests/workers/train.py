@@ -108,7 +108,7 @@ def main() -> None:
                                            "world": s.world_size, "gen": s.generation,
                                            "loss": loss.item()}) + "\n")
                 fire_faults(s, out, index)
-                time.sleep(args.step_ms / 1000)
+                time.sleep(args.step_ms / 1000)  # stands in for a longer step (pacing, not a wait)
                 if s.sampler.batches_done % args.commit_every == 0:
                     record(s, pending)
                     s.commit()

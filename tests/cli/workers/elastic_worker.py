@@ -26,7 +26,7 @@ def train(s: ElasticState) -> None:
         loss.backward()
         s.optimizer.step()
         s.step += 1
-        time.sleep(args.step_ms / 1000)
+        time.sleep(args.step_ms / 1000)  # stands in for a longer step (pacing, not a wait)
         if s.step % 5 == 0:
             s.commit()
 
