@@ -176,7 +176,7 @@ def ours_scale_up(out: Path) -> tuple[float, float, float]:
         etcd.stop()
 
 
-def throughput(out: Path, kind: str, steps: int = 400) -> float:
+def throughput(out: Path, kind: str, steps: int = 1500) -> float:
     procs = Procs(out)
     etcd = EmbeddedEtcd().start() if kind != "torchrun" else None
     try:
@@ -195,7 +195,7 @@ def throughput(out: Path, kind: str, steps: int = 400) -> float:
         for proc in procs.procs:
             proc.wait(timeout=300)
         rank0 = [p for p in read_progress(out) if p["rank"] == 0]
-        window = [p["t"] for p in rank0 if 50 < p["step"] <= steps]
+        window = [p["t"] for p in rank0 if 100 < p["step"] <= steps]
         return (len(window) - 1) / (window[-1] - window[0])
     finally:
         procs.kill_all()

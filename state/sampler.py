@@ -246,14 +246,23 @@ class ElasticSampler(Sampler[int]):
         return self._generate(split, mine)
 
     def _generate(self, split: _Split, mine: list[int]) -> Iterator[int]:
-        """Yields this rank's items, fixing the tail cutoff when iteration reaches it."""
+        """Yields this rank's items, fixing the tail cutoff when iteration reaches it.
+
+        The cutoff is decided with the batch size known when item ``i`` is reached; the
+        limit it implies is recomputed only when that batch size changes (this runs per item).
+        """
+        known_batch, limit, end = -1, 0, len(mine)
         for i, index in enumerate(mine):
             if split.counts is None:
-                batch = self._batch_size or 1
-                remaining = self._size - split.base
-                if i >= remaining // (batch * split.world_size) * batch:
-                    split.counts = split_counts(remaining, split.world_size, batch, self._drop_last)
-            if split.counts is not None and i >= split.counts[split.rank]:
+                if self._batch_size != known_batch:
+                    known_batch = self._batch_size
+                    batch = known_batch or 1
+                    limit = (self._size - split.base) // (batch * split.world_size) * batch
+                if i >= limit:
+                    split.counts = split_counts(self._size - split.base, split.world_size,
+                                                known_batch or 1, self._drop_last)
+                    end = split.counts[split.rank]
+            if i >= end:
                 break
             yield index
         if split.counts is None:

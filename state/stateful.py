@@ -16,6 +16,8 @@ import torch
 
 __all__ = ["Stateful", "is_stateful", "snapshot", "rebuild_mapping", "rebuild_sequence"]
 
+_IMMUTABLE = frozenset({int, float, complex, bool, str, bytes, type(None)})
+
 
 @runtime_checkable
 class Stateful(Protocol):
@@ -56,8 +58,18 @@ def rebuild_mapping(src: Mapping, items: dict) -> dict:
     out: dict = OrderedDict(items) if isinstance(src, OrderedDict) else dict(items)
     metadata = getattr(src, "_metadata", None)
     if metadata is not None:
-        out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
+        out._metadata = _copy_metadata(metadata)  # type: ignore[attr-defined]
     return out
+
+
+def _copy_metadata(metadata: Any) -> Any:
+    """Copies ``nn.Module`` state-dict metadata (``{prefix: {"version": int}}``) cheaply."""
+    plain = type(metadata) in (dict, OrderedDict) and all(
+        type(entry) is dict and all(type(x) in _IMMUTABLE for x in entry.values())
+        for entry in metadata.values())
+    if not plain:
+        return copy.deepcopy(metadata)
+    return type(metadata)((prefix, dict(entry)) for prefix, entry in metadata.items())
 
 
 def rebuild_sequence(src: list | tuple, items: list) -> list | tuple:
@@ -93,9 +105,12 @@ def snapshot(tree: Any, previous: Any = None) -> Any:
     Returns:
         The copy, sharing no memory with ``tree``.
     """
-    if isinstance(tree, torch.Tensor):
+    kind = type(tree)
+    if kind in _IMMUTABLE:  # an optimizer's hyper-parameters, a sampler's counters
+        return tree
+    if kind is torch.Tensor or isinstance(tree, torch.Tensor):
         return _snapshot_tensor(tree, previous)
-    if isinstance(tree, Mapping):
+    if kind is dict or kind is OrderedDict or isinstance(tree, Mapping):
         prev = previous if isinstance(previous, Mapping) else {}
         return rebuild_mapping(tree, {k: snapshot(v, prev.get(k)) for k, v in tree.items()})
     if isinstance(tree, (list, tuple)):
@@ -110,7 +125,7 @@ def _snapshot_tensor(tensor: torch.Tensor, previous: Any) -> torch.Tensor:
     src = tensor.detach()
     if (
         isinstance(previous, torch.Tensor)
-        and previous.device.type == "cpu"
+        and previous.is_cpu
         and previous.shape == src.shape
         and previous.dtype == src.dtype
         and previous.layout == src.layout == torch.strided

@@ -1,30 +1,20 @@
-"""TrainState.sync over a real 3-process gloo group (spawned processes, loopback only)."""
+"""TrainState.sync over a real 3-process gloo group (spawned processes, FileStore, loopback)."""
 
 from __future__ import annotations
 
 import datetime
-import io
-import queue
-import socket
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from state import ElasticSampler, NoCommitError, TrainState
 from state.sync import broadcast_payload, plan_buckets, split_tensors
+from tests.gloo_group import run_in_group
 
 WORLD = 3
 SOURCE = 1
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _build(rank: int) -> TrainState:
@@ -43,34 +33,27 @@ def _fingerprint(state: TrainState) -> dict:
                      "mask": state.mask, "version": state.version})
 
 
-def _worker(rank: int, port: int, results) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-        state = _build(rank)
-        with pytest.raises(NoCommitError):  # nobody has committed: every rank raises
-            state.sync(SOURCE)
-        if rank == SOURCE:  # only the source trains; the others keep empty Adam state
-            for _ in range(3):
-                state.optimizer.zero_grad()
-                state.model(torch.randn(8, 6)).sum().backward()
-                state.optimizer.step()
-                state.sampler.record_batch(4)
-            state.commit()
-            state.commit()
-        state.sync(SOURCE, timeout=datetime.timedelta(seconds=30))
-        mixed = {"f": torch.randn(40), "b": torch.rand(7) > 0.5, "h": torch.randn(3, 5).bfloat16(),
-                 "i": torch.arange(50), "e": torch.empty(0, 3), "s": "text", "n": [1, (2, None)]}
-        got = broadcast_payload(mixed if rank == SOURCE else None, SOURCE, cap_bytes=64,
-                                timeout=datetime.timedelta(seconds=30))
-        buffer = io.BytesIO()  # bytes, not shared-memory tensors: this process exits first
-        torch.save((_fingerprint(state), got), buffer)
-        results.put((rank, "ok", buffer.getvalue()))
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception:  # report any failure of the child to the parent test
-        results.put((rank, "error", traceback.format_exc()))
-        raise
+def _sync_on_every_rank(rank: int, world: int) -> tuple[dict, dict]:
+    assert world == WORLD
+    state = _build(rank)
+    with pytest.raises(NoCommitError):  # nobody has committed: every rank raises
+        state.sync(SOURCE)
+    if rank == SOURCE:  # only the source trains; the others keep empty Adam state
+        for _ in range(3):
+            state.optimizer.zero_grad()
+            state.model(torch.randn(8, 6)).sum().backward()
+            state.optimizer.step()
+            state.sampler.record_batch(4)
+        state.commit()
+        state.commit()
+    state.sync(SOURCE, timeout=datetime.timedelta(seconds=30))
+    mixed = {"f": torch.randn(40), "b": torch.rand(7) > 0.5, "h": torch.randn(3, 5).bfloat16(),
+             "i": torch.arange(50), "e": torch.empty(0, 3), "s": "text", "n": [1, (2, None)]}
+    got = broadcast_payload(mixed if rank == SOURCE else None, SOURCE, cap_bytes=64,
+                            timeout=datetime.timedelta(seconds=30))
+    fingerprint = _fingerprint(state)
+    dist.barrier()
+    return fingerprint, got
 
 
 def _assert_same(a, b, where=""):
@@ -101,31 +84,8 @@ def test_bucket_plan_groups_by_dtype_and_respects_the_cap():
 
 
 @pytest.mark.timeout(150)
-def test_sync_makes_a_receiver_with_empty_optimizer_state_equal_to_the_source(monkeypatch):
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, results)) for rank in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    try:
-        got = {}
-        for _ in range(WORLD):
-            rank, status, body = results.get(timeout=120)
-            assert status == "ok", f"rank {rank} failed:\n{body}"
-            got[rank] = torch.load(io.BytesIO(body), weights_only=False)
-        for proc in procs:
-            proc.join(timeout=30)
-            assert proc.exitcode == 0, f"pid {proc.pid} exit code {proc.exitcode}"
-    except queue.Empty:
-        pytest.fail("a worker did not report within 120 s")
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=10)
+def test_sync_makes_a_receiver_with_empty_optimizer_state_equal_to_the_source(tmp_path):
+    got = run_in_group(_sync_on_every_rank, WORLD, tmp_path)
     source, source_mixed = got[SOURCE]
     assert source["version"] == 2 and source["optimizer"]["state"], "the source trained"
     for rank in range(WORLD):

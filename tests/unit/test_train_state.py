@@ -183,3 +183,18 @@ def test_snapshot_preserves_module_metadata_and_copies_to_new_memory():
     copy = snapshot(live)
     assert copy._metadata == live._metadata
     assert copy["0.weight"].data_ptr() != live["0.weight"].data_ptr()
+    assert type(copy._metadata) is type(live._metadata)
+    copy._metadata[""]["version"] = 99  # the copy's metadata is its own
+    assert live._metadata[""].get("version") != 99
+
+
+def test_snapshot_shares_immutable_leaves_and_copies_mutable_ones():
+    hyper = {"lr": 0.1, "name": "sgd", "nesterov": False, "betas": (0.9, 0.99), "ids": [1, 2],
+             "extra": {"k": bytearray(b"x")}}
+    copy = snapshot(hyper)
+    assert copy == hyper
+    assert copy["name"] is hyper["name"]
+    assert copy["ids"] is not hyper["ids"] and copy["extra"]["k"] is not hyper["extra"]["k"]
+    hyper["ids"].append(3)
+    hyper["extra"]["k"] += b"y"
+    assert copy["ids"] == [1, 2] and copy["extra"]["k"] == bytearray(b"x")
