@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -17,10 +18,15 @@ from datetime import timedelta
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-import aetcd
-import tenacity
+# gRPC's fork handlers only log "Other threads are currently calling into gRPC, skipping fork()
+# handlers" at every DataLoader worker fork (our loop thread is always in gRPC); forked children
+# never use this client. Set before grpc is imported; an explicit user setting wins.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from elastic.errors import EtcdUnavailableError
+import aetcd  # noqa: E402
+import tenacity  # noqa: E402
+
+from elastic.errors import EtcdUnavailableError  # noqa: E402
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
@@ -124,8 +128,10 @@ def test_the_etcd_store_serves_torch_store_operations(client):
         with pytest.raises(RuntimeError, match="missing"):
             store.wait(["missing"], timedelta(milliseconds=200))
         writer = EtcdClient(client.urls)
-        threading.Timer(0.2, writer.put, args=("/t/store/late", b"v")).start()
+        late_writer = threading.Timer(0.2, writer.put, args=("/t/store/late", b"v"))
+        late_writer.start()
         assert store.get("late") == b"v"  # blocks on the watch until another writer puts it
+        late_writer.join(timeout=30)  # the watch can see the put before put() returns
         writer.close()
     finally:
         store.close()
@@ -134,3 +140,27 @@ def test_the_etcd_store_serves_torch_store_operations(client):
 def test_etcd_urls_without_a_port_are_rejected_with_an_example():
     with pytest.raises(ValueError, match="host and a port"):
         EtcdClient("http://127.0.0.1")
+
+
+_FORKING_LOADER = """
+import sys
+from elastic.etcd_client import EtcdClient
+from torch.utils.data import DataLoader
+client = EtcdClient(sys.argv[1])
+client.put("fork-check", "x")
+assert sum(len(b) for b in DataLoader(list(range(64)), batch_size=8, num_workers=2)) == 64
+client.close()
+print("loaded")
+"""
+
+
+def test_dataloader_workers_forking_beside_the_client_make_grpc_log_nothing(etcd, tmp_path):
+    script = tmp_path / "forking_loader.py"
+    script.write_text(_FORKING_LOADER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRPC_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, str(script), etcd.url], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "loaded" in done.stdout
+    assert "fork" not in done.stderr, done.stderr
