@@ -258,7 +258,7 @@ class Launcher:
 
     def _shutdown(self, failed: int) -> int:
         grace = 0.0 if self.stop.forced.is_set() else self.spec.grace_s
-        self.procs.terminate(grace)
+        self.procs.terminate(grace, cut=self.stop.forced)
         for worker in self.procs.exited():
             if worker.returncode:
                 failed += 1

@@ -125,7 +125,8 @@ class PlainGenerations:
                 self._armed = None
             stopping = self.launcher.stop
             procs.terminate(0.0 if stopping.forced.is_set() else
-                            self.spec.grace_s if stopping.requested.is_set() else _RESTART_GRACE_S)
+                            self.spec.grace_s if stopping.requested.is_set() else _RESTART_GRACE_S,
+                            cut=stopping.forced)
             procs.exited()
             procs.forget_exited()
             del store

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
+_TERMINATE_POLL_S = 0.05  # how often the grace wait looks at the workers
 
 
 @dataclass
@@ -89,21 +90,22 @@ class WorkerProcs:
                 worker.handled = True
         return fresh
 
-    def terminate(self, grace_s: float) -> None:
+    def terminate(self, grace_s: float, cut: threading.Event | None = None) -> None:
         """Sends SIGTERM to every running worker, waits up to ``grace_s``, then kills the rest.
 
         SIGTERM goes to the worker alone (an ElasticState worker commits and leaves at its next
         commit; its DataLoader workers must not die first); SIGKILL goes to its process group.
+        ``cut`` (a second Ctrl-C) ends the wait at once.
         """
         for worker in self.running():
             _signal(worker.pid, signal.SIGTERM)
+        cut = cut or threading.Event()
         deadline = time.monotonic() + grace_s
+        while self.running() and not cut.is_set() and time.monotonic() < deadline:
+            cut.wait(min(_TERMINATE_POLL_S, max(0.0, deadline - time.monotonic())))
         for worker in self.running():
-            try:
-                worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("worker pid=%d did not leave within %.0f s; killing it",
-                            worker.pid, grace_s)
+            log.warning("worker pid=%d did not leave %s; killing it", worker.pid,
+                        "(asked again)" if cut.is_set() else f"within {grace_s:.0f} s")
         self.kill()
 
     def kill(self) -> None:

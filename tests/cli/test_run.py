@@ -121,3 +121,25 @@ def test_a_plain_ddp_script_runs_unchanged_and_survives_a_crash_by_restart(cli, 
     assert results[0]["params"] == results[1]["params"]
     assert results[0]["master"] == "127.0.0.1"
     assert "restarting every worker" in run.text()
+
+
+def test_a_second_sigint_kills_workers_that_ignore_the_first_without_waiting_the_grace(
+        cli, etcd, tmp_path):
+    pid_file = tmp_path / "stuck.pid"
+    run = cli("run", "--etcd", etcd.url, "--job-id", f"stuck-{os.getpid()}", "-n", "1",
+              "--grace", "90", str(WORKERS / "ignores_sigterm.py"), str(pid_file))
+    wait_until(pid_file.exists, 60, "the worker to start", [run])
+    stuck = int(pid_file.read_text())
+    try:
+        run.proc.send_signal(signal.SIGINT)
+        wait_until(lambda: "signal SIGINT" in run.text(), 30, "the launcher to see SIGINT", [run])
+        assert is_alive(stuck), "the worker ignores SIGTERM, so it is still there"
+        asked_again = time.monotonic()
+        run.proc.send_signal(signal.SIGINT)
+        run.wait(30)
+        assert time.monotonic() - asked_again < 30, "the launcher waited out the grace period"
+        assert not is_alive(stuck), run.text()
+        assert "asked again" in run.text()
+    finally:
+        if is_alive(stuck):
+            os.kill(stuck, signal.SIGKILL)
