@@ -1,7 +1,8 @@
 """``elastic report LOGDIR``: a job's event files as tables and a PNG timeline.
 
-Reads every ``*.jsonl`` file in the directory (the workers' events, plus optional ``progress``
-records with a ``step`` field, e.g. written by ``examples/demo.py``). World size comes from the
+Reads every ``*.jsonl`` file in the directory: the workers' events, among them rank 0's
+``progress`` events (written at commits, at most twice a second, with the value of a registered
+plain ``step``), which give the steps/s. World size comes from the
 ``resumed`` events of each round, recoveries are measured from the first ``failure_detected``
 to the last ``resumed`` of the round that followed it. Plotting uses matplotlib's Agg backend;
 nothing here talks to etcd.

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -32,6 +33,7 @@ from state import ElasticSampler, StateError, TrainState
 log = logging.getLogger(__name__)
 
 _MAX_REFORMATIONS = 10_000
+_PROGRESS_EVERY_S = 0.5
 _COMM_ERROR_HINTS = ("connection", "gloo", "nccl", "timed out", "timeout", "peer", "socket",
                      "broken pipe", "closed", "distbackenderror", "process group", "aborted")
 
@@ -61,6 +63,7 @@ class ElasticState(TrainState):
         self._durable = DurableCommits(self._settings.checkpoint) if self._settings.checkpoint \
             else None
         self._warned_not_durable = False
+        self._progress_at = -_PROGRESS_EVERY_S
         super().__init__(**objects)
 
     # -- topology ---------------------------------------------------------------------------
@@ -116,8 +119,21 @@ class ElasticState(TrainState):
         version = super().commit()
         if durable:
             self._commit_durably(version)
+        self._report_progress(version)
         self.check_membership()
         return version
+
+    def _report_progress(self, version: int) -> None:
+        """Rank 0 records a ``progress`` event (with ``step`` when registered) twice a second
+        at most, for ``elastic report``'s steps/s."""
+        cluster = self._cluster
+        now = time.monotonic()
+        if cluster is None or self.rank != 0 or now - self._progress_at < _PROGRESS_EVERY_S:
+            return
+        self._progress_at = now
+        step = self._values.get("step")
+        fields = {"step": step} if isinstance(step, int) and not isinstance(step, bool) else {}
+        cluster.events.emit("progress", version=version, **fields)
 
     def check_membership(self) -> None:
         """The membership agreement of ``commit()`` without a snapshot.

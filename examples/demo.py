@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -36,10 +35,9 @@ PROGRESS = re.compile(r"epoch (\d+) step (\d+) world (\d+) loss ([\d.]+)")
 class Watcher:
     """Reads a launcher's output: shows progress, remembers the world size and the accuracy."""
 
-    def __init__(self, logs: Path) -> None:
+    def __init__(self) -> None:
         self.step, self.world, self.accuracy = 0, 0, None
         self.changed = threading.Event()
-        self._progress = open(logs / "progress-demo.jsonl", "a", buffering=1)  # noqa: SIM115
 
     def follow(self, proc: subprocess.Popen, name: str) -> None:
         threading.Thread(target=self._read, args=(proc, name), daemon=True).start()
@@ -53,9 +51,6 @@ class Watcher:
                 if int(world) != self.world:
                     print(f"[{name}] world size is now {world}")
                 self.step, self.world = int(step), int(world)
-                self._progress.write(json.dumps({"t": time.time(), "event": "progress",
-                                                 "step": self.step, "world_size": self.world})
-                                     + "\n")
                 if self.step % 40 == 0:
                     print(f"  epoch {epoch:>2}  step {step:>4}  world {world}  loss {loss}")
             elif line.startswith("final accuracy"):
@@ -128,7 +123,7 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="elastic-demo-")) / "events"
     logs.mkdir(parents=True)
     job = f"demo-{uuid.uuid4().hex[:6]}"
-    watcher = Watcher(logs)
+    watcher = Watcher()
     procs: list[subprocess.Popen] = []
     with EmbeddedEtcd() as etcd:
         try:

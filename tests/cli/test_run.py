@@ -75,12 +75,21 @@ def test_sigterm_to_the_launcher_ends_every_worker_gracefully(cli, etcd, tmp_pat
     run = cli("run", "--etcd", etcd.url, "--job-id", f"term-{os.getpid()}", "-n", "2",
               "--log-dir", str(log_dir), WORKER, "--steps", "100000")
     wait_until(lambda: 2 in resumed_worlds(log_dir), 60, "world 2", [run])
+    wait_until(lambda: any(e["event"] == "progress" and e["step"] >= 40 for e in events(log_dir)),
+               60, "rank 0 to report step 40", [run])
     pids = worker_pids(log_dir)
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait(40) == 0, run.text()
     assert not [pid for pid in pids if is_alive(pid)], "a worker outlived its launcher"
     left = {e["pid"] for e in events(log_dir) if e["event"] == "left"}
     assert left == pids, "not every worker left gracefully"
+    progress = [e for e in events(log_dir) if e["event"] == "progress"]
+    assert progress and {e["rank"] for e in progress} == {0}, "rank 0 reports progress"
+    steps = [e["step"] for e in sorted(progress, key=lambda e: e["t"])]
+    assert steps == sorted(steps) and steps[-1] > steps[0] and all(s % 5 == 0 for s in steps)
+    report = cli("report", str(log_dir), "--out", str(tmp_path / "t.png"), name="report")
+    assert report.wait(60) == 0, report.text()
+    assert f"progress: {steps[-1]} steps" in report.text()
 
 
 def test_a_crashed_worker_has_its_lease_revoked_at_once_and_is_restarted(cli, etcd, tmp_path):
