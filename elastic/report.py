@@ -135,7 +135,8 @@ def render_tables(timeline: Timeline) -> str:
         f"\n  at {r.t:.2f} s: {r.recovery_s:.2f} s (failure detected -> resumed in world "
         f"{r.world_size})" for r in recoveries))
     lines.append(f"workers joined: {len(timeline.joins)}   left gracefully: "
-                 f"{len(timeline.leaves)}   failures detected: {len(timeline.failures)}")
+                 f"{len(timeline.leaves)}   failures: {len(_incidents(timeline.failures))} "
+                 f"(detected {len(timeline.failures)} times by the workers)")
     lines.append(f"world changes agreed at a commit: {timeline.changes_at_commit}")
     if timeline.steps:
         lines.append(f"progress: {timeline.steps[-1][1]} steps in {timeline.end:.1f} s")
