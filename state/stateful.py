@@ -95,15 +95,15 @@ def snapshot(tree: Any, previous: Any = None) -> Any:
     Tensors are detached and copied to CPU. Where ``previous`` (an earlier snapshot) holds
     a CPU tensor at the same position with the same shape and dtype, the data is copied
     into that buffer instead of allocating a new one; so ``previous`` must be owned by the
-    caller and is overwritten. Mappings, lists and tuples are rebuilt; other leaves are
-    deep-copied.
+    caller and is overwritten. Mappings, lists and tuples are rebuilt; immutable leaves (numbers,
+    strings, bytes, None) are shared; other leaves are deep-copied.
 
     Args:
         tree: The state to copy (a tensor, mapping, list, tuple or other leaf).
         previous: An earlier snapshot whose tensor buffers may be reused, or None.
 
     Returns:
-        The copy, sharing no memory with ``tree``.
+        The copy, sharing no mutable object with ``tree``.
     """
     kind = type(tree)
     if kind in _IMMUTABLE:  # an optimizer's hyper-parameters, a sampler's counters
