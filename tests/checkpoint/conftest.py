@@ -18,9 +18,9 @@ from typing import Any
 
 import fsspec
 import pytest
+from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
 from tests.polling import poll_until
-from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
 PAYLOAD_NAME = "state.pt"
 
@@ -118,19 +118,16 @@ def _free_port() -> int:
 
 
 def _wait_until_serving(endpoint: str, proc: subprocess.Popen, deadline_s: float) -> bool:
-    def serving() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError(f"moto server exited with {proc.returncode}")
+    """True once the moto server answers; False when it exits or the deadline passes."""
+    def answers() -> bool:
         try:
             urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
             return True
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
 
-    try:
-        return poll_until(serving, deadline_s)
-    except RuntimeError:
-        return False
+    ended = poll_until(lambda: proc.poll() is not None or answers(), deadline_s)
+    return ended and proc.poll() is None
 
 
 def _start_moto() -> tuple[subprocess.Popen, str]:
