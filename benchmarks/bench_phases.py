@@ -8,8 +8,10 @@ model and alternate, in the same processes, between phases of:
 
 - ``plain``: the plain DDP loop with ``DistributedSampler`` (what ``torchrun_worker.py`` runs);
 - ``state``: the loop of ``elastic_worker.py``: ``ElasticSampler`` with ``record_batch``,
-  ``TrainState`` values, and every 10 steps ``commit()`` plus the 2-integer agreement
-  all-reduce that ``ElasticState.commit`` adds;
+  ``TrainState`` values, and every 10 steps ``ElasticState.commit``'s work: the 2-integer
+  agreement all-reduce started, the snapshot copied while it travels, then its wait;
+- ``state-serial``: the same with the all-reduce after the snapshot (the order before the
+  overlap);
 - ``state-no-agreement``: the same without the all-reduce.
 
 Every cycle runs each phase once (order reversed every other cycle); then each worker registers
@@ -29,7 +31,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PHASES = ("plain", "state", "state-no-agreement")
+PHASES = ("plain", "state", "state-serial", "state-no-agreement")
 
 
 def drive(args: argparse.Namespace) -> None:
@@ -84,6 +86,10 @@ def work(args: argparse.Namespace) -> None:
 
     sources = {"plain": plain_batches(), "state": state_batches()}
 
+    def start_agreement() -> tuple[dist.Work, torch.Tensor]:
+        flags = torch.tensor([0, 0], dtype=torch.int32)
+        return dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True), flags
+
     def phase(kind: str) -> tuple[float, float]:
         batches = sources["plain" if kind == "plain" else "state"]
         dist.barrier()
@@ -96,11 +102,13 @@ def work(args: argparse.Namespace) -> None:
             s.sampler.record_batch(len(x))
             s.step += 1
             if s.step % 10 == 0:
+                agreement = start_agreement() if kind == "state" else None
                 s.commit()
-                if kind == "state":
-                    flags = torch.tensor([0, 0], dtype=torch.int32)
-                    dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True).wait()
-                    flags.tolist()
+                if kind == "state-serial":
+                    agreement = start_agreement()
+                if agreement is not None:
+                    agreement[0].wait()
+                    agreement[1].tolist()
         wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
         return args.phase_steps / wall, cpu / args.phase_steps * 1000
 

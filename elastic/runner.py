@@ -104,11 +104,13 @@ class ElasticState(TrainState):
 
     # -- collective agreement --------------------------------------------------------------
     def commit(self, durable: bool = False) -> int:  # noqa: D417 (see TrainState.commit)
-        """Snapshots every object in host memory, then agrees with all ranks on membership.
+        """Snapshots every object in host memory and agrees with all ranks on membership.
 
-        Collective: every rank calls it at the same point. If a join or leave is pending, the
-        commit is kept and ``MembershipChangedInterrupt`` hands over to the run loop, which
-        re-forms the group and calls the training function again (no work is lost).
+        Collective: every rank calls it at the same point. The agreement (a two-integer
+        all-reduce) is started first and travels while the snapshot is copied, so a commit
+        costs the longer of the two, not their sum. If a join or leave is pending, the commit
+        is kept and ``MembershipChangedInterrupt`` hands over to the run loop, which re-forms
+        the group and calls the training function again (no work is lost).
 
         Raises:
             MembershipChangedInterrupt: the world changes now (caught by ``run``).
@@ -116,11 +118,13 @@ class ElasticState(TrainState):
         """
         if self._cluster is not None:
             self._cluster.membership.check_not_fenced()
+        agreement = self._start_agreement()
         version = super().commit()
         if durable:
             self._commit_durably(version)
         self._report_progress(version)
-        self.check_membership()
+        if agreement is not None:
+            agreement.finish()
         return version
 
     def _report_progress(self, version: int) -> None:
@@ -143,23 +147,16 @@ class ElasticState(TrainState):
             LeaveInterrupt: this worker was asked to leave and the others know it.
             PeerFailureError: a peer failed during the agreement.
         """
+        agreement = self._start_agreement()
+        if agreement is not None:
+            agreement.finish()
+
+    def _start_agreement(self) -> "_Agreement | None":
+        """Starts the membership all-reduce; None when not in a formed group."""
         cluster = self._cluster
         if cluster is None or cluster.topology is None:
-            return
-        flags = torch.tensor([int(cluster.monitor.pending.is_set()),
-                              int(self._leave_requested.is_set())], dtype=torch.int32)
-        if cluster.group.backend == "nccl":
-            flags = flags.cuda()
-        try:
-            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
-            work.wait(timeout=cluster.group.timeout)
-        except RuntimeError as exc:
-            raise PeerFailureError(f"membership agreement failed: {exc}") from exc
-        pending, leaving = (int(v) for v in flags.cpu().tolist())
-        if leaving and self._leave_requested.is_set():
-            raise LeaveInterrupt("this worker leaves the job")
-        if pending or leaving:
-            raise MembershipChangedInterrupt(cluster.monitor.reason or "a member leaves")
+            return None
+        return _Agreement(cluster, self._leave_requested)
 
     @property
     def checkpoint_error(self) -> Exception | None:
@@ -346,6 +343,49 @@ class ElasticState(TrainState):
                 signal.signal(sig, handler)
 
         return restore
+
+
+
+class _Agreement:
+    """One membership agreement: a MAX all-reduce of (join/leave pending, this worker leaves).
+
+    Started at construction with ``async_op``; ``finish`` waits for it and acts on the
+    result. A failure to start is kept and raised by ``finish``, so a caller that snapshots
+    in between still holds the newest commit when the peer failure surfaces.
+    """
+
+    def __init__(self, cluster: Cluster, leave_requested: threading.Event) -> None:
+        self._cluster = cluster
+        self._leave_requested = leave_requested
+        flags = torch.tensor([int(cluster.monitor.pending.is_set()),
+                              int(leave_requested.is_set())], dtype=torch.int32)
+        self._flags = flags.cuda() if cluster.group.backend == "nccl" else flags
+        self._work: Any = None
+        self._error: RuntimeError | None = None
+        try:
+            self._work = dist.all_reduce(self._flags, op=dist.ReduceOp.MAX, async_op=True)
+        except RuntimeError as exc:
+            self._error = exc
+
+    def finish(self) -> None:
+        """Waits for the all-reduce and raises what the job must do now, if anything.
+
+        Raises:
+            MembershipChangedInterrupt: the world changes now.
+            LeaveInterrupt: this worker was asked to leave and the others know it.
+            PeerFailureError: a peer failed during the agreement.
+        """
+        try:
+            if self._error is not None:
+                raise self._error
+            self._work.wait(timeout=self._cluster.group.timeout)
+        except RuntimeError as exc:
+            raise PeerFailureError(f"membership agreement failed: {exc}") from exc
+        pending, leaving = (int(v) for v in self._flags.cpu().tolist())
+        if leaving and self._leave_requested.is_set():
+            raise LeaveInterrupt("this worker leaves the job")
+        if pending or leaving:
+            raise MembershipChangedInterrupt(self._cluster.monitor.reason or "a member leaves")
 
 
 class _Retry:
