@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from elastic.errors import RendezvousClosedError
+from elastic.errors import LeaveInterrupt, RendezvousClosedError
 from elastic.etcd_client import WatchEvent
 from elastic.rendezvous import Rendezvous, RendezvousConfig, Topology
 
@@ -70,6 +70,9 @@ class PlainGenerations:
             except RendezvousClosedError as exc:
                 print(f"elastic: {exc}", flush=True)
                 return 0
+            except LeaveInterrupt:
+                print("elastic: stopped while the next generation was forming", flush=True)
+                return 1
             if topology is None:
                 reason = "spare"
                 continue
@@ -95,7 +98,8 @@ class PlainGenerations:
         listener.listen(128)
         topology = None
         try:
-            topology = self.rendezvous.join(reason, 0, listener.getsockname()[1])
+            topology = self.rendezvous.join(reason, 0, listener.getsockname()[1],
+                                            cancelled=self.launcher.stop.requested.is_set)
         finally:
             if topology is None:
                 listener.close()

@@ -132,6 +132,25 @@ def test_a_plain_ddp_script_runs_unchanged_and_survives_a_crash_by_restart(cli, 
     assert "restarting every worker" in run.text()
 
 
+def test_sigint_while_a_plain_generation_forms_stops_the_launcher_at_once(cli, etcd, tmp_path):
+    job = f"plain-wait-{os.getpid()}"
+    run = cli("run", "--plain", "--etcd", etcd.url, "--job-id", job, "-n", "1",
+              "--min-workers", "2", str(WORKERS / "plain_ddp.py"), str(tmp_path))
+    client = EtcdClient(etcd.url)
+    try:
+        rounds = JobKeys(job).launchers().rounds
+        wait_until(lambda: client.get_prefix(rounds)[0], 60,
+                   "the launcher to ask for a generation (it waits for a second one)", [run])
+    finally:
+        client.close()
+    asked = time.monotonic()
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait(30) == 1, run.text()
+    assert time.monotonic() - asked < 5, "the launcher waited for the generation to form"
+    assert "stopped while the next generation was forming" in run.text()
+    assert not list(tmp_path.glob("plain-*.json")), "no worker was started"
+
+
 def test_a_second_sigint_kills_workers_that_ignore_the_first_without_waiting_the_grace(
         cli, etcd, tmp_path):
     pid_file = tmp_path / "stuck.pid"
