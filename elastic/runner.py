@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic.agreement import MembershipAgreement
 from elastic.cluster import Cluster
 from elastic.durable import DurableCommits
 from elastic.errors import (FencedError, LeaveInterrupt, MembershipChangedInterrupt,
@@ -151,12 +152,12 @@ class ElasticState(TrainState):
         if agreement is not None:
             agreement.finish()
 
-    def _start_agreement(self) -> "_Agreement | None":
+    def _start_agreement(self) -> "MembershipAgreement | None":
         """Starts the membership all-reduce; None when not in a formed group."""
         cluster = self._cluster
         if cluster is None or cluster.topology is None:
             return None
-        return _Agreement(cluster, self._leave_requested)
+        return MembershipAgreement.start(cluster, self._leave_requested)
 
     @property
     def checkpoint_error(self) -> Exception | None:
@@ -344,48 +345,6 @@ class ElasticState(TrainState):
 
         return restore
 
-
-
-class _Agreement:
-    """One membership agreement: a MAX all-reduce of (join/leave pending, this worker leaves).
-
-    Started at construction with ``async_op``; ``finish`` waits for it and acts on the
-    result. A failure to start is kept and raised by ``finish``, so a caller that snapshots
-    in between still holds the newest commit when the peer failure surfaces.
-    """
-
-    def __init__(self, cluster: Cluster, leave_requested: threading.Event) -> None:
-        self._cluster = cluster
-        self._leave_requested = leave_requested
-        flags = torch.tensor([int(cluster.monitor.pending.is_set()),
-                              int(leave_requested.is_set())], dtype=torch.int32)
-        self._flags = flags.cuda() if cluster.group.backend == "nccl" else flags
-        self._work: Any = None
-        self._error: RuntimeError | None = None
-        try:
-            self._work = dist.all_reduce(self._flags, op=dist.ReduceOp.MAX, async_op=True)
-        except RuntimeError as exc:
-            self._error = exc
-
-    def finish(self) -> None:
-        """Waits for the all-reduce and raises what the job must do now, if anything.
-
-        Raises:
-            MembershipChangedInterrupt: the world changes now.
-            LeaveInterrupt: this worker was asked to leave and the others know it.
-            PeerFailureError: a peer failed during the agreement.
-        """
-        try:
-            if self._error is not None:
-                raise self._error
-            self._work.wait(timeout=self._cluster.group.timeout)
-        except RuntimeError as exc:
-            raise PeerFailureError(f"membership agreement failed: {exc}") from exc
-        pending, leaving = (int(v) for v in self._flags.cpu().tolist())
-        if leaving and self._leave_requested.is_set():
-            raise LeaveInterrupt("this worker leaves the job")
-        if pending or leaving:
-            raise MembershipChangedInterrupt(self._cluster.monitor.reason or "a member leaves")
 
 
 class _Retry:
