@@ -176,22 +176,30 @@ def ours_scale_up(out: Path) -> tuple[float, float, float]:
         etcd.stop()
 
 
-def throughput(out: Path, kind: str, steps: int = 1500) -> float:
+def throughput(out: Path, kind: str, steps: int = 1500, pin: bool = False,
+               batch: int = 32) -> float:
+    """Steps/s of rank 0 over steps 100..steps of a 2-worker run.
+
+    ``pin`` binds worker i of either side to core i; ``batch`` is samples per worker and step.
+    """
     procs = Procs(out)
+    pinned = {"BENCH_PIN": "1"} if pin else {}
     etcd = EmbeddedEtcd().start() if kind != "torchrun" else None
     try:
         if kind == "torchrun":
             procs.start([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
                          "--nproc-per-node=2", "--rdzv-backend=c10d",
                          f"--rdzv-endpoint=127.0.0.1:{free_port()}", "torchrun_worker.py",
-                         "--out", str(out), "--steps", str(steps)], env_for())
+                         "--out", str(out), "--steps", str(steps), "--batch", str(batch)],
+                        env_for(**pinned))
         else:
             assert etcd is not None
             every = "1" if kind == "ours-commit-1" else "10"
-            env = env_for(ELASTIC_ETCD=etcd.url, ELASTIC_JOB_ID="bench")
-            for _ in range(2):
+            for core in range(2):
+                env = env_for(ELASTIC_ETCD=etcd.url, ELASTIC_JOB_ID="bench", BENCH_CORE=str(core),
+                              **pinned)
                 procs.start([sys.executable, "elastic_worker.py", "--out", str(out), "--steps",
-                             str(steps), "--commit-every", every], env)
+                             str(steps), "--commit-every", every, "--batch", str(batch)], env)
         for proc in procs.procs:
             proc.wait(timeout=300)
         rank0 = [p for p in read_progress(out) if p["rank"] == 0]
@@ -209,15 +217,22 @@ def main() -> None:
     parser.add_argument("--json", default=str(HERE / "results" / "recovery.json"))
     parser.add_argument("--throughput-only", action="store_true",
                         help="only the steady-state comparison, order alternating per rep")
+    parser.add_argument("--batch", type=int, default=32,
+                        help="with --throughput-only: samples per worker and step (default 32)")
+    parser.add_argument("--steps", type=int, default=1500,
+                        help="with --throughput-only: steps per run (steps 100.. are timed)")
+    parser.add_argument("--pin", action="store_true",
+                        help="with --throughput-only: bind worker i of either side to core i")
     args = parser.parse_args()
     if os.environ.get("BENCH_NETNS") != "1":
         inner = f"ip link set lo up && exec {sys.executable} {Path(__file__)} " \
                 f"--reps {args.reps} --json {args.json}" \
-                + (" --throughput-only" if args.throughput_only else "")
+                + (" --throughput-only" if args.throughput_only else "") \
+                + (" --pin" if args.pin else "") + f" --batch {args.batch} --steps {args.steps}"
         os.execvpe("unshare", ["unshare", "-n", "sh", "-c", inner],
                    dict(os.environ, BENCH_NETNS="1"))
     if args.throughput_only:
-        throughput_only(args.reps, Path(args.json))
+        throughput_only(args.reps, Path(args.json), args.pin, args.batch, args.steps)
         return
     root = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
     results: dict[str, list[float]] = {k: [] for k in (
@@ -246,7 +261,7 @@ def main() -> None:
     report(results)
 
 
-def throughput_only(reps: int, json_path: Path) -> None:
+def throughput_only(reps: int, json_path: Path, pin: bool, batch: int, steps: int) -> None:
     """Steady state only: torchrun and ours (commit every 10), the order alternating per rep."""
     root = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
     results: dict[str, list[float]] = {"tput_torchrun": [], "tput_ours_commit_10": []}
@@ -255,7 +270,8 @@ def throughput_only(reps: int, json_path: Path) -> None:
             kinds = ["torchrun", "ours-commit-10"][:: 1 if rep % 2 == 0 else -1]
             for kind in kinds:
                 key = "tput_" + kind.replace("-", "_")
-                results[key].append(throughput(mk(root / f"rep{rep}-{kind}"), kind))
+                out = mk(root / f"rep{rep}-{kind}")
+                results[key].append(throughput(out, kind, steps, pin, batch))
             ratio = results["tput_ours_commit_10"][-1] / results["tput_torchrun"][-1]
             print(f"rep {rep}: {kinds[0]} first, ratio {ratio:.3f}", flush=True)
     finally:

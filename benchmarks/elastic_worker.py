@@ -17,8 +17,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=10**9)
+    p.add_argument("--batch", type=int, default=32, help="samples per worker and step")
     p.add_argument("--commit-every", type=int, default=10)
     args = p.parse_args()
+    workload.pin_to_core()
     data = workload.dataset()
     model = workload.model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -28,7 +30,7 @@ def main() -> None:
 
     def train(s: ElasticState) -> None:
         ddp = DDP(s.model)
-        loader = DataLoader(data, batch_size=32, sampler=s.sampler)
+        loader = DataLoader(data, batch_size=args.batch, sampler=s.sampler)
         while s.step < args.steps:
             s.sampler.set_epoch(s.epoch)
             for x, y in loader:

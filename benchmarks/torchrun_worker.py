@@ -17,7 +17,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=10**9)
+    p.add_argument("--batch", type=int, default=32, help="samples per worker and step")
     args = p.parse_args()
+    workload.pin_to_core()
     init_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     progress = workload.Progress(args.out, f"torchrun-{os.getpid()}")
@@ -25,7 +27,7 @@ def main() -> None:
     ddp = DDP(workload.model())
     opt = torch_opt(ddp)
     sampler = DistributedSampler(data, seed=0)
-    loader = DataLoader(data, batch_size=32, sampler=sampler)
+    loader = DataLoader(data, batch_size=args.batch, sampler=sampler)
     step, epoch = 0, 0
     while step < args.steps:
         sampler.set_epoch(epoch)

@@ -17,6 +17,20 @@ from torch.utils.data import TensorDataset
 FEATURES, HIDDEN, CLASSES = 64, 512, 10
 
 
+def pin_to_core() -> None:
+    """With ``BENCH_PIN=1``, binds this worker to one core: ``BENCH_CORE``, else ``LOCAL_RANK``.
+
+    Unpinned, where the scheduler happens to put two workers and their gloo threads differs
+    from run to run and shifts steps/s by several percent for a whole run; pinned, both sides
+    of a comparison get the same placement.
+    """
+    if os.environ.get("BENCH_PIN") != "1":
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    index = int(os.environ.get("BENCH_CORE", os.environ.get("LOCAL_RANK", "0")))
+    os.sched_setaffinity(0, {cores[index % len(cores)]})
+
+
 def dataset(n: int = 16384) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, FEATURES, generator=g)
