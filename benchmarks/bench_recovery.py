@@ -11,6 +11,11 @@ Measured (wall clock, from the workers' per-step progress lines):
 - scale-up (ours): a 4th worker's process start -> its first step; the longest pause of the others.
 - steady state: steps/s of 2 workers, ours with commit() every 10 and every step, against the same
   loop as plain DDP under torchrun.
+
+``--throughput-only`` runs the steady-state pair only (order alternating per rep; ``--batch``,
+``--steps``, ``--pin`` to bind worker i to core i) and adds what one commit costs rank 0: the
+median step interval that holds a commit minus the median of the others. ``--control`` swaps
+ours for torchrun with an idle etcd beside it: two runs of the same job, to show the noise.
 """
 
 from __future__ import annotations
@@ -186,7 +191,7 @@ def throughput(out: Path, kind: str, steps: int = 1500, pin: bool = False,
     pinned = {"BENCH_PIN": "1"} if pin else {}
     etcd = EmbeddedEtcd().start() if kind != "torchrun" else None
     try:
-        if kind == "torchrun":
+        if kind.startswith("torchrun"):  # "torchrun+etcd": with an idle etcd beside it
             procs.start([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
                          "--nproc-per-node=2", "--rdzv-backend=c10d",
                          f"--rdzv-endpoint=127.0.0.1:{free_port()}", "torchrun_worker.py",
@@ -211,6 +216,18 @@ def throughput(out: Path, kind: str, steps: int = 1500, pin: bool = False,
             etcd.stop()
 
 
+def commit_cost_ms(out: Path, every: int = 10, first: int = 100) -> float:
+    """What a commit adds to rank 0's step: the median interval that holds a commit minus the
+    median of the other intervals (ms), from the per-step progress lines."""
+    times = {p["step"]: p["t"] for p in read_progress(out) if p["rank"] == 0}
+    with_commit, without = [], []
+    for step in range(first + 1, max(times) + 1):
+        if step in times and step - 1 in times:
+            bucket = with_commit if (step - 1) % every == 0 else without
+            bucket.append(times[step] - times[step - 1])
+    return (statistics.median(with_commit) - statistics.median(without)) * 1000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=5)
@@ -221,6 +238,9 @@ def main() -> None:
                         help="with --throughput-only: samples per worker and step (default 32)")
     parser.add_argument("--steps", type=int, default=1500,
                         help="with --throughput-only: steps per run (steps 100.. are timed)")
+    parser.add_argument("--control", action="store_true",
+                        help="with --throughput-only: torchrun against torchrun with an idle "
+                             "etcd beside it, instead of ours (how far identical jobs differ)")
     parser.add_argument("--pin", action="store_true",
                         help="with --throughput-only: bind worker i of either side to core i")
     args = parser.parse_args()
@@ -228,11 +248,13 @@ def main() -> None:
         inner = f"ip link set lo up && exec {sys.executable} {Path(__file__)} " \
                 f"--reps {args.reps} --json {args.json}" \
                 + (" --throughput-only" if args.throughput_only else "") \
-                + (" --pin" if args.pin else "") + f" --batch {args.batch} --steps {args.steps}"
+                + (" --pin" if args.pin else "") + (" --control" if args.control else "") \
+                + f" --batch {args.batch} --steps {args.steps}"
         os.execvpe("unshare", ["unshare", "-n", "sh", "-c", inner],
                    dict(os.environ, BENCH_NETNS="1"))
     if args.throughput_only:
-        throughput_only(args.reps, Path(args.json), args.pin, args.batch, args.steps)
+        throughput_only(args.reps, Path(args.json), args.pin, args.batch, args.steps,
+                        args.control)
         return
     root = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
     results: dict[str, list[float]] = {k: [] for k in (
@@ -261,28 +283,39 @@ def main() -> None:
     report(results)
 
 
-def throughput_only(reps: int, json_path: Path, pin: bool, batch: int, steps: int) -> None:
-    """Steady state only: torchrun and ours (commit every 10), the order alternating per rep."""
+def throughput_only(reps: int, json_path: Path, pin: bool, batch: int, steps: int,
+                    control: bool = False) -> None:
+    """Steady state only: torchrun and ours (commit every 10), the order alternating per rep.
+
+    With ``control``, the second side is torchrun again with an idle etcd running: an A/A
+    comparison that shows how far two runs of the same job differ on this machine.
+    """
     root = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
-    results: dict[str, list[float]] = {"tput_torchrun": [], "tput_ours_commit_10": []}
+    pair = ["torchrun", "torchrun+etcd" if control else "ours-commit-10"]
+    keys = ["tput_" + k.replace("-", "_").replace("+", "_with_") for k in pair]
+    results: dict[str, list[float]] = {key: [] for key in keys}
+    if not control:
+        results["ours_commit_cost_ms"] = []
     try:
         for rep in range(reps):
-            kinds = ["torchrun", "ours-commit-10"][:: 1 if rep % 2 == 0 else -1]
-            for kind in kinds:
-                key = "tput_" + kind.replace("-", "_")
-                out = mk(root / f"rep{rep}-{kind}")
-                results[key].append(throughput(out, kind, steps, pin, batch))
-            ratio = results["tput_ours_commit_10"][-1] / results["tput_torchrun"][-1]
-            print(f"rep {rep}: {kinds[0]} first, ratio {ratio:.3f}", flush=True)
+            order = [0, 1] if rep % 2 == 0 else [1, 0]
+            for i in order:
+                out = mk(root / f"rep{rep}-{pair[i]}")
+                results[keys[i]].append(throughput(out, pair[i], steps, pin, batch))
+                if pair[i].startswith("ours"):
+                    results["ours_commit_cost_ms"].append(commit_cost_ms(out))
+            ratio = results[keys[1]][-1] / results[keys[0]][-1]
+            print(f"rep {rep}: {pair[order[0]]} first, ratio {ratio:.3f}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(results, indent=1))
-    ratios = [o / t for o, t in zip(results["tput_ours_commit_10"], results["tput_torchrun"])]
+    ratios = [b / a for a, b in zip(results[keys[0]], results[keys[1]])]
     print("\n| measure | median | all runs |\n|---|---|---|")
     for key, values in results.items():
-        print(f"| {key} | {statistics.median(values):.1f} | "
-              f"{', '.join(f'{v:.1f}' for v in values)} |")
+        digits = 2 if key.endswith("_ms") else 1
+        print(f"| {key} | {statistics.median(values):.{digits}f} | "
+              f"{', '.join(f'{v:.{digits}f}' for v in values)} |")
     print(f"| ratio per rep | {statistics.median(ratios):.3f} | "
           f"{', '.join(f'{r:.3f}' for r in ratios)} |")
 
