@@ -108,10 +108,11 @@ class ElasticState(TrainState):
         """Snapshots every object in host memory and agrees with all ranks on membership.
 
         Collective: every rank calls it at the same point. The agreement (a two-integer
-        all-reduce) is started first and travels while the snapshot is copied, so a commit
-        costs the longer of the two, not their sum. If a join or leave is pending, the commit
-        is kept and ``MembershipChangedInterrupt`` hands over to the run loop, which re-forms
-        the group and calls the training function again (no work is lost).
+        all-reduce) is started first and travels while the snapshot is copied, so that where
+        cores are free a commit costs the longer of the two, not their sum. If a join or
+        leave is pending, the commit is kept and ``MembershipChangedInterrupt`` hands over to
+        the run loop, which re-forms the group and calls the training function again (no work
+        is lost).
 
         Raises:
             MembershipChangedInterrupt: the world changes now (caught by ``run``).
@@ -344,7 +345,6 @@ class ElasticState(TrainState):
                 signal.signal(sig, handler)
 
         return restore
-
 
 
 class _Retry:
