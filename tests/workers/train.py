@@ -108,7 +108,7 @@ def main() -> None:
                                            "world": s.world_size, "gen": s.generation,
                                            "loss": loss.item()}) + "\n")
                 fire_faults(s, out, index)
-                time.sleep(args.step_ms / 1000)  # stands in for a longer step (pacing, not a wait)
+                compute_for(args.step_ms)
                 if s.sampler.batches_done % args.commit_every == 0:
                     record(s, pending)
                     s.commit()
@@ -133,6 +133,18 @@ def main() -> None:
         "result": result, "params": flat.tolist(), "ledger": state.ledger,
         "skipped": state.skipped,
         "member": state.member_id, "generation": state.generation, "step": state.step}))
+
+
+def compute_for(ms: float) -> None:
+    """Stands in for a bigger model's forward and backward: real matmuls for about ``ms``.
+
+    Keeps the job running long enough for the harness's faults and joiners to land mid-epoch;
+    the result is dropped, so the model, its parameters and the random streams are untouched.
+    """
+    deadline = time.monotonic() + ms / 1000
+    x = torch.full((64, 64), 0.01, dtype=torch.float32)
+    while time.monotonic() < deadline:
+        x = torch.tanh(x @ x)
 
 
 def full_loss(model: torch.nn.Module, dataset: Regression) -> float:

@@ -18,6 +18,18 @@ opt = torch.optim.SGD(model.parameters(), lr=0.01)
 state = ElasticState(model=model, optimizer=opt, step=0)
 
 
+def compute_for(ms: float) -> None:
+    """Stands in for a bigger model's forward and backward: real matmuls for about ``ms``.
+
+    Keeps a job running long enough for the test to act on it; the result is dropped, so the
+    model and its parameters are untouched.
+    """
+    deadline = time.monotonic() + ms / 1000
+    x = torch.full((64, 64), 0.01)
+    while time.monotonic() < deadline:
+        x = torch.tanh(x @ x)
+
+
 def train(s: ElasticState) -> None:
     ddp = DDP(s.model)
     while s.step < args.steps:
@@ -26,7 +38,7 @@ def train(s: ElasticState) -> None:
         loss.backward()
         s.optimizer.step()
         s.step += 1
-        time.sleep(args.step_ms / 1000)  # stands in for a longer step (pacing, not a wait)
+        compute_for(args.step_ms)
         if s.step % 5 == 0:
             s.commit()
 
