@@ -251,7 +251,8 @@ class ElasticSampler(Sampler[int]):
         The cutoff is decided with the batch size known when item ``i`` is reached; the
         limit it implies is recomputed only when that batch size changes (this runs per item).
         """
-        known_batch, limit, end = -1, 0, len(mine)
+        known_batch, limit = -1, 0
+        end = len(mine) if split.counts is None else split.counts[split.rank]
         for i, index in enumerate(mine):
             if split.counts is None:
                 if self._batch_size != known_batch:
