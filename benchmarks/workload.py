@@ -20,9 +20,8 @@ FEATURES, HIDDEN, CLASSES = 64, 512, 10
 def pin_to_core() -> None:
     """With ``BENCH_PIN=1``, binds this worker to one core: ``BENCH_CORE``, else ``LOCAL_RANK``.
 
-    Unpinned, where the scheduler happens to put two workers and their gloo threads differs
-    from run to run and shifts steps/s by several percent for a whole run; pinned, both sides
-    of a comparison get the same placement.
+    Pinned, both sides of a comparison get the same placement of workers and gloo threads. On
+    the 2-core machine it did not narrow the rep-to-rep spread (``benchmarks/RESULTS.md``).
     """
     if os.environ.get("BENCH_PIN") != "1":
         return
