@@ -1,8 +1,9 @@
 """The ``Stateful`` protocol and the one snapshot path to host memory.
 
 Owns how a (nested dict/list/tuple) state dict is copied to CPU: tensors are detached and
-copied, reusing the buffers of the previous snapshot when structure, shape and dtype match,
-so frequent commits do not allocate. Must not import ``elastic`` or ``checkpoint``.
+copied, reusing the previous snapshot when structure, shape and dtype match (its containers are
+updated in place and its tensors copied into with one batched copy), so frequent commits
+neither allocate nor rebuild. Must not import ``elastic`` or ``checkpoint``.
 """
 
 from __future__ import annotations
@@ -92,19 +93,30 @@ def rebuild_sequence(src: list | tuple, items: list) -> list | tuple:
 def snapshot(tree: Any, previous: Any = None) -> Any:
     """Deep-copies a nested state to CPU host memory.
 
-    Tensors are detached and copied to CPU. Where ``previous`` (an earlier snapshot) holds
-    a CPU tensor at the same position with the same shape and dtype, the data is copied
-    into that buffer instead of allocating a new one; so ``previous`` must be owned by the
-    caller and is overwritten. Mappings, lists and tuples are rebuilt; immutable leaves (numbers,
-    strings, bytes, None) are shared; other leaves are deep-copied.
+    Tensors are detached and copied to CPU; immutable leaves (numbers, strings, bytes, None)
+    are shared; other leaves are deep-copied. ``previous`` (an earlier snapshot, owned by the
+    caller) is overwritten: when it has the structure of ``tree`` (same container types and
+    keys, CPU tensors of the same shape and dtype, equal tuple items) it is updated in place
+    and returned, its tensors filled by one batched copy; otherwise mappings, lists and tuples
+    are rebuilt, still copying into ``previous``'s tensors wherever they fit.
 
     Args:
         tree: The state to copy (a tensor, mapping, list, tuple or other leaf).
-        previous: An earlier snapshot whose tensor buffers may be reused, or None.
+        previous: An earlier snapshot to overwrite, or None.
 
     Returns:
         The copy, sharing no mutable object with ``tree``.
     """
+    if previous is not None and type(tree) not in _IMMUTABLE:
+        copies = _Copies()
+        if _refresh(tree, previous, copies):
+            copies.run()
+            return previous
+    return _rebuild(tree, previous)
+
+
+def _rebuild(tree: Any, previous: Any) -> Any:
+    """Builds a new snapshot of ``tree``, copying into ``previous``'s tensors where they fit."""
     kind = type(tree)
     if kind in _IMMUTABLE:  # an optimizer's hyper-parameters, a sampler's counters
         return tree
@@ -112,25 +124,104 @@ def snapshot(tree: Any, previous: Any = None) -> Any:
         return _snapshot_tensor(tree, previous)
     if kind is dict or kind is OrderedDict or isinstance(tree, Mapping):
         prev = previous if isinstance(previous, Mapping) else {}
-        return rebuild_mapping(tree, {k: snapshot(v, prev.get(k)) for k, v in tree.items()})
+        return rebuild_mapping(tree, {k: _rebuild(v, prev.get(k)) for k, v in tree.items()})
     if isinstance(tree, (list, tuple)):
         same = isinstance(previous, (list, tuple)) and len(previous) == len(tree)
         prev = previous if same else [None] * len(tree)
-        return rebuild_sequence(tree, [snapshot(v, p) for v, p in zip(tree, prev)])
+        return rebuild_sequence(tree, [_rebuild(v, p) for v, p in zip(tree, prev)])
     return copy.deepcopy(tree)
+
+
+def _fits(buffer: Any, src: torch.Tensor) -> bool:
+    """Whether ``src`` can be copied into ``buffer`` (a strided CPU tensor of its shape and dtype)."""
+    return (
+        isinstance(buffer, torch.Tensor)
+        and buffer.is_cpu
+        and buffer.shape == src.shape
+        and buffer.dtype == src.dtype
+        and buffer.layout == src.layout == torch.strided
+    )
 
 
 def _snapshot_tensor(tensor: torch.Tensor, previous: Any) -> torch.Tensor:
     """Copies one tensor to CPU, into ``previous`` when it fits."""
     src = tensor.detach()
-    if (
-        isinstance(previous, torch.Tensor)
-        and previous.is_cpu
-        and previous.shape == src.shape
-        and previous.dtype == src.dtype
-        and previous.layout == src.layout == torch.strided
-    ):
+    if _fits(previous, src):
         return previous.copy_(src)
     if src.layout != torch.strided:
         return src.to("cpu", copy=True)
     return torch.empty_like(src, device="cpu").copy_(src)
+
+
+class _Copies:
+    """The tensor copies of one in-place refresh, run together at the end.
+
+    Batched into one ``torch._foreach_copy_`` where every source is on the CPU (one call
+    instead of one per tensor); a refresh that fails half-way drops them unrun.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+        self.sources: list[torch.Tensor] = []
+
+    def add(self, buffer: torch.Tensor, src: torch.Tensor) -> None:
+        self.buffers.append(buffer)
+        self.sources.append(src)
+
+    def run(self) -> None:
+        if not self.buffers:
+            return
+        with torch.no_grad():
+            if all(src.is_cpu for src in self.sources):
+                torch._foreach_copy_(self.buffers, self.sources)
+                return
+            for buffer, src in zip(self.buffers, self.sources):
+                buffer.copy_(src)
+
+
+def _refresh(tree: Any, previous: Any, copies: _Copies) -> bool:
+    """Makes ``previous`` a snapshot of ``tree`` in place, its tensor copies left in ``copies``.
+
+    Returns False when the structures differ; ``previous`` is then still a valid snapshot of
+    something (only whole entries of it were replaced) and serves as a source of buffers.
+    """
+    if isinstance(tree, torch.Tensor):
+        if not _fits(previous, tree) or type(previous) is not torch.Tensor:
+            return False
+        copies.add(previous, tree)
+        return True
+    kind = type(tree)
+    if kind is not type(previous):
+        return False
+    if kind is dict or kind is OrderedDict:
+        if len(tree) != len(previous) or getattr(tree, "_metadata", None) != getattr(
+                previous, "_metadata", None):
+            return False
+        for (key, value), old_key in zip(tree.items(), previous):
+            if key != old_key:
+                return False
+            _refresh_item(previous, key, value, copies)
+        return True
+    if kind is list:
+        if len(tree) != len(previous):
+            return False
+        for i, value in enumerate(tree):
+            _refresh_item(previous, i, value, copies)
+        return True
+    if kind is tuple:  # immutable: usable only when its immutable items are equal
+        return len(tree) == len(previous) and all(
+            (type(v) in _IMMUTABLE and type(v) is type(p) and v == p)
+            or (type(v) not in _IMMUTABLE and _refresh(v, p, copies))
+            for v, p in zip(tree, previous))
+    return False
+
+
+def _refresh_item(previous: dict | list, index: Any, value: Any, copies: _Copies) -> None:
+    """Makes ``previous[index]`` a snapshot of ``value``: in place, else rebuilt on its own."""
+    if type(value) in _IMMUTABLE:
+        previous[index] = value
+        return
+    if not _refresh(value, previous[index], copies):
+        # Copies the sub-tree queued before it failed target the buffers that this rebuild
+        # fills from the same sources, so they may stay queued.
+        previous[index] = _rebuild(value, previous[index])

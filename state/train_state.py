@@ -153,7 +153,8 @@ class TrainState:
     def commit(self) -> int:
         """Snapshots every registered object to CPU host memory as the new rollback point.
 
-        Tensor buffers of the previous commit are reused where shapes and dtypes match.
+        The previous commit is overwritten in place where its structure, shapes and dtypes
+        match (see ``state.stateful.snapshot``), so a steady loop's commit does not allocate.
 
         Returns:
             The new version (the previous one plus 1).
@@ -164,9 +165,8 @@ class TrainState:
         """
         live = {name: obj.state_dict() for name, obj in self._stateful.items()}
         live.update(self._values)
-        previous = self._commit or {}
         try:
-            self._commit = {name: snapshot(value, previous.get(name)) for name, value in live.items()}
+            self._commit = snapshot(live, self._commit)
         except (RuntimeError, TypeError, ValueError) as exc:
             self._commit = None
             raise StateError(f"commit of version {self._version + 1} failed; "

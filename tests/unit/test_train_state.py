@@ -198,3 +198,52 @@ def test_snapshot_shares_immutable_leaves_and_copies_mutable_ones():
     hyper["ids"].append(3)
     hyper["extra"]["k"] += b"y"
     assert copy["ids"] == [1, 2] and copy["extra"]["k"] == bytearray(b"x")
+
+
+def test_commit_overwrites_the_previous_commit_in_place_while_the_structure_stays():
+    model, opt = _trained()
+    sampler = ElasticSampler(range(40), seed=0)
+    state = TrainState(model=model, optimizer=opt, sampler=sampler, step=0)
+    state.commit()
+    first = state.committed()["objects"]
+    _step(model, opt)
+    opt.param_groups[0]["lr"] = 0.05
+    sampler.record_batch(4)
+    state.step += 1
+    state.commit()
+    second = state.committed()["objects"]
+    assert second["optimizer"] is first["optimizer"] and second["model"] is first["model"]
+    _assert_tree_equal(second["model"], snapshot(model.state_dict()))
+    _assert_tree_equal(second["optimizer"], snapshot(opt.state_dict()))
+    _assert_tree_equal(second["sampler"], sampler.state_dict())
+    assert second["optimizer"]["param_groups"][0]["lr"] == 0.05 and second["step"] == 1
+    _step(model, opt)  # training after the commit leaves it untouched
+    assert not torch.equal(second["model"]["0.weight"], model[0].weight.detach())
+
+
+@pytest.mark.parametrize("change", ["new optimizer state", "tensor shape", "tuple item",
+                                    "list length", "key order", "nested leaf type"])
+def test_snapshot_over_a_snapshot_of_another_structure_equals_a_fresh_snapshot(change):
+    before = {"opt": {"state": {}, "groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}]},
+              "w": torch.ones(3), "nested": {"a": torch.zeros(2), "b": [1, torch.ones(1)]},
+              "order": {"x": 1, "y": 2}}
+    after = snapshot(before)
+    if change == "new optimizer state":
+        after["opt"]["state"][0] = {"step": torch.tensor(1.0), "exp_avg": torch.randn(3)}
+    elif change == "tensor shape":
+        after["w"] = torch.randn(4)
+    elif change == "tuple item":
+        after["opt"]["groups"][0]["betas"] = (0.8, 0.99)
+    elif change == "list length":
+        after["opt"]["groups"][0]["params"] = [0, 1]
+    elif change == "key order":
+        after["order"] = {"y": 2, "x": 1}
+    else:
+        after["nested"]["b"] = [1, bytearray(b"z")]
+    after["nested"]["a"] = torch.randn(2)  # a sibling that still fits
+    copy = snapshot(after, snapshot(before))
+    _assert_tree_equal(copy, after)
+    assert list(copy["order"]) == list(after["order"])
+    for key in ("w", "nested"):
+        assert copy[key] is not after[key]
+    assert copy["nested"]["a"].data_ptr() != after["nested"]["a"].data_ptr()
