@@ -182,10 +182,11 @@ def ours_scale_up(out: Path) -> tuple[float, float, float]:
 
 
 def throughput(out: Path, kind: str, steps: int = 1500, pin: bool = False,
-               batch: int = 32) -> float:
+               batch: int = 32, commit_part: str = "both") -> float:
     """Steps/s of rank 0 over steps 100..steps of a 2-worker run.
 
-    ``pin`` binds worker i of either side to core i; ``batch`` is samples per worker and step.
+    ``pin`` binds worker i of either side to core i; ``batch`` is samples per worker and step;
+    ``commit_part`` is what ours does at each commit (``elastic_worker.py --commit-part``).
     """
     procs = Procs(out)
     pinned = {"BENCH_PIN": "1"} if pin else {}
@@ -204,7 +205,8 @@ def throughput(out: Path, kind: str, steps: int = 1500, pin: bool = False,
                 env = env_for(ELASTIC_ETCD=etcd.url, ELASTIC_JOB_ID="bench", BENCH_CORE=str(core),
                               **pinned)
                 procs.start([sys.executable, "elastic_worker.py", "--out", str(out), "--steps",
-                             str(steps), "--commit-every", every, "--batch", str(batch)], env)
+                             str(steps), "--commit-every", every, "--batch", str(batch),
+                             "--commit-part", commit_part], env)
         for proc in procs.procs:
             proc.wait(timeout=300)
         rank0 = [p for p in read_progress(out) if p["rank"] == 0]
@@ -241,6 +243,10 @@ def main() -> None:
     parser.add_argument("--control", action="store_true",
                         help="with --throughput-only: torchrun against torchrun with an idle "
                              "etcd beside it, instead of ours (how far identical jobs differ)")
+    parser.add_argument("--commit-part", choices=("both", "snapshot", "agreement"),
+                        default="both",
+                        help="with --throughput-only: what ours does at each commit, to measure "
+                             "the cost of the snapshot and of the agreement apart")
     parser.add_argument("--pin", action="store_true",
                         help="with --throughput-only: bind worker i of either side to core i")
     args = parser.parse_args()
@@ -249,12 +255,12 @@ def main() -> None:
                 f"--reps {args.reps} --json {args.json}" \
                 + (" --throughput-only" if args.throughput_only else "") \
                 + (" --pin" if args.pin else "") + (" --control" if args.control else "") \
-                + f" --batch {args.batch} --steps {args.steps}"
+                + f" --batch {args.batch} --steps {args.steps} --commit-part {args.commit_part}"
         os.execvpe("unshare", ["unshare", "-n", "sh", "-c", inner],
                    dict(os.environ, BENCH_NETNS="1"))
     if args.throughput_only:
         throughput_only(args.reps, Path(args.json), args.pin, args.batch, args.steps,
-                        args.control)
+                        args.control, args.commit_part)
         return
     root = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
     results: dict[str, list[float]] = {k: [] for k in (
@@ -284,7 +290,7 @@ def main() -> None:
 
 
 def throughput_only(reps: int, json_path: Path, pin: bool, batch: int, steps: int,
-                    control: bool = False) -> None:
+                    control: bool = False, commit_part: str = "both") -> None:
     """Steady state only: torchrun and ours (commit every 10), the order alternating per rep.
 
     With ``control``, the second side is torchrun again with an idle etcd running: an A/A
@@ -301,7 +307,7 @@ def throughput_only(reps: int, json_path: Path, pin: bool, batch: int, steps: in
             order = [0, 1] if rep % 2 == 0 else [1, 0]
             for i in order:
                 out = mk(root / f"rep{rep}-{pair[i]}")
-                results[keys[i]].append(throughput(out, pair[i], steps, pin, batch))
+                results[keys[i]].append(throughput(out, pair[i], steps, pin, batch, commit_part))
                 if pair[i].startswith("ours"):
                     results["ours_commit_cost_ms"].append(commit_cost_ms(out))
             ratio = results[keys[1]][-1] / results[keys[0]][-1]

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 import workload
 from elastic import ElasticSampler, ElasticState
+from state import TrainState
 
 
 def main() -> None:
@@ -19,6 +20,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10**9)
     p.add_argument("--batch", type=int, default=32, help="samples per worker and step")
     p.add_argument("--commit-every", type=int, default=10)
+    p.add_argument("--commit-part", choices=("both", "snapshot", "agreement"), default="both",
+                   help="what the periodic commit does: the whole commit() (default), only its "
+                        "snapshot, or only its membership agreement (check_membership)")
     args = p.parse_args()
     workload.pin_to_core()
     data = workload.dataset()
@@ -27,6 +31,14 @@ def main() -> None:
     state = ElasticState(model=model, optimizer=opt, sampler=ElasticSampler(data, seed=0),
                          epoch=0, step=0)
     progress = workload.Progress(args.out, f"elastic-{os.getpid()}")
+
+    def commit() -> None:
+        if args.commit_part == "snapshot":
+            TrainState.commit(state)
+        elif args.commit_part == "agreement":
+            state.check_membership()
+        else:
+            state.commit()
 
     def train(s: ElasticState) -> None:
         ddp = DDP(s.model)
@@ -39,7 +51,7 @@ def main() -> None:
                 s.step += 1
                 progress.step(s.step, s.rank, s.world_size, generation=s.generation)
                 if s.step % args.commit_every == 0:
-                    s.commit()
+                    commit()
                 if s.step >= args.steps:
                     return
             s.epoch += 1
