@@ -196,9 +196,9 @@ class TrainState:
     def committed(self) -> dict[str, Any]:
         """Returns the current commit as ``{"version": int, "objects": {name: state}}``.
 
-        The tensors are the commit's own CPU buffers, not copies: the next ``commit()``
-        overwrites them in place, so a caller that keeps the payload across a commit
-        (for example an asynchronous writer) must copy it first.
+        The objects' state dicts are the commit's own (CPU tensors and containers), not
+        copies: the next ``commit()`` overwrites them in place, so a caller that keeps the
+        payload across a commit (for example an asynchronous writer) must copy it first.
 
         Raises:
             NoCommitError: There is no commit.

@@ -1,0 +1,223 @@
+"""Steady state, side by side in time: two running jobs take turns on the CPU in short slices.
+
+Usage: ``.venv/bin/python benchmarks/bench_interleaved.py [--pairs 80] [--slice-s 1]``.
+
+The throughput pair of ``bench_recovery.py`` runs one job after the other, and this machine's
+speed drifts by up to 20% over minutes, which two runs of the same job showed (its ``--control``).
+Here both jobs run at once and take turns: every process of job A (workers, launcher or etcd) is
+resumed for one slice while every process of job B is stopped (SIGSTOP), then the other way
+round, the order alternating per pair of slices. Each job's steps/s is counted over the step
+intervals of its rank 0 that lie wholly inside its own slices, so both jobs meet the same machine
+within a second of each other and the drift cancels out of their ratio.
+
+Jobs: ``torchrun`` (plain DDP under torchrun, ``torchrun_worker.py``) and ``ours``
+(``elastic_worker.py``, commit() every 10 steps, on an embedded etcd that is stopped and resumed
+with its workers). ``--control`` pairs torchrun with a second torchrun job: what the method
+reports for two identical jobs. The lease TTL stays at its default (3 s); a slice of 1 s cannot
+let a lease expire, and the run checks that ours never re-formed.
+
+Re-executes itself in a private network namespace, like ``bench_recovery.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_recovery import Procs, env_for, read_progress, wait_for  # noqa: E402
+from elastic.embedded_etcd import EmbeddedEtcd, free_port  # noqa: E402
+
+
+def descendants(pid: int) -> set[int]:
+    """``pid`` and every process below it (torchrun's workers live in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        current = todo.pop()
+        if current not in found:
+            found.add(current)
+            todo += children.get(current, [])
+    return found
+
+
+class Job:
+    """One 2-worker training job whose processes are stopped and resumed together."""
+
+    def __init__(self, name: str, out: Path) -> None:
+        self.name, self.out = name, out
+        self.procs = Procs(out)
+        self.etcd: EmbeddedEtcd | None = None
+        self.windows: list[tuple[float, float]] = []
+        self._pids: set[int] = set()
+
+    def launch(self, batch: int, ours_args: tuple[str, ...]) -> None:
+        """Starts torchrun's job (a name starting with "torchrun") or ours, with its etcd."""
+        self.out.mkdir(parents=True)
+        args = ["--out", str(self.out), "--steps", str(10**9), "--batch", str(batch)]
+        if self.name.startswith("torchrun"):
+            self.procs.start([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                             "--nproc-per-node=2", "--rdzv-backend=c10d",
+                             f"--rdzv-endpoint=127.0.0.1:{free_port()}", "torchrun_worker.py",
+                             *args], env_for())
+            return
+        self.etcd = EmbeddedEtcd().start()
+        for _ in range(2):
+            self.procs.start([sys.executable, "elastic_worker.py", *args, *ours_args],
+                             env_for(ELASTIC_ETCD=self.etcd.url, ELASTIC_JOB_ID=self.out.name))
+
+    def settle(self) -> None:
+        """Records the job's processes once it trains (its process tree no longer changes)."""
+        roots = [p.pid for p in self.procs.procs]
+        if self.etcd is not None and self.etcd.process is not None:
+            roots.append(self.etcd.process.pid)
+        self._pids = set().union(*(descendants(pid) for pid in roots))
+
+    def signal(self, sig: signal.Signals) -> None:
+        for pid in self._pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def run_for(self, slice_s: float) -> None:
+        """Resumes the job for one slice (the driver's clock decides its length), then stops it."""
+        self.signal(signal.SIGCONT)
+        start = time.time()
+        time.sleep(slice_s)
+        self.signal(signal.SIGSTOP)
+        self.windows.append((start, time.time()))
+
+    def close(self) -> None:
+        self.settle()
+        self.signal(signal.SIGCONT)
+        self.procs.kill_all()
+        if self.etcd is not None:
+            self.etcd.stop()
+
+    def intervals(self) -> list[list[tuple[int, float]]]:
+        """Per slice: (step, seconds) of rank 0's step intervals wholly inside that slice."""
+        rank0 = [p for p in read_progress(self.out) if p["rank"] == 0]
+        slices: list[list[tuple[int, float]]] = [[] for _ in self.windows]
+        generations = set()
+        for before, after in zip(rank0, rank0[1:]):
+            if after["step"] != before["step"] + 1:
+                continue
+            for i, (start, end) in enumerate(self.windows):
+                if start <= before["t"] and after["t"] <= end:
+                    slices[i].append((after["step"], after["t"] - before["t"]))
+                    generations.add(after.get("generation"))
+                    break
+        if len(generations) > 1:
+            raise RuntimeError(f"{self.name} re-formed during the slices (generations "
+                               f"{sorted(generations)}): a lease expired while it was stopped.")
+        return slices
+
+
+def rate(intervals: list[tuple[int, float]]) -> float:
+    return len(intervals) / sum(s for _, s in intervals)
+
+
+def commit_cost_ms(slices: list[list[tuple[int, float]]], every: int,
+                   average=statistics.median) -> float | None:
+    """The ``average`` interval that holds a commit minus that of the others (ms); None when no
+    measured interval holds a commit. The mean is what throughput pays; the median hides the
+    long tail of waiting for the other rank."""
+    flat = [x for s in slices for x in s]
+    with_commit = [s for step, s in flat if (step - 1) % every == 0]
+    without = [s for step, s in flat if (step - 1) % every != 0]
+    if not with_commit:
+        return None
+    return (average(with_commit) - average(without)) * 1000
+
+
+def measure(args: argparse.Namespace, root: Path) -> dict:
+    names = ["torchrun", "torchrun-again" if args.control else "ours"]
+    ours_args = ("--commit-every", str(args.commit_every), "--commit-part", args.commit_part)
+    jobs: list[Job] = []
+    try:
+        for name in names:
+            jobs.append(Job(name, root / name))
+            jobs[-1].launch(args.batch, ours_args)
+        for job in jobs:
+            wait_for(lambda job=job: any(p["step"] >= 50 for p in read_progress(job.out)), 180,
+                     f"{job.name} at step 50")
+        for job in jobs:
+            job.settle()
+            job.signal(signal.SIGSTOP)
+        for pair in range(args.pairs):
+            for i in ((0, 1) if pair % 2 == 0 else (1, 0)):
+                jobs[i].run_for(args.slice_s)
+    finally:
+        for job in jobs:
+            job.close()
+    warm = args.warm_pairs
+    slices = [job.intervals()[warm:] for job in jobs]
+    rates = [[rate(s) for s in per_job] for per_job in slices]
+    ratios = [b / a for a, b in zip(*rates)]
+    quartiles = statistics.quantiles(ratios, n=4)
+    result = {
+        "jobs": names, "pairs": args.pairs - warm, "slice_s": args.slice_s, "batch": args.batch,
+        "commit_every": args.commit_every, "commit_part": args.commit_part,
+        "steps_per_s": [rate([x for s in per_job for x in s]) for per_job in slices],
+        "ratio": None, "ratio_per_pair_median": statistics.median(ratios),
+        "ratio_per_pair_quartiles": [quartiles[0], quartiles[2]],
+        "ratio_per_pair": ratios,
+    }
+    result["ratio"] = result["steps_per_s"][1] / result["steps_per_s"][0]
+    if not args.control:
+        result["ours_commit_cost_ms"] = commit_cost_ms(slices[1], args.commit_every)
+        result["ours_commit_cost_mean_ms"] = commit_cost_ms(slices[1], args.commit_every,
+                                                            statistics.fmean)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pairs", type=int, default=80, help="pairs of slices (default 80)")
+    parser.add_argument("--warm-pairs", type=int, default=4,
+                        help="first pairs left out of the figures (default 4)")
+    parser.add_argument("--slice-s", type=float, default=1.0, help="slice length (default 1 s)")
+    parser.add_argument("--batch", type=int, default=32, help="samples per worker and step")
+    parser.add_argument("--commit-every", type=int, default=10,
+                        help="ours commits every N steps (default 10)")
+    parser.add_argument("--commit-part", choices=("both", "snapshot", "agreement"),
+                        default="both", help="what ours' commit does (elastic_worker.py)")
+    parser.add_argument("--control", action="store_true",
+                        help="torchrun against a second torchrun job instead of ours")
+    parser.add_argument("--json", default="", help="write the result to this file")
+    args = parser.parse_args()
+    if args.slice_s > 2.0:
+        parser.error(f"--slice-s ({args.slice_s}) must be at most 2 s: ours' workers and etcd "
+                     f"are stopped for a slice at a time and the lease TTL is 3 s.")
+    if args.pairs <= args.warm_pairs + 1:
+        parser.error(f"--pairs ({args.pairs}) must exceed --warm-pairs ({args.warm_pairs}) + 1.")
+    if os.environ.get("BENCH_NETNS") != "1":
+        os.execvpe("unshare", ["unshare", "-n", "sh", "-c",
+                               f"ip link set lo up && exec {sys.executable} {Path(__file__)} "
+                               + " ".join(sys.argv[1:])], dict(os.environ, BENCH_NETNS="1"))
+    with tempfile.TemporaryDirectory(prefix="elastic-interleaved-") as tmp:
+        result = measure(args, Path(tmp))
+    print(json.dumps({k: v for k, v in result.items() if k != "ratio_per_pair"}, indent=1))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
