@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import aetcd  # noqa: E402
+import aetcd.utils  # noqa: E402
 import tenacity  # noqa: E402
 
 from elastic.errors import EtcdUnavailableError  # noqa: E402
@@ -207,16 +208,30 @@ class EtcdClient:
         existing = self.get(key)
         return existing is not None and existing.value == data and existing.lease == (lease or 0)
 
-    def replace(self, key: str, value: bytes | str, mod_revision: int) -> bool:
-        """Writes ``key`` only if its mod revision is still ``mod_revision`` (0: absent)."""
+    def replace(self, key: str, value: bytes | str, mod_revision: int, *,
+                clearing: tuple[str, ...] = ()) -> bool:
+        """Writes ``key`` only if its mod revision is still ``mod_revision`` (0: absent).
+
+        Args:
+            key: The key to write.
+            value: Its new value.
+            mod_revision: The mod revision the caller read (0: the key was absent).
+            clearing: Prefixes whose other keys are deleted in the same transaction (only if
+                the write happens), so that two callers cannot both clear and write.
+
+        Returns:
+            True when this call wrote ``key``.
+        """
         data = value.encode() if isinstance(value, str) else value
+        ranges = [r for prefix in clearing for r in _ranges_without(prefix.encode(), key.encode())]
 
         async def txn(c: aetcd.Client) -> bool:
             compare = (c.transactions.mod(key.encode()) == mod_revision if mod_revision
                        else c.transactions.create(key.encode()) == 0)
-            ok, _ = await c.transaction(compare=[compare],
-                                        success=[c.transactions.put(key.encode(), data)],
-                                        failure=[])
+            deletes = [c.transactions.delete(start, range_end=end) for start, end in ranges]
+            ok, _ = await c.transaction(
+                compare=[compare], success=[*deletes, c.transactions.put(key.encode(), data)],
+                failure=[])
             return bool(ok)
 
         return self._call(txn, f"replace {key}")
@@ -322,3 +337,12 @@ def _event(event: Any) -> WatchEvent:
     kind = "put" if str(event.kind).endswith("PUT") else "delete"
     return WatchEvent(kind=kind, key=event.kv.key.decode(), value=bytes(event.kv.value),
                       revision=event.kv.mod_revision)
+
+
+def _ranges_without(prefix: bytes, key: bytes) -> list[tuple[bytes, bytes]]:
+    """The key ranges of ``prefix`` minus ``key`` itself (etcd refuses a transaction that
+    deletes and puts the same key)."""
+    end = aetcd.utils.prefix_range_end(prefix)
+    if not key.startswith(prefix):
+        return [(prefix, end)]
+    return [(prefix, key), (key + b"\0", end)]

@@ -2,8 +2,9 @@
 
 Owns the ``config`` key of a job. A launcher that finds the job running (a live launcher or
 worker) with another configuration is refused with a message that names the differences; a job
-id with nobody alive is started afresh (the keys of its previous run are removed first, so that
-an old "done" round does not end the new run at once). It must not start processes.
+id with nobody alive is started afresh (the keys of its previous run are removed in the same
+transaction that writes the new config, so that an old "done" round does not end the new run at
+once and two launchers starting it together cannot both wipe it). It must not start processes.
 """
 
 from __future__ import annotations
@@ -75,9 +76,12 @@ def claim(client: EtcdClient, keys: JobKeys, config: JobConfig) -> bool:
     """
     existing = client.get(keys.config)
     if not is_running(client, keys):
-        client.delete_prefix(keys.prefix)
-        client.delete_prefix(keys.launchers().prefix)
-        if client.create(keys.config, config.to_json()):
+        # One transaction, guarded by the config revision read above: of two launchers that
+        # both found the job dead, one clears the old run's keys and writes; the other sees
+        # that config below instead of wiping the first one's fresh keys.
+        seen = existing.mod_revision if existing is not None else 0
+        if client.replace(keys.config, config.to_json(), seen,
+                          clearing=(keys.prefix, keys.launchers().prefix)):
             return True
         existing = client.get(keys.config)
     if existing is None:

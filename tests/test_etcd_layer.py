@@ -15,6 +15,7 @@ import pytest
 from elastic.errors import EtcdUnavailableError
 from elastic.etcd_client import EtcdClient, WatchEvent
 from elastic.etcd_store import EtcdStore
+from elastic.job_config import JobConfig, claim
 from elastic.keys import JobKeys
 from elastic.membership import EtcdMembership
 
@@ -164,3 +165,52 @@ def test_dataloader_workers_forking_beside_the_client_make_grpc_log_nothing(etcd
     assert done.returncode == 0, done.stderr
     assert "loaded" in done.stdout
     assert "skipping fork() handlers" not in done.stderr, done.stderr
+
+
+def test_replace_clearing_prefixes_writes_and_clears_in_one_guarded_transaction(client):
+    prefixes = ("/t/clr/job/", "/t/clr/job.launchers/")
+    for key, value in {"/t/clr/job/config": "old", "/t/clr/job/rounds/1": "done",
+                       "/t/clr/job.launchers/a": "l", "/t/clr/jobx/keep": "k"}.items():
+        client.put(key, value)
+    old = client.get("/t/clr/job/config")
+    assert client.replace("/t/clr/job/config", "new", old.mod_revision, clearing=prefixes)
+    assert client.get("/t/clr/job/config").value == b"new"
+    assert client.get("/t/clr/job/rounds/1") is None and client.get("/t/clr/job.launchers/a") is None
+    assert client.get("/t/clr/jobx/keep").value == b"k"
+    client.put("/t/clr/job/rounds/2", "fresh")
+    # A caller that read the old revision neither clears nor writes.
+    assert not client.replace("/t/clr/job/config", "other", old.mod_revision, clearing=prefixes)
+    assert client.get("/t/clr/job/rounds/2").value == b"fresh"
+    assert client.get("/t/clr/job/config").value == b"new"
+
+
+class _LetsAnotherLauncherInAfterItsFirstRead:
+    """An EtcdClient whose first ``get`` is followed by another launcher's whole claim."""
+
+    def __init__(self, client: EtcdClient, other) -> None:
+        self._client, self._other = client, other
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def get(self, key):
+        value = self._client.get(key)
+        if self._other is not None:
+            other, self._other = self._other, None
+            other()
+        return value
+
+
+def test_of_two_launchers_starting_a_dead_job_together_only_one_starts_it(client):
+    keys = JobKeys(f"together-{os.getpid()}")
+    client.put(keys.config, "{}")  # a previous run's leftovers, nobody alive
+    client.put(keys.rounds + "1/done", "1")
+    config = JobConfig(mode="elastic", target="train.py", min_workers=1, max_workers=None,
+                       checkpoint=None, backend="auto")
+    started_first = []
+    second = _LetsAnotherLauncherInAfterItsFirstRead(
+        client, lambda: started_first.append(claim(client, keys, config)))
+    assert claim(second, keys, config) is False
+    assert started_first == [True]
+    assert JobConfig.from_json(client.get(keys.config).value) == config
+    assert client.get(keys.rounds + "1/done") is None
