@@ -16,6 +16,8 @@ Measured (wall clock, from the workers' per-step progress lines):
 ``--steps``, ``--pin`` to bind worker i to core i) and adds what one commit costs rank 0: the
 median step interval that holds a commit minus the median of the others. ``--control`` swaps
 ours for torchrun with an idle etcd beside it: two runs of the same job, to show the noise.
+``--commit-part snapshot|agreement`` makes ours' commit do only one of its two halves.
+``bench_interleaved.py`` measures the same pair with both jobs alive, taking turns on the CPU.
 """
 
 from __future__ import annotations
