@@ -168,18 +168,21 @@ def measure(args: argparse.Namespace, root: Path) -> dict:
             job.close()
     warm = args.warm_pairs
     slices = [job.intervals()[warm:] for job in jobs]
-    rates = [[rate(s) for s in per_job] for per_job in slices]
-    ratios = [b / a for a, b in zip(*rates)]
+    # A pair counts only when both of its slices hold a whole step interval.
+    ratios = [rate(b) / rate(a) for a, b in zip(*slices) if a and b]
+    if len(ratios) < 2:
+        raise RuntimeError(f"only {len(ratios)} pairs of slices held whole steps: lengthen "
+                           f"--slice-s ({args.slice_s}) or shorten the steps (--batch).")
     quartiles = statistics.quantiles(ratios, n=4)
+    steps_per_s = [rate([x for s in per_job for x in s]) for per_job in slices]
     result = {
-        "jobs": names, "pairs": args.pairs - warm, "slice_s": args.slice_s, "batch": args.batch,
+        "jobs": names, "pairs": len(ratios), "slice_s": args.slice_s, "batch": args.batch,
         "commit_every": args.commit_every, "commit_part": args.commit_part,
-        "steps_per_s": [rate([x for s in per_job for x in s]) for per_job in slices],
-        "ratio": None, "ratio_per_pair_median": statistics.median(ratios),
+        "steps_per_s": steps_per_s, "ratio": steps_per_s[1] / steps_per_s[0],
+        "ratio_per_pair_median": statistics.median(ratios),
         "ratio_per_pair_quartiles": [quartiles[0], quartiles[2]],
         "ratio_per_pair": ratios,
     }
-    result["ratio"] = result["steps_per_s"][1] / result["steps_per_s"][0]
     if not args.control:
         result["ours_commit_cost_ms"] = commit_cost_ms(slices[1], args.commit_every)
         result["ours_commit_cost_mean_ms"] = commit_cost_ms(slices[1], args.commit_every,
