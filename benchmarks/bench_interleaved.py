@@ -64,6 +64,7 @@ class Job:
         self.procs = Procs(out)
         self.etcd: EmbeddedEtcd | None = None
         self.windows: list[tuple[float, float]] = []
+        self.cpu_s = 0.0  # CPU time of all its processes inside its slices
         self._pids: set[int] = set()
 
     def launch(self, batch: int, ours_args: tuple[str, ...]) -> None:
@@ -97,11 +98,29 @@ class Job:
 
     def run_for(self, slice_s: float) -> None:
         """Resumes the job for one slice (the driver's clock decides its length), then stops it."""
+        before = self.cpu_time()
         self.signal(signal.SIGCONT)
         start = time.time()
         time.sleep(slice_s)
         self.signal(signal.SIGSTOP)
         self.windows.append((start, time.time()))
+        self.cpu_s += self.cpu_time() - before
+
+    def cpu_time(self) -> float:
+        """User + system seconds of every process of the job so far."""
+        total = 0
+        for pid in self._pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += int(fields[11]) + int(fields[12])
+        return total / os.sysconf("SC_CLK_TCK")
+
+    def steps_in_slices(self) -> int:
+        """Rank 0's steps completed inside the job's slices."""
+        times = [p["t"] for p in read_progress(self.out) if p["rank"] == 0]
+        return sum(1 for t in times for start, end in self.windows if start <= t <= end)
 
     def close(self) -> None:
         self.settle()
@@ -183,6 +202,9 @@ def measure(args: argparse.Namespace, root: Path) -> dict:
         "ratio_per_pair_quartiles": [quartiles[0], quartiles[2]],
         "ratio_per_pair": ratios,
     }
+    # CPU per step of the whole job (all processes, all cores): when a job is slower, did it
+    # work more per step, or wait more?
+    result["cpu_ms_per_step"] = [job.cpu_s / job.steps_in_slices() * 1000 for job in jobs]
     if not args.control:
         result["ours_commit_cost_ms"] = commit_cost_ms(slices[1], args.commit_every)
         result["ours_commit_cost_mean_ms"] = commit_cost_ms(slices[1], args.commit_every,
