@@ -8,7 +8,9 @@ Here both jobs run at once and take turns: every process of job A (workers, laun
 resumed for one slice while every process of job B is stopped (SIGSTOP), then the other way
 round, the order alternating per pair of slices. Each job's steps/s is counted over the step
 intervals of its rank 0 that lie wholly inside its own slices, so both jobs meet the same machine
-within a second of each other and the drift cancels out of their ratio.
+within a second of each other and the drift cancels out of their ratio. Each job's CPU time per
+step (all its processes, read while they are stopped) says whether a slower job worked more or
+waited more.
 
 Jobs: ``torchrun`` (plain DDP under torchrun, ``torchrun_worker.py``) and ``ours``
 (``elastic_worker.py``, commit() every 10 steps, on an embedded etcd that is stopped and resumed
