@@ -15,8 +15,9 @@ waited more.
 Jobs: ``torchrun`` (plain DDP under torchrun, ``torchrun_worker.py``) and ``ours``
 (``elastic_worker.py``, commit() every 10 steps, on an embedded etcd that is stopped and resumed
 with its workers). ``--control`` pairs torchrun with a second torchrun job: what the method
-reports for two identical jobs. The lease TTL stays at its default (3 s); a slice of 1 s cannot
-let a lease expire, and the run checks that ours never re-formed.
+reports for two identical jobs; ``--baseline ours-no-commits`` pairs ours with the same job of
+ours that never commits: what the commits alone cost. The lease TTL stays at its default (3 s);
+a slice of 1 s cannot let a lease expire, and the run checks that ours never re-formed.
 
 Re-executes itself in a private network namespace, like ``bench_recovery.py``.
 """
@@ -168,13 +169,14 @@ def commit_cost_ms(slices: list[list[tuple[int, float]]], every: int,
 
 
 def measure(args: argparse.Namespace, root: Path) -> dict:
-    names = ["torchrun", "torchrun-again" if args.control else "ours"]
+    names = [args.baseline, "torchrun-again" if args.control else "ours"]
     ours_args = ("--commit-every", str(args.commit_every), "--commit-part", args.commit_part)
+    no_commits = ("--commit-every", str(10**9))
     jobs: list[Job] = []
     try:
         for name in names:
             jobs.append(Job(name, root / name))
-            jobs[-1].launch(args.batch, ours_args)
+            jobs[-1].launch(args.batch, no_commits if name == "ours-no-commits" else ours_args)
         for job in jobs:
             wait_for(lambda job=job: any(p["step"] >= 50 for p in read_progress(job.out)), 180,
                      f"{job.name} at step 50")
@@ -227,11 +229,16 @@ def main() -> None:
                         default="both", help="what ours' commit does (elastic_worker.py)")
     parser.add_argument("--control", action="store_true",
                         help="torchrun against a second torchrun job instead of ours")
+    parser.add_argument("--baseline", choices=("torchrun", "ours-no-commits"), default="torchrun",
+                        help="what ours is compared with: plain DDP under torchrun (default), or "
+                             "the same job of ours without commits (what the commits cost)")
     parser.add_argument("--json", default="", help="write the result to this file")
     args = parser.parse_args()
     if args.slice_s > 2.0:
         parser.error(f"--slice-s ({args.slice_s}) must be at most 2 s: ours' workers and etcd "
                      f"are stopped for a slice at a time and the lease TTL is 3 s.")
+    if args.control and args.baseline != "torchrun":
+        parser.error("--control compares two torchrun jobs; leave out --baseline.")
     if args.pairs <= args.warm_pairs + 1:
         parser.error(f"--pairs ({args.pairs}) must exceed --warm-pairs ({args.warm_pairs}) + 1.")
     if os.environ.get("BENCH_NETNS") != "1":
