@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from elastic import ElasticSampler, ElasticState
 from tests.workers.sync_points import hold_until_world, wait_for_peers
+from tests.workers.pacing import compute_for
 
 
 class Regression(Dataset):
@@ -133,18 +134,6 @@ def main() -> None:
         "result": result, "params": flat.tolist(), "ledger": state.ledger,
         "skipped": state.skipped,
         "member": state.member_id, "generation": state.generation, "step": state.step}))
-
-
-def compute_for(ms: float) -> None:
-    """Stands in for a bigger model's forward and backward: real matmuls for about ``ms``.
-
-    Keeps the job running long enough for the harness's faults and joiners to land mid-epoch;
-    the result is dropped, so the model, its parameters and the random streams are untouched.
-    """
-    deadline = time.monotonic() + ms / 1000
-    x = torch.full((64, 64), 0.01, dtype=torch.float32)
-    while time.monotonic() < deadline:
-        x = torch.tanh(x @ x)
 
 
 def full_loss(model: torch.nn.Module, dataset: Regression) -> float:

@@ -1,12 +1,12 @@
 """A small ElasticState worker for the CLI tests: a linear model, a commit every 5 steps."""
 
 import argparse
-import time
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elastic import ElasticState
+from tests.workers.pacing import compute_for
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=100)
@@ -16,18 +16,6 @@ args = p.parse_args()
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 state = ElasticState(model=model, optimizer=opt, step=0)
-
-
-def compute_for(ms: float) -> None:
-    """Stands in for a bigger model's forward and backward: real matmuls for about ``ms``.
-
-    Keeps a job running long enough for the test to act on it; the result is dropped, so the
-    model and its parameters are untouched.
-    """
-    deadline = time.monotonic() + ms / 1000
-    x = torch.full((64, 64), 0.01)
-    while time.monotonic() < deadline:
-        x = torch.tanh(x @ x)
 
 
 def train(s: ElasticState) -> None:
