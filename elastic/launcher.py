@@ -104,7 +104,16 @@ class LaunchSpec:
         }
         if self.advertise_addr == "127.0.0.1" and "GLOO_SOCKET_IFNAME" not in self.env:
             env["GLOO_SOCKET_IFNAME"] = "lo"
+        if self.caps_threads:
+            env["OMP_NUM_THREADS"] = "1"
         return env
+
+    @property
+    def caps_threads(self) -> bool:
+        """Whether workers get ``OMP_NUM_THREADS=1``: several workers share this node and the
+        user did not choose a thread count (each would otherwise start one intra-op thread per
+        core and they would fight over the cores; torchrun does the same)."""
+        return self.nproc > 1 and "OMP_NUM_THREADS" not in self.env
 
 
 class StopSignal:
@@ -202,6 +211,9 @@ class Launcher:
         """
         assert self.client is not None and self.membership is not None, "connect() first"
         restore = self.stop.install()
+        if self.spec.caps_threads:
+            _say(f"OMP_NUM_THREADS=1 for each of the {self.spec.nproc} workers (set "
+                 "OMP_NUM_THREADS to choose another thread count)")
         try:
             if self.spec.plain:
                 from elastic.plain import PlainGenerations  # noqa: PLC0415 (torch import)
