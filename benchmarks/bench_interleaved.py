@@ -16,7 +16,11 @@ Jobs: ``torchrun`` (plain DDP under torchrun, ``torchrun_worker.py``) and ``ours
 (``elastic_worker.py``, commit() every 10 steps, on an embedded etcd that is stopped and resumed
 with its workers). ``--control`` pairs torchrun with a second torchrun job: what the method
 reports for two identical jobs; ``--baseline ours-no-commits`` pairs ours with the same job of
-ours that never commits: what the commits alone cost. The lease TTL stays at its default (3 s);
+ours that never commits: what the commits alone cost. ``--candidate trainstate`` (or
+``trainstate-etcd``) puts our state layer's loop under torchrun in ours' place
+(``torchrun_trainstate_worker.py``: TrainState, ElasticSampler and the same commits, without
+ElasticState; with an etcd membership in each worker), to tell the state layer's share of a
+difference from the cluster layer's. The lease TTL stays at its default (3 s);
 a slice of 1 s cannot let a lease expire, and the run checks that ours never re-formed.
 
 Re-executes itself in a private network namespace, like ``bench_recovery.py``.
@@ -39,6 +43,14 @@ sys.path.insert(0, str(HERE))
 
 from bench_recovery import Procs, env_for, read_progress, wait_for  # noqa: E402
 from elastic.embedded_etcd import EmbeddedEtcd, free_port  # noqa: E402
+
+
+JOBS = {  # job name -> worker script
+    "torchrun": "torchrun_worker.py", "torchrun-again": "torchrun_worker.py",
+    "ours": "elastic_worker.py", "ours-no-commits": "elastic_worker.py",
+    "trainstate": "torchrun_trainstate_worker.py",
+    "trainstate-etcd": "torchrun_trainstate_worker.py",
+}
 
 
 def descendants(pid: int) -> set[int]:
@@ -70,20 +82,25 @@ class Job:
         self.cpu_s = 0.0  # CPU time of all its processes inside its slices
         self._pids: set[int] = set()
 
-    def launch(self, batch: int, ours_args: tuple[str, ...]) -> None:
-        """Starts torchrun's job (a name starting with "torchrun") or ours, with its etcd."""
+    def launch(self, batch: int, commit_args: tuple[str, ...]) -> None:
+        """Starts the job named (see ``JOBS``), with an embedded etcd where it needs one."""
         self.out.mkdir(parents=True)
         args = ["--out", str(self.out), "--steps", str(10**9), "--batch", str(batch)]
-        if self.name.startswith("torchrun"):
-            self.procs.start([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-                             "--nproc-per-node=2", "--rdzv-backend=c10d",
-                             f"--rdzv-endpoint=127.0.0.1:{free_port()}", "torchrun_worker.py",
-                             *args], env_for())
+        script = JOBS[self.name]
+        if self.name in ("ours", "ours-no-commits", "trainstate-etcd"):
+            self.etcd = EmbeddedEtcd().start()
+        if self.name.startswith("ours"):
+            for _ in range(2):
+                self.procs.start([sys.executable, script, *args, *commit_args],
+                                 env_for(ELASTIC_ETCD=self.etcd.url, ELASTIC_JOB_ID=self.out.name))
             return
-        self.etcd = EmbeddedEtcd().start()
-        for _ in range(2):
-            self.procs.start([sys.executable, "elastic_worker.py", *args, *ours_args],
-                             env_for(ELASTIC_ETCD=self.etcd.url, ELASTIC_JOB_ID=self.out.name))
+        if self.name.startswith("trainstate"):
+            args += list(commit_args[:2])  # --commit-every N
+            if self.etcd is not None:
+                args += ["--etcd", self.etcd.url]
+        self.procs.start([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                          "--nproc-per-node=2", "--rdzv-backend=c10d",
+                          f"--rdzv-endpoint=127.0.0.1:{free_port()}", script, *args], env_for())
 
     def settle(self) -> None:
         """Records the job's processes once it trains (its process tree no longer changes)."""
@@ -169,14 +186,14 @@ def commit_cost_ms(slices: list[list[tuple[int, float]]], every: int,
 
 
 def measure(args: argparse.Namespace, root: Path) -> dict:
-    names = [args.baseline, "torchrun-again" if args.control else "ours"]
-    ours_args = ("--commit-every", str(args.commit_every), "--commit-part", args.commit_part)
+    names = [args.baseline, "torchrun-again" if args.control else args.candidate]
+    commit_args = ("--commit-every", str(args.commit_every), "--commit-part", args.commit_part)
     no_commits = ("--commit-every", str(10**9))
     jobs: list[Job] = []
     try:
         for name in names:
             jobs.append(Job(name, root / name))
-            jobs[-1].launch(args.batch, no_commits if name == "ours-no-commits" else ours_args)
+            jobs[-1].launch(args.batch, no_commits if name == "ours-no-commits" else commit_args)
         for job in jobs:
             wait_for(lambda job=job: any(p["step"] >= 50 for p in read_progress(job.out)), 180,
                      f"{job.name} at step 50")
@@ -229,6 +246,11 @@ def main() -> None:
                         default="both", help="what ours' commit does (elastic_worker.py)")
     parser.add_argument("--control", action="store_true",
                         help="torchrun against a second torchrun job instead of ours")
+    parser.add_argument("--candidate", choices=("ours", "trainstate", "trainstate-etcd"),
+                        default="ours", help="the job measured against the baseline: ours "
+                        "(default), or our state layer's loop (TrainState, ElasticSampler, the "
+                        "same commits) under torchrun, without or with an etcd membership in "
+                        "each worker: where a difference from plain DDP comes from")
     parser.add_argument("--baseline", choices=("torchrun", "ours-no-commits"), default="torchrun",
                         help="what ours is compared with: plain DDP under torchrun (default), or "
                              "the same job of ours without commits (what the commits cost)")
@@ -237,8 +259,11 @@ def main() -> None:
     if args.slice_s > 2.0:
         parser.error(f"--slice-s ({args.slice_s}) must be at most 2 s: ours' workers and etcd "
                      f"are stopped for a slice at a time and the lease TTL is 3 s.")
-    if args.control and args.baseline != "torchrun":
-        parser.error("--control compares two torchrun jobs; leave out --baseline.")
+    if args.control and (args.baseline != "torchrun" or args.candidate != "ours"):
+        parser.error("--control compares two torchrun jobs; leave out --baseline and "
+                     "--candidate.")
+    if args.candidate != "ours" and args.commit_part != "both":
+        parser.error("--commit-part applies to ours only; leave it out with --candidate.")
     if args.pairs <= args.warm_pairs + 1:
         parser.error(f"--pairs ({args.pairs}) must exceed --warm-pairs ({args.warm_pairs}) + 1.")
     if os.environ.get("BENCH_NETNS") != "1":

@@ -28,6 +28,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--batch", type=int, default=32, help="samples per worker and step")
+    p.add_argument("--commit-every", type=int, default=10)
     p.add_argument("--etcd", default="", help="also register an etcd membership here")
     args = p.parse_args()
     init_group()
@@ -41,7 +43,7 @@ def main() -> None:
     s.sampler.set_topology(dist.get_rank(), dist.get_world_size())
     progress = workload.Progress(args.out, f"trainstate-{os.getpid()}")
     ddp = DDP(s.model)
-    loader = DataLoader(data, batch_size=32, sampler=s.sampler)
+    loader = DataLoader(data, batch_size=args.batch, sampler=s.sampler)
     flags = torch.zeros(2, dtype=torch.int32)  # the size of ElasticState's agreement
     while s.step < args.steps:
         s.sampler.set_epoch(s.epoch)
@@ -50,9 +52,10 @@ def main() -> None:
             s.sampler.record_batch(len(x))
             s.step += 1
             progress.step(s.step, dist.get_rank(), dist.get_world_size())
-            if s.step % 10 == 0:
+            if s.step % args.commit_every == 0:  # ElasticState.commit's order
+                agreement = dist.all_reduce(flags, async_op=True)
                 s.commit()
-                dist.all_reduce(flags, async_op=True).wait()
+                agreement.wait()
             if s.step >= args.steps:
                 break
         s.epoch += 1
