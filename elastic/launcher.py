@@ -20,13 +20,13 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 from elastic.errors import EtcdUnavailableError
 from elastic.etcd_client import EtcdClient
 from elastic.job_config import JobConfig, claim
 from elastic.keys import JobKeys
 from elastic.membership import EtcdMembership
+from elastic.signals import relay_signals
 from elastic.worker_procs import WorkerProcs, describe_exit
 
 log = logging.getLogger(__name__)
@@ -128,27 +128,22 @@ class StopSignal:
         self.forced = threading.Event()
 
     def install(self) -> Callable[[], None]:
-        """Installs the handlers (main thread only); returns a function that restores them."""
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        for sig in previous:
-            signal.signal(sig, self._on_signal)
+        """Installs the handlers (main thread only); returns a function that restores them.
 
-        def restore() -> None:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        The handlers run on a relay thread (``elastic.signals``): setting ``wake`` inside a
+        real signal handler deadlocks when the main thread is in the middle of waiting on it.
+        """
+        return relay_signals((signal.SIGINT, signal.SIGTERM), self._on_signal, "elastic-signals")
 
-        return restore
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        del frame
+    def _on_signal(self, signum: signal.Signals) -> None:
         if self.requested.is_set():
             self.forced.set()
         self.requested.set()
         self.wake.set()
-        print(f"elastic: signal {signal.Signals(signum).name}: {self.message}", file=sys.stderr,
-              flush=True)
+        try:
+            print(f"elastic: signal {signum.name}: {self.message}", file=sys.stderr, flush=True)
+        except OSError:
+            pass  # stderr is gone (a closed terminal or pipe); the stop goes ahead regardless
 
 
 def revoke_worker_lease(client: EtcdClient, keys: JobKeys, pid: int) -> list[str]:

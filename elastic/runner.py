@@ -29,6 +29,7 @@ from elastic.errors import (FencedError, LeaveInterrupt, MembershipChangedInterr
                             PeerFailureError, RendezvousClosedError)
 from elastic.events import EventLog, Stopwatch
 from elastic.settings import WorkerSettings
+from elastic.signals import relay_signals
 from state import ElasticSampler, StateError, TrainState
 
 log = logging.getLogger(__name__)
@@ -328,23 +329,11 @@ class ElasticState(TrainState):
         return [obj for obj in self._stateful.values() if isinstance(obj, ElasticSampler)]
 
     def _install_signal_handlers(self) -> Callable[[], None]:
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-        def on_signal(signum: int, frame: Any) -> None:
-            del frame
-            log.info("signal %d: leaving at the next commit", signum)
+        def on_signal(signum: signal.Signals) -> None:  # on the relay thread: may take locks
+            log.info("signal %s: leaving at the next commit", signum.name)
             self._leave_requested.set()
 
-        for sig in previous:
-            signal.signal(sig, on_signal)
-
-        def restore() -> None:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-        return restore
+        return relay_signals((signal.SIGTERM, signal.SIGINT), on_signal, "elastic-signals")
 
 
 class _Retry:

@@ -1,0 +1,64 @@
+"""Signal handling that never takes a lock inside the handler.
+
+A Python signal handler runs in the main thread between two bytecodes, possibly while that very
+thread holds a lock the handler would take again: an Event's condition in the middle of
+``wait``/``clear``, stderr's buffer in the middle of a write. Those locks are not reentrant, so
+such a handler deadlocks the process with itself (seen once in CI: a launcher that never
+answered a second Ctrl-C). Here the handler only writes the signal's number to a pipe; a relay
+thread reads it and runs the callback, where setting Events, logging and printing are safe.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterable
+
+__all__ = ["relay_signals"]
+
+_JOIN_S = 5.0  # how long restoring waits for the relay thread to finish its last callback
+
+
+def relay_signals(signals: Iterable[signal.Signals], callback: Callable[[signal.Signals], None],
+                  name: str) -> Callable[[], None]:
+    """Routes ``signals`` to ``callback``, called on a thread named ``name`` in arrival order.
+
+    Only the main thread can install signal handlers; from any other thread this does nothing.
+
+    Returns:
+        A function that puts the previous handlers back and ends the relay thread.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    open_fd = [write_fd]  # emptied by restore(); read by the handler without a lock
+
+    def on_signal(signum: int, frame: object) -> None:
+        del frame
+        if open_fd:
+            try:
+                os.write(open_fd[0], bytes([signum]))
+            except BlockingIOError:
+                pass  # the pipe holds thousands of unread signals; one more adds nothing
+
+    def relay() -> None:
+        with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(64):  # b"" once restore() closed the writing end
+                for signum in chunk:
+                    callback(signal.Signals(signum))
+
+    thread = threading.Thread(target=relay, name=name, daemon=True)
+    thread.start()
+    previous = {sig: signal.signal(sig, on_signal) for sig in signals}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if open_fd:
+            os.close(open_fd.pop())
+        if thread is not threading.current_thread():
+            thread.join(timeout=_JOIN_S)
+
+    return restore
