@@ -29,6 +29,7 @@ Re-executes itself in a private network namespace, like ``bench_recovery.py``.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import signal
@@ -71,6 +72,10 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def _read(path: Path) -> str:
+    return path.read_text().strip()
+
+
 class Job:
     """One 2-worker training job whose processes are stopped and resumed together."""
 
@@ -80,7 +85,9 @@ class Job:
         self.etcd: EmbeddedEtcd | None = None
         self.windows: list[tuple[float, float]] = []
         self.cpu_s = 0.0  # CPU time of all its processes inside its slices
+        self.thread_s: collections.Counter[str] = collections.Counter()  # the same, per thread
         self._pids: set[int] = set()
+        self._workers: set[int] = set()
 
     def launch(self, batch: int, commit_args: tuple[str, ...]) -> None:
         """Starts the job named (see ``JOBS``), with an embedded etcd where it needs one."""
@@ -108,6 +115,7 @@ class Job:
         if self.etcd is not None and self.etcd.process is not None:
             roots.append(self.etcd.process.pid)
         self._pids = set().union(*(descendants(pid) for pid in roots))
+        self._workers = {p["pid"] for p in read_progress(self.out)}
 
     def signal(self, sig: signal.Signals) -> None:
         for pid in self._pids:
@@ -118,13 +126,15 @@ class Job:
 
     def run_for(self, slice_s: float) -> None:
         """Resumes the job for one slice (the driver's clock decides its length), then stops it."""
-        before = self.cpu_time()
+        before, threads_before = self.cpu_time(), self.thread_times()
         self.signal(signal.SIGCONT)
         start = time.time()
         time.sleep(slice_s)
         self.signal(signal.SIGSTOP)
         self.windows.append((start, time.time()))
         self.cpu_s += self.cpu_time() - before
+        self.thread_s.update(self.thread_times())
+        self.thread_s.subtract(threads_before)
 
     def cpu_time(self) -> float:
         """User + system seconds of every process of the job so far."""
@@ -136,6 +146,22 @@ class Job:
                 continue
             total += int(fields[11]) + int(fields[12])
         return total / os.sysconf("SC_CLK_TCK")
+
+    def thread_times(self) -> collections.Counter[str]:
+        """User + system seconds per kind of thread: "worker/main", "worker/gloo_tcp_loop",
+        "etcd/etcd" (a process that is not a worker is named by its command)."""
+        ticks: collections.Counter[str] = collections.Counter()
+        for pid in self._pids:
+            try:
+                role = "worker" if pid in self._workers else _read(Path(f"/proc/{pid}/comm"))
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    fields = _read(task / "stat").rsplit(")", 1)[1].split()
+                    name = "main" if int(task.name) == pid else _read(task / "comm")
+                    ticks[f"{role}/{name}"] += int(fields[11]) + int(fields[12])
+            except OSError:
+                continue
+        tick_s = 1 / os.sysconf("SC_CLK_TCK")
+        return collections.Counter({k: v * tick_s for k, v in ticks.items()})
 
     def steps_in_slices(self) -> int:
         """Rank 0's steps completed inside the job's slices."""
@@ -226,6 +252,10 @@ def measure(args: argparse.Namespace, root: Path) -> dict:
     # CPU per step of the whole job (all processes, all cores): when a job is slower, did it
     # work more per step, or wait more?
     result["cpu_ms_per_step"] = [job.cpu_s / job.steps_in_slices() * 1000 for job in jobs]
+    result["cpu_ms_per_step_by_thread"] = {
+        job.name: {k: round(v / job.steps_in_slices() * 1000, 3)
+                   for k, v in sorted(job.thread_s.items(), key=lambda kv: -kv[1]) if v > 0}
+        for job in jobs}
     if not args.control:
         result["ours_commit_cost_ms"] = commit_cost_ms(slices[1], args.commit_every)
         result["ours_commit_cost_mean_ms"] = commit_cost_ms(slices[1], args.commit_every,
