@@ -162,7 +162,11 @@ class EmbeddedEtcd:
         target = min(os.getpriority(os.PRIO_PROCESS, 0) + self._niceness, 19)
         tasks = Path(f"/proc/{self.process.pid}/task")
         for _ in range(passes):
-            tids = [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [self.process.pid]
+            try:
+                tids = ([int(t.name) for t in tasks.iterdir()] if tasks.is_dir()
+                        else [self.process.pid])
+            except FileNotFoundError:
+                return  # the server exited just now; its clients will say so
             behind = [tid for tid in tids if _priority(tid) not in (None, target)]
             if not behind:
                 return
