@@ -46,11 +46,11 @@ from bench_recovery import Procs, env_for, read_progress, wait_for  # noqa: E402
 from elastic.embedded_etcd import EmbeddedEtcd, free_port  # noqa: E402
 
 
-JOBS = {  # job name -> worker script
-    "torchrun": "torchrun_worker.py", "torchrun-again": "torchrun_worker.py",
-    "ours": "elastic_worker.py", "ours-no-commits": "elastic_worker.py",
-    "trainstate": "torchrun_trainstate_worker.py",
-    "trainstate-etcd": "torchrun_trainstate_worker.py",
+JOBS = {  # job name -> (worker script, whether it needs an embedded etcd)
+    "torchrun": ("torchrun_worker.py", False), "torchrun-again": ("torchrun_worker.py", False),
+    "ours": ("elastic_worker.py", True), "ours-no-commits": ("elastic_worker.py", True),
+    "trainstate": ("torchrun_trainstate_worker.py", False),
+    "trainstate-etcd": ("torchrun_trainstate_worker.py", True),
 }
 
 
@@ -76,6 +76,12 @@ def _read(path: Path) -> str:
     return path.read_text().strip()
 
 
+def _cpu_ticks(stat: Path) -> int:
+    """User + system clock ticks from a ``/proc/.../stat`` file (a process's or a thread's)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 class Job:
     """One 2-worker training job whose processes are stopped and resumed together."""
 
@@ -89,20 +95,22 @@ class Job:
         self._pids: set[int] = set()
         self._workers: set[int] = set()
 
-    def launch(self, batch: int, commit_args: tuple[str, ...]) -> None:
+    def launch(self, batch: int, commit_every: int, commit_part: str) -> None:
         """Starts the job named (see ``JOBS``), with an embedded etcd where it needs one."""
         self.out.mkdir(parents=True)
+        script, needs_etcd = JOBS[self.name]
         args = ["--out", str(self.out), "--steps", str(10**9), "--batch", str(batch)]
-        script = JOBS[self.name]
-        if self.name in ("ours", "ours-no-commits", "trainstate-etcd"):
+        if needs_etcd:
             self.etcd = EmbeddedEtcd().start()
         if self.name.startswith("ours"):
+            every = 10**9 if self.name == "ours-no-commits" else commit_every
             for _ in range(2):
-                self.procs.start([sys.executable, script, *args, *commit_args],
+                self.procs.start([sys.executable, script, *args, "--commit-every", str(every),
+                                  "--commit-part", commit_part],
                                  env_for(ELASTIC_ETCD=self.etcd.url, ELASTIC_JOB_ID=self.out.name))
             return
         if self.name.startswith("trainstate"):
-            args += list(commit_args[:2])  # --commit-every N
+            args += ["--commit-every", str(commit_every)]
             if self.etcd is not None:
                 args += ["--etcd", self.etcd.url]
         self.procs.start([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
@@ -141,10 +149,9 @@ class Job:
         total = 0
         for pid in self._pids:
             try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += _cpu_ticks(Path(f"/proc/{pid}/stat"))
             except OSError:
                 continue
-            total += int(fields[11]) + int(fields[12])
         return total / os.sysconf("SC_CLK_TCK")
 
     def thread_times(self) -> collections.Counter[str]:
@@ -155,9 +162,8 @@ class Job:
             try:
                 role = "worker" if pid in self._workers else _read(Path(f"/proc/{pid}/comm"))
                 for task in Path(f"/proc/{pid}/task").iterdir():
-                    fields = _read(task / "stat").rsplit(")", 1)[1].split()
                     name = "main" if int(task.name) == pid else _read(task / "comm")
-                    ticks[f"{role}/{name}"] += int(fields[11]) + int(fields[12])
+                    ticks[f"{role}/{name}"] += _cpu_ticks(task / "stat")
             except OSError:
                 continue
         tick_s = 1 / os.sysconf("SC_CLK_TCK")
@@ -213,13 +219,11 @@ def commit_cost_ms(slices: list[list[tuple[int, float]]], every: int,
 
 def measure(args: argparse.Namespace, root: Path) -> dict:
     names = [args.baseline, "torchrun-again" if args.control else args.candidate]
-    commit_args = ("--commit-every", str(args.commit_every), "--commit-part", args.commit_part)
-    no_commits = ("--commit-every", str(10**9))
     jobs: list[Job] = []
     try:
         for name in names:
             jobs.append(Job(name, root / name))
-            jobs[-1].launch(args.batch, no_commits if name == "ours-no-commits" else commit_args)
+            jobs[-1].launch(args.batch, args.commit_every, args.commit_part)
         for job in jobs:
             wait_for(lambda job=job: any(p["step"] >= 50 for p in read_progress(job.out)), 180,
                      f"{job.name} at step 50")
@@ -251,11 +255,12 @@ def measure(args: argparse.Namespace, root: Path) -> dict:
     }
     # CPU per step of the whole job (all processes, all cores): when a job is slower, did it
     # work more per step, or wait more?
-    result["cpu_ms_per_step"] = [job.cpu_s / job.steps_in_slices() * 1000 for job in jobs]
+    steps = [job.steps_in_slices() for job in jobs]
+    result["cpu_ms_per_step"] = [job.cpu_s / n * 1000 for job, n in zip(jobs, steps)]
     result["cpu_ms_per_step_by_thread"] = {
-        job.name: {k: round(v / job.steps_in_slices() * 1000, 3)
+        job.name: {k: round(v / n * 1000, 3)
                    for k, v in sorted(job.thread_s.items(), key=lambda kv: -kv[1]) if v > 0}
-        for job in jobs}
+        for job, n in zip(jobs, steps)}
     if not args.control:
         result["ours_commit_cost_ms"] = commit_cost_ms(slices[1], args.commit_every)
         result["ours_commit_cost_mean_ms"] = commit_cost_ms(slices[1], args.commit_every,
