@@ -1,4 +1,4 @@
-"""``elastic_worker.py``'s loop (TrainState, ElasticSampler, commit every 10) under torchrun.
+"""``elastic_worker.py``'s loop under torchrun: TrainState, ElasticSampler, ``--commit-every``.
 
 No ElasticState: it isolates the cost of the state layer (snapshot, sampler, the agreement
 all-reduce) from the cluster layer. With ``--etcd URL`` each worker also registers an etcd
