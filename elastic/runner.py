@@ -138,7 +138,7 @@ class ElasticState(TrainState):
         if cluster is None or self.rank != 0 or now - self._progress_at < _PROGRESS_EVERY_S:
             return
         self._progress_at = now
-        step = self._values.get("step")
+        step = self._value("step")
         fields = {"step": step} if isinstance(step, int) and not isinstance(step, bool) else {}
         cluster.events.emit("progress", version=version, **fields)
 
@@ -178,7 +178,7 @@ class ElasticState(TrainState):
         if self.rank != 0:
             return
         topology = self._cluster.topology if self._cluster else None
-        epoch = self._values.get("epoch")
+        epoch = self._value("epoch")
         metadata = {"world_size": self.world_size, "generation": topology.round if topology else 0,
                     "member": self.member_id or ""}
         if isinstance(epoch, int) and not isinstance(epoch, bool):

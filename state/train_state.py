@@ -79,35 +79,49 @@ class TrainState:
 
     def __init__(self, **objects: Any) -> None:
         self._stateful: dict[str, Any] = {}
-        self._values: dict[str, Any] = {}
+        self._value_names: dict[str, None] = {}  # an ordered set; the values sit in __dict__
         self._commit: dict[str, Any] | None = None
         self._version = 0
         for name, obj in objects.items():
             self.register(name, obj)
 
     # -- the attribute routing: the one place plain values become attributes ---------------
+    #
+    # Every registered object lives in the instance ``__dict__`` under its name, so reading it
+    # is a plain attribute read (a training loop reads ``state.step`` several times a step;
+    # going through ``__getattr__`` cost ~2 us a read). ``_stateful`` and ``_value_names``
+    # say which names are registered and of which kind.
 
     def __getattr__(self, name: str) -> Any:
-        # Called only when normal lookup fails; guard against a half-built instance.
-        registry = self.__dict__
-        if name in registry.get("_values", {}):
-            return registry["_values"][name]
-        if name in registry.get("_stateful", {}):
-            return registry["_stateful"][name]
+        # Called only when normal lookup fails: the name is not registered.
         raise AttributeError(f"{type(self).__name__} has no attribute or registered object {name!r}.")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        values = self.__dict__.get("_values")
-        if values is not None and name in values:
-            values[name] = value
+        registry = self.__dict__
+        if name in registry.get("_value_names", ()):
+            registry[name] = value
         elif name.startswith("_") or isinstance(getattr(type(self), name, None), property):
             object.__setattr__(self, name, value)
-        elif name in self.__dict__.get("_stateful", {}):
+        elif name in registry.get("_stateful", ()):
             raise AttributeError(f"{name!r} is a registered Stateful object and cannot be replaced; "
                                  f"load new state into it with load_state_dict().")
         else:
             raise AttributeError(f"{name!r} is not a registered value of this {type(self).__name__}; "
                                  f"call register({name!r}, value) first.")
+
+    def __delattr__(self, name: str) -> None:
+        if name in self.__dict__.get("_value_names", ()) or name in self.__dict__.get("_stateful", ()):
+            raise AttributeError(f"{name!r} is registered and cannot be deleted; assign a new "
+                                 f"value instead (plain values) or load new state into it.")
+        object.__delattr__(self, name)
+
+    def _plain_values(self) -> dict[str, Any]:
+        """The registered plain values by name, in registration order."""
+        return {name: self.__dict__[name] for name in self._value_names}
+
+    def _value(self, name: str) -> Any:
+        """The registered plain value ``name``, or None when no plain value has that name."""
+        return self.__dict__[name] if name in self._value_names else None
 
     def register(self, name: str, obj: Any) -> None:
         """Adds a named Stateful object or plain value.
@@ -125,18 +139,19 @@ class TrainState:
             raise ValueError(f"name {name!r} must be an identifier that does not start with '_'.")
         if hasattr(type(self), name):
             raise ValueError(f"name {name!r} clashes with {type(self).__name__}.{name}; choose another name.")
-        if name in self._stateful or name in self._values:
+        if name in self._stateful or name in self._value_names:
             raise ValueError(f"name {name!r} is already registered.")
         if is_stateful(obj):
             self._stateful[name] = obj
         else:
             _check_plain(name, obj)
-            self._values[name] = obj
+            self._value_names[name] = None
+        self.__dict__[name] = obj
 
     @property
     def names(self) -> tuple[str, ...]:
         """Names of all registered objects, Stateful first, in registration order."""
-        return tuple(self._stateful) + tuple(self._values)
+        return tuple(self._stateful) + tuple(self._value_names)
 
     # -- commit and rollback -----------------------------------------------------------------
 
@@ -164,7 +179,7 @@ class TrainState:
                 buffers may be half overwritten.
         """
         live = {name: obj.state_dict() for name, obj in self._stateful.items()}
-        live.update(self._values)
+        live.update(self._plain_values())
         try:
             self._commit = snapshot(live, self._commit)
         except (RuntimeError, TypeError, ValueError) as exc:
@@ -190,8 +205,8 @@ class TrainState:
         self._check_names(self._commit)
         for name, obj in self._stateful.items():
             obj.load_state_dict(snapshot(self._commit[name]))
-        for name in self._values:
-            self._values[name] = _restore_value(self._commit[name], self._values[name])
+        for name in self._value_names:
+            self.__dict__[name] = _restore_value(self._commit[name], self.__dict__[name])
 
     def committed(self) -> dict[str, Any]:
         """Returns the current commit as ``{"version": int, "objects": {name: state}}``.

@@ -98,6 +98,32 @@ def test_plain_values_read_and_write_as_attributes():
         _ = state.missing
 
 
+def test_registered_objects_read_as_plain_attributes_without_the_fallback_lookup(monkeypatch):
+    # A loop reads state.step several times a step; the __getattr__ fallback cost ~2 us a read.
+    sampler = ElasticSampler(range(10))
+    state = TrainState(sampler=sampler, epoch=0)
+    state.register("best", 0.5)
+
+    def fallback(self, name):
+        raise AssertionError(f"{name!r} went through __getattr__")
+
+    monkeypatch.setattr(TrainState, "__getattr__", fallback)
+    state.epoch += 2
+    assert (state.sampler, state.epoch, state.best) == (sampler, 2, 0.5)
+    state.commit()
+    state.epoch = 7
+    state.restore()
+    assert state.epoch == 2
+
+
+def test_a_registered_name_cannot_be_deleted():
+    state = TrainState(sampler=ElasticSampler(range(10)), epoch=0)
+    for name in ("sampler", "epoch"):
+        with pytest.raises(AttributeError, match="cannot be deleted"):
+            delattr(state, name)
+    assert state.epoch == 0 and state.names == ("sampler", "epoch")
+
+
 def test_register_rejects_names_that_clash_with_methods_or_properties():
     for name in ("commit", "version", "restore", "names", "has_commit"):
         with pytest.raises(ValueError, match=f"clashes with TrainState.{name}"):
