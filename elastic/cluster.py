@@ -14,6 +14,7 @@ from datetime import timedelta
 from collections.abc import Callable
 from typing import Any
 
+from elastic.agreement_channel import AgreementChannel
 from elastic.embedded_etcd import free_port
 from elastic.errors import EtcdUnavailableError, FencedError
 from elastic.etcd_client import EtcdClient, parse_endpoints
@@ -55,6 +56,7 @@ class Cluster:
             min_workers=settings.min_workers, max_workers=settings.max_workers,
             settle=settings.settle, timeout=settings.rendezvous_timeout)
         self.topology: Topology | None = None
+        self.channel = AgreementChannel(0, 1, self.group.timeout)  # replaced at every round
         self._store: EtcdStore | None = None
         self.membership: EtcdMembership
         self.rendezvous: Rendezvous
@@ -67,7 +69,7 @@ class Cluster:
         self.rendezvous = Rendezvous(self.client, self.membership, self.config)
         self.monitor = ChangeMonitor(self.keys, self.membership.member_id, self._on_broken)
         self.membership.add_listener(self.monitor.on_events)
-        self.membership.on_fenced(lambda: self.group.release("this member was fenced"))
+        self.membership.on_fenced(lambda: self.release("this member was fenced"))
         self.membership.register()
         self.events.bind(member=self.membership.member_id)
         self.events.emit("joined", lease_ttl_s=self.settings.lease_ttl.total_seconds())
@@ -77,7 +79,12 @@ class Cluster:
         store = self._store
         if store is not None:
             store.abort(reason)  # a group still forming stops waiting for the dead member
+        self.release(reason)
+
+    def release(self, reason: str) -> None:
+        """Unblocks every collective and agreement of the round now; safe from any thread."""
         self.group.release(reason)
+        self.channel.release(reason)
 
     @property
     def member_id(self) -> str:
@@ -104,7 +111,7 @@ class Cluster:
             EtcdUnavailableError: etcd stayed unreachable past the retry deadline.
         """
         self.monitor.disarm()
-        self.group.release(f"re-forming ({reason})")
+        self.release(f"re-forming ({reason})")
         self._drop_group()
         while True:
             if self.is_fenced:
@@ -125,12 +132,16 @@ class Cluster:
         with Stopwatch() as formed:
             self._store = EtcdStore(self.client, topology.store_prefix, _STORE_TIMEOUT)
             self.topology = topology
+            self.channel = AgreementChannel(topology.rank, topology.world_size, self.group.timeout)
             self.monitor.arm(topology, self.client)  # a member dying now aborts the forming
             self.group.form(self._store, topology.rank, topology.world_size)
+            self.channel.connect(self._store, self.settings.advertise_addr, topology.round,
+                                 self.group.form_timeout)
         self.events.emit("group_formed", backend=self.group.backend, form_s=formed.seconds)
         return topology
 
     def _drop_group(self) -> None:
+        self.channel.close()
         self.group.destroy()
         self.topology = None
         if self._store is not None:

@@ -108,9 +108,9 @@ class ElasticState(TrainState):
     def commit(self, durable: bool = False) -> int:  # noqa: D417 (see TrainState.commit)
         """Snapshots every object in host memory and agrees with all ranks on membership.
 
-        Collective: every rank calls it at the same point. The agreement (a two-integer
-        all-reduce) is started first and travels while the snapshot is copied, so that where
-        cores are free a commit costs the longer of the two, not their sum. If a join or
+        Collective: every rank calls it at the same point. The agreement (two flags per rank,
+        gathered by rank 0 over the round's ``AgreementChannel``) is started first and travels
+        while the snapshot is copied. If a join or
         leave is pending, the commit is kept and ``MembershipChangedInterrupt`` hands over to
         the run loop, which re-forms the group and calls the training function again (no work
         is lost).
@@ -155,7 +155,7 @@ class ElasticState(TrainState):
             agreement.finish()
 
     def _start_agreement(self) -> "MembershipAgreement | None":
-        """Starts the membership all-reduce; None when not in a formed group."""
+        """Starts the membership agreement; None when not in a formed group."""
         cluster = self._cluster
         if cluster is None or cluster.topology is None:
             return None
