@@ -8,11 +8,11 @@ model and alternate, in the same processes, between phases of:
 
 - ``plain``: the plain DDP loop with ``DistributedSampler`` (what ``torchrun_worker.py`` runs);
 - ``state``: the loop of ``elastic_worker.py``: ``ElasticSampler`` with ``record_batch``,
-  ``TrainState`` values, and every 10 steps ``ElasticState.commit``'s work: the 2-integer
-  agreement all-reduce started, the snapshot copied while it travels, then its wait;
-- ``state-serial``: the same with the all-reduce after the snapshot (the order before the
-  overlap);
-- ``state-no-agreement``: the same without the all-reduce.
+  ``TrainState`` values, and every 10 steps ``ElasticState.commit``'s work: the flags handed to
+  the ``AgreementChannel``, the snapshot copied, then the agreement's answer;
+- ``state-all-reduce``: the same with the agreement as it was before the ``AgreementChannel``,
+  a 2-integer gloo all-reduce started before the snapshot and waited for after it;
+- ``state-no-agreement``: the same without any agreement.
 
 Every cycle runs each phase once (order reversed every other cycle); then each worker registers
 an etcd membership (client, keepalive and watch threads) and the cycles run again. Rank 0 prints
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PHASES = ("plain", "state", "state-serial", "state-no-agreement")
+PHASES = ("plain", "state", "state-all-reduce", "state-no-agreement")
 
 
 def drive(args: argparse.Namespace) -> None:
@@ -60,7 +60,7 @@ def work(args: argparse.Namespace) -> None:
 
     import workload
     from state import ElasticSampler, TrainState
-    from torchrun_trainstate_worker import register_membership
+    from torchrun_trainstate_worker import agreement_channel, register_membership
     from torchrun_worker import init_group
 
     init_group()
@@ -86,9 +86,15 @@ def work(args: argparse.Namespace) -> None:
 
     sources = {"plain": plain_batches(), "state": state_batches()}
 
-    def start_agreement() -> tuple[dist.Work, torch.Tensor]:
+    channel = agreement_channel()
+
+    def start_agreement(kind: str):  # returns the function that waits for the answer
+        if kind == "state":
+            channel.start(False, False)
+            return channel.finish
         flags = torch.tensor([0, 0], dtype=torch.int32)
-        return dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True), flags
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+        return lambda: (work.wait(), flags.tolist())
 
     def phase(kind: str) -> tuple[float, float]:
         batches = sources["plain" if kind == "plain" else "state"]
@@ -102,13 +108,10 @@ def work(args: argparse.Namespace) -> None:
             s.sampler.record_batch(len(x))
             s.step += 1
             if s.step % 10 == 0:
-                agreement = start_agreement() if kind == "state" else None
+                finish = None if kind == "state-no-agreement" else start_agreement(kind)
                 s.commit()
-                if kind == "state-serial":
-                    agreement = start_agreement()
-                if agreement is not None:
-                    agreement[0].wait()
-                    agreement[1].tolist()
+                if finish is not None:
+                    finish()
         wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
         return args.phase_steps / wall, cpu / args.phase_steps * 1000
 
@@ -131,6 +134,7 @@ def work(args: argparse.Namespace) -> None:
             print(f"| {key} | {statistics.median(rates):.1f} | "
                   f"{', '.join(f'{r:.1f}' for r in rates)} | "
                   f"{statistics.median(c for _, c in values):.2f} |", flush=True)
+    channel.close()
     dist.destroy_process_group()
 
 

@@ -1,7 +1,7 @@
 """``elastic_worker.py``'s loop under torchrun: TrainState, ElasticSampler, ``--commit-every``.
 
-No ElasticState: it isolates the cost of the state layer (snapshot, sampler, the agreement
-all-reduce) from the cluster layer. With ``--etcd URL`` each worker also registers an etcd
+No ElasticState: it isolates the cost of the state layer (snapshot, sampler, the membership
+agreement over an ``AgreementChannel`` on torchrun's store) from the cluster layer. With ``--etcd URL`` each worker also registers an etcd
 membership (client, keepalive thread, job watch), to measure what those threads cost alone.
 Run it like ``torchrun_worker.py``:
 ``torchrun --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT
@@ -44,7 +44,7 @@ def main() -> None:
     progress = workload.Progress(args.out, f"trainstate-{os.getpid()}")
     ddp = DDP(s.model)
     loader = DataLoader(data, batch_size=args.batch, sampler=s.sampler)
-    flags = torch.zeros(2, dtype=torch.int32)  # the size of ElasticState's agreement
+    channel = agreement_channel()
     while s.step < args.steps:
         s.sampler.set_epoch(s.epoch)
         for x, y in loader:
@@ -53,13 +53,26 @@ def main() -> None:
             s.step += 1
             progress.step(s.step, dist.get_rank(), dist.get_world_size())
             if s.step % args.commit_every == 0:  # ElasticState.commit's order
-                agreement = dist.all_reduce(flags, async_op=True)
+                channel.start(False, False)
                 s.commit()
-                agreement.wait()
+                channel.finish()
             if s.step >= args.steps:
                 break
         s.epoch += 1
+    channel.close()
     dist.destroy_process_group()
+
+
+def agreement_channel():
+    """ElasticState's agreement transport, connected over torchrun's store (after init_group)."""
+    from datetime import timedelta
+
+    from elastic.agreement_channel import AgreementChannel
+
+    channel = AgreementChannel(dist.get_rank(), dist.get_world_size(), timedelta(minutes=5))
+    channel.connect(dist.distributed_c10d._get_default_store(), "127.0.0.1", 0,
+                    timedelta(seconds=60))
+    return channel
 
 
 def register_membership(url: str) -> None:

@@ -110,6 +110,25 @@ def test_a_frozen_worker_is_dropped_within_the_lease_and_stays_fenced(make_job):
                for e in job.events())
 
 
+def test_workers_waiting_for_a_frozen_peer_inside_the_commit_agreement_are_released(make_job):
+    job = make_job(ARGS + ["--step-ms", "30"],
+                   {"FAULTS": "stop-commit:1:12", "ELASTIC_LEASE_TTL": "2"})
+    job.start_together(range(3))
+    job.wait_until(lambda: (job.out / "fired-stop-commit-1").exists(), 60, "the SIGSTOP to fire")
+    fired_at = job.fired("stop-commit", 1)["t"]
+    job.wait_until(lambda: any(p.get("world") == 2 and "loss" in p for p in job.progress(0)),
+                   30, "the survivors to train in world 2")
+    failures = [e for e in job.events() if e["event"] == "failure_detected"
+                and e.get("source") == "collective" and e["t"] > fired_at]
+    assert failures and all("membership agreement" in e["error"] for e in failures), failures
+    resumed = next(e for e in job.events() if e["event"] == "resumed" and e["t"] > fired_at)
+    assert resumed["t"] - fired_at < 2.0 + 1.5, "survivors waited longer than lease TTL + margin"
+    job.signal(1, signal.SIGCONT)
+    for i in range(3):
+        assert job.wait_exit(i) == 0
+    check_outcome(job, [0, 2])
+
+
 def test_too_few_workers_end_in_a_rendezvous_timeout_that_names_the_counts(make_job):
     job = make_job(ARGS, {"ELASTIC_MIN_WORKERS": "2", "ELASTIC_RENDEZVOUS_TIMEOUT": "2"})
     job.start(0)

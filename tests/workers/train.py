@@ -3,7 +3,9 @@
 Every batch's sample indices go into a committed ledger (so rolled-back batches drop out with
 the rollback), progress goes to ``progress-{index}.jsonl``, the final parameters and ledger to
 ``result-{index}.json``. Faults fire inside the worker at a global step, once
-(``FAULTS="kill:1:30,stop:0:12,term:2:40"``: kind, worker index, step), each leaving a marker.
+(``FAULTS="kill:1:30,stop:0:12,term:2:40"``: kind, worker index, step), each leaving a marker;
+``stop-commit`` freezes the worker right before its commit, so that the others wait for it inside
+the commit's membership agreement.
 """
 
 from __future__ import annotations
@@ -53,17 +55,20 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def fire_faults(state: ElasticState, out: Path, index: int) -> None:
+def fire_faults(state: ElasticState, out: Path, index: int, at_commit: bool = False) -> None:
+    """Fires this worker's faults that are due: after a step, or (kinds ending in "-commit")
+    right before the commit() of a step."""
     for spec in filter(None, os.environ.get("FAULTS", "").split(",")):
         kind, who, step = spec.split(":")
-        if int(who) != index or state.step < int(step):
+        if int(who) != index or state.step < int(step) or kind.endswith("-commit") != at_commit:
             continue
         marker = out / f"fired-{kind}-{index}"
         if marker.exists():
             continue
         marker.write_text(json.dumps({"step": state.step, "rank": state.rank,
                                       "world": state.world_size, "t": time.time()}))
-        sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}[kind]
+        sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP,
+               "stop-commit": signal.SIGSTOP}[kind]
         os.kill(os.getpid(), sig)
 
 
@@ -112,6 +117,7 @@ def main() -> None:
                 compute_for(args.step_ms)
                 if s.sampler.batches_done % args.commit_every == 0:
                     record(s, pending)
+                    fire_faults(s, out, index, at_commit=True)
                     s.commit()
                     if args.hold_at >= 0 and s.step >= args.hold_at:
                         hold_until_world(s, 3)
