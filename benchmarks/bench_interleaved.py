@@ -207,12 +207,12 @@ def rate(intervals: list[tuple[int, float]]) -> float:
 def commit_cost_ms(slices: list[list[tuple[int, float]]], every: int,
                    average=statistics.median) -> float | None:
     """The ``average`` interval that holds a commit minus that of the others (ms); None when no
-    measured interval holds a commit. The mean is what throughput pays; the median hides the
-    long tail of waiting for the other rank."""
+    measured interval holds a commit, or every one does (a commit every step). The mean is what
+    throughput pays; the median hides the long tail of waiting for the other rank."""
     flat = [x for s in slices for x in s]
     with_commit = [s for step, s in flat if (step - 1) % every == 0]
     without = [s for step, s in flat if (step - 1) % every != 0]
-    if not with_commit:
+    if not with_commit or not without:
         return None
     return (average(with_commit) - average(without)) * 1000
 
