@@ -6,15 +6,16 @@ typed errors. Importing this package starts nothing.
 
 from checkpoint import CheckpointStore
 from checkpoint.errors import CheckpointError
-from elastic.errors import (ElasticError, ElasticInterrupt, EtcdUnavailableError, FencedError,
-                            LeaveInterrupt, MembershipChangedInterrupt, PeerFailureError,
-                            RendezvousClosedError, RendezvousTimeoutError)
+from elastic.errors import (AdvertiseAddressError, ElasticError, ElasticInterrupt,
+                            EtcdUnavailableError, FencedError, LeaveInterrupt,
+                            MembershipChangedInterrupt, PeerFailureError, RendezvousClosedError,
+                            RendezvousTimeoutError)
 from elastic.runner import ElasticState
 from state import (ElasticSampler, LinearLRScaling, RNGState, SeededDataset, SqrtLRScaling,
                    StateError, TrainState, seed_everything)
 
 __all__ = [
-    "CheckpointError", "CheckpointStore", "ElasticError", "ElasticInterrupt", "ElasticSampler",
+    "AdvertiseAddressError", "CheckpointError", "CheckpointStore", "ElasticError", "ElasticInterrupt", "ElasticSampler",
     "ElasticState", "EtcdUnavailableError", "FencedError", "LeaveInterrupt", "LinearLRScaling",
     "MembershipChangedInterrupt", "PeerFailureError", "RNGState", "RendezvousClosedError",
     "RendezvousTimeoutError", "SeededDataset", "SqrtLRScaling", "StateError", "TrainState",

@@ -14,6 +14,7 @@ down, so that a rank blocked in an exchange with a frozen or dead peer returns a
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import socket
@@ -24,7 +25,7 @@ from datetime import timedelta
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from elastic.errors import PeerFailureError
+from elastic.errors import AdvertiseAddressError, PeerFailureError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -36,11 +37,33 @@ _FLAGS = struct.Struct("!BB")  # change pending, leaving
 
 
 class AddressBook(Protocol):
-    """What the channel needs of the round's store: publish rank 0's address, read it."""
+    """What the channel needs of the round's store: publish rank 0's address, wait for it, read it."""
 
     def set(self, key: str, value: bytes | str) -> None: ...
 
+    def wait(self, keys: list[str], timeout: timedelta) -> None: ...
+
     def get(self, key: str) -> bytes: ...
+
+
+def _listen(address: str) -> socket.socket:
+    """A listening socket on ``address`` (IPv4 or IPv6) and a free port.
+
+    Raises:
+        AdvertiseAddressError: ``address`` is not an address of this machine.
+    """
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        return socket.create_server((address, 0), family=family)
+    except OSError as exc:
+        if exc.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) \
+                and not isinstance(exc, socket.gaierror):
+            raise
+        raise AdvertiseAddressError(
+            f"cannot listen on the advertised address {address!r} ({exc.strerror or exc}): "
+            f"--advertise-addr / ELASTIC_ADVERTISE_ADDR must be an address of this machine that "
+            f"the other workers can reach (behind NAT, advertise the interface's own address "
+            f"and route to it).") from exc
 
 
 def _receive_exactly(sock: socket.socket, size: int) -> bytes:
@@ -74,6 +97,7 @@ class AgreementChannel:
         self._lock = threading.Lock()
         self._released: str | None = None
         self._listener: socket.socket | None = None
+        self._vetting: socket.socket | None = None  # rank 0: a connection whose hello is awaited
         self._peers: dict[int, socket.socket] = {}  # rank 0: every other rank; else {0: rank 0}
         self._flags = (0, 0)
 
@@ -84,6 +108,8 @@ class AgreementChannel:
 
         Raises:
             PeerFailureError: a peer did not connect in ``timeout``, or the channel was released.
+            AdvertiseAddressError: rank 0 cannot listen on ``advertise_addr`` (not an address of
+                this machine).
         """
         if self.world_size == 1:
             return
@@ -105,7 +131,7 @@ class AgreementChannel:
 
     def _accept_all(self, store: AddressBook, advertise_addr: str, round_: int,
                     deadline: float) -> None:
-        listener = socket.create_server((advertise_addr, 0))
+        listener = _listen(advertise_addr)
         with self._lock:
             if self._released is not None:
                 listener.close()
@@ -117,7 +143,13 @@ class AgreementChannel:
             listener.settimeout(max(deadline - time.monotonic(), 0.001))
             conn, _ = listener.accept()
             conn.settimeout(max(deadline - time.monotonic(), 0.001))
-            hello = _receive_exactly(conn, _HELLO.size)
+            with self._lock:  # reachable by release() while its hello is awaited
+                self._vetting = conn
+            try:
+                hello = _receive_exactly(conn, _HELLO.size)
+            finally:
+                with self._lock:
+                    self._vetting = None
             magic, their_round, rank = _HELLO.unpack(hello) if len(hello) == _HELLO.size \
                 else (b"", -1, -1)
             if magic != _MAGIC or their_round != round_ or not 0 < rank < self.world_size \
@@ -132,6 +164,7 @@ class AgreementChannel:
         listener.close()
 
     def _connect_to_rank0(self, store: AddressBook, round_: int, deadline: float) -> None:
+        store.wait([_STORE_KEY], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         address = json.loads(store.get(_STORE_KEY))
         conn = socket.create_connection((address["host"], int(address["port"])),
                                         timeout=max(deadline - time.monotonic(), 0.001))
@@ -205,8 +238,7 @@ class AgreementChannel:
                 return
             self._released = reason
             sockets = list(self._peers.values())
-            if self._listener is not None:
-                sockets.append(self._listener)
+            sockets += [s for s in (self._listener, self._vetting) if s is not None]
             for sock in sockets:
                 try:
                     sock.shutdown(socket.SHUT_RDWR)

@@ -76,15 +76,19 @@ class Cluster:
 
     def _on_broken(self, reason: str) -> None:
         self.events.emit("failure_detected", reason=reason, source="watch")
-        store = self._store
-        if store is not None:
-            store.abort(reason)  # a group still forming stops waiting for the dead member
         self.release(reason)
 
     def release(self, reason: str) -> None:
-        """Unblocks every collective and agreement of the round now; safe from any thread."""
-        self.group.release(reason)
+        """Unblocks every collective and agreement of the round now; safe from any thread.
+
+        The channel and the store first: releasing them only shuts sockets down and wakes
+        waiters, while releasing an NCCL group aborts communicators and can take a while.
+        """
         self.channel.release(reason)
+        store = self._store
+        if store is not None:
+            store.abort(reason)  # a group still forming stops waiting for the member
+        self.group.release(reason)
 
     @property
     def member_id(self) -> str:

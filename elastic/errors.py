@@ -27,6 +27,10 @@ class PeerFailureError(ElasticError):
     """A peer died or was cut off: the process group is broken and must be re-formed."""
 
 
+class AdvertiseAddressError(ElasticError):
+    """The advertised address is not an address of this machine, so nothing can listen on it."""
+
+
 class RendezvousClosedError(ElasticError):
     """The job has completed: no new round will form."""
 

@@ -141,11 +141,13 @@ class TrainState:
             raise ValueError(f"name {name!r} clashes with {type(self).__name__}.{name}; choose another name.")
         if name in self._stateful or name in self._value_names:
             raise ValueError(f"name {name!r} is already registered.")
+        # New registries rather than in-place updates: a shallow copy of this state that
+        # registers a name must not add it to the original's registry (its __dict__ lacks it).
         if is_stateful(obj):
-            self._stateful[name] = obj
+            self._stateful = {**self._stateful, name: obj}
         else:
             _check_plain(name, obj)
-            self._value_names[name] = None
+            self._value_names = {**self._value_names, name: None}
         self.__dict__[name] = obj
 
     @property

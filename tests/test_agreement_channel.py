@@ -4,6 +4,8 @@ close (what the kernel does for a killed process); a frozen one is a rank that s
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -14,7 +16,8 @@ import pytest
 import torch.distributed as dist
 
 from elastic.agreement_channel import AgreementChannel
-from elastic.errors import PeerFailureError
+from elastic.errors import AdvertiseAddressError, PeerFailureError
+from tests.polling import poll_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -146,4 +149,36 @@ def test_a_channel_released_before_it_connects_refuses_to_form():
     channel.release("the round broke while the group formed")
     with pytest.raises(PeerFailureError, match="the round broke"):
         channel.connect(dist.HashStore(), _ADDR, 3, _LONG)
+    channel.close()
+
+
+def test_releasing_frees_rank_zero_while_it_awaits_a_silent_connections_hello():
+    store = dist.HashStore()
+    channel = AgreementChannel(0, 2, _LONG)
+    silent: list[socket.socket] = []
+
+    def connect_silently() -> None:  # a peer frozen between its connect and its hello
+        store.wait(["elastic/agreement"], timedelta(seconds=10))
+        address = json.loads(store.get("elastic/agreement"))
+        silent.append(socket.create_connection((address["host"], address["port"]), timeout=10))
+        # Nothing signals "rank 0 reads this connection's hello" from inside connect(): look.
+        assert poll_until(lambda: channel._vetting is not None, 5)  # noqa: SLF001
+        channel.release("member m1 of round 9 is gone")
+
+    helper = threading.Thread(target=connect_silently, daemon=True)
+    helper.start()
+    started = time.monotonic()
+    with pytest.raises(PeerFailureError, match="member m1 of round 9 is gone"):
+        channel.connect(store, _ADDR, 9, timedelta(seconds=30))
+    assert time.monotonic() - started < 5, "the release did not reach the connection being vetted"
+    helper.join(5)
+    for sock in silent:
+        sock.close()
+    channel.close()
+
+
+def test_an_advertised_address_that_is_not_this_machines_is_a_clear_configuration_error():
+    channel = AgreementChannel(0, 2, _LONG)
+    with pytest.raises(AdvertiseAddressError, match="--advertise-addr"):
+        channel.connect(dist.HashStore(), "192.0.2.1", 3, timedelta(seconds=5))  # TEST-NET-1
     channel.close()

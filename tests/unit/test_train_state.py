@@ -116,6 +116,17 @@ def test_registered_objects_read_as_plain_attributes_without_the_fallback_lookup
     assert state.epoch == 2
 
 
+def test_a_shallow_copy_that_registers_a_name_leaves_the_original_whole():
+    import copy
+
+    state = TrainState(sampler=ElasticSampler(range(10)), epoch=0)
+    clone = copy.copy(state)
+    clone.register("best", 0.5)
+    clone.register("other", ElasticSampler(range(4)))
+    assert state.names == ("sampler", "epoch") and clone.names == ("sampler", "other", "epoch", "best")
+    assert state.commit() == 1 and clone.commit() == 1
+
+
 def test_a_registered_name_cannot_be_deleted():
     state = TrainState(sampler=ElasticSampler(range(10)), epoch=0)
     for name in ("sampler", "epoch"):
