@@ -15,9 +15,9 @@ from state import (ElasticSampler, LinearLRScaling, RNGState, SeededDataset, Sqr
                    StateError, TrainState, seed_everything)
 
 __all__ = [
-    "AdvertiseAddressError", "CheckpointError", "CheckpointStore", "ElasticError", "ElasticInterrupt", "ElasticSampler",
-    "ElasticState", "EtcdUnavailableError", "FencedError", "LeaveInterrupt", "LinearLRScaling",
-    "MembershipChangedInterrupt", "PeerFailureError", "RNGState", "RendezvousClosedError",
-    "RendezvousTimeoutError", "SeededDataset", "SqrtLRScaling", "StateError", "TrainState",
-    "seed_everything",
+    "AdvertiseAddressError", "CheckpointError", "CheckpointStore", "ElasticError",
+    "ElasticInterrupt", "ElasticSampler", "ElasticState", "EtcdUnavailableError", "FencedError",
+    "LeaveInterrupt", "LinearLRScaling", "MembershipChangedInterrupt", "PeerFailureError",
+    "RNGState", "RendezvousClosedError", "RendezvousTimeoutError", "SeededDataset",
+    "SqrtLRScaling", "StateError", "TrainState", "seed_everything",
 ]

@@ -110,7 +110,8 @@ class TrainState:
                                  f"call register({name!r}, value) first.")
 
     def __delattr__(self, name: str) -> None:
-        if name in self.__dict__.get("_value_names", ()) or name in self.__dict__.get("_stateful", ()):
+        registry = self.__dict__
+        if name in registry.get("_value_names", ()) or name in registry.get("_stateful", ()):
             raise AttributeError(f"{name!r} is registered and cannot be deleted; assign a new "
                                  f"value instead (plain values) or load new state into it.")
         object.__delattr__(self, name)

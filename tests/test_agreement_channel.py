@@ -60,8 +60,8 @@ def _close(channels: list[AgreementChannel]) -> None:
 def test_every_rank_learns_the_maximum_of_every_flag_in_each_agreement():
     channels = _connected(4)
     try:
-        flags = [[(False, False)] * 4, [(False, False), (False, False), (True, False), (False, False)],
-                 [(False, False), (False, False), (False, False), (True, True)]]
+        quiet = (False, False)
+        flags = [[quiet] * 4, [quiet, quiet, (True, False), quiet], [quiet] * 3 + [(True, True)]]
 
         def agree(rank: int, mine: list[tuple[bool, bool]]) -> tuple[bool, bool]:
             channels[rank].start(*mine[rank])
