@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from checkpoint import CheckpointStore  # noqa: E402
+from elastic.checkpoint import CheckpointStore  # noqa: E402
 
 
 def make_state(total_mb: int) -> dict[str, Any]:

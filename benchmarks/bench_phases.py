@@ -37,7 +37,8 @@ PHASES = ("plain", "state", "state-all-reduce", "state-no-agreement")
 def drive(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(HERE.parent))
     from bench_recovery import env_for
-    from elastic.embedded_etcd import EmbeddedEtcd, free_port
+    from elastic.cluster.ports import free_port
+    from elastic.launch.embedded_etcd import EmbeddedEtcd
 
     etcd = EmbeddedEtcd().start()
     try:
@@ -59,7 +60,7 @@ def work(args: argparse.Namespace) -> None:
     from torch.utils.data.distributed import DistributedSampler
 
     import workload
-    from state import ElasticSampler, TrainState
+    from elastic.state import ElasticSampler, TrainState
     from torchrun_trainstate_worker import agreement_channel, register_membership
     from torchrun_worker import init_group
 

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 import workload
 from elastic import ElasticSampler, ElasticState
-from state import TrainState
+from elastic.state import TrainState
 
 
 def main() -> None:

@@ -18,11 +18,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from elastic.embedded_etcd import EmbeddedEtcd  # noqa: E402
-from tests.equivalence_scenario import (ARGS, ELASTIC_FAULTS, HOLD, SCRIPT,  # noqa: E402
+from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
+from tests.support.equivalence_scenario import (ARGS, ELASTIC_FAULTS, HOLD, SCRIPT,  # noqa: E402
                                         finish_reference, max_difference, run_elastic,
                                         start_reference)
-from tests.harness import Job  # noqa: E402
+from tests.support.harness import Job  # noqa: E402
 
 EXTRA = ["--dropout", "0.2", "--loader-workers", "2"]
 

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 import workload
-from state import ElasticSampler, TrainState
+from elastic.state import ElasticSampler, TrainState
 from torchrun_worker import init_group
 
 
@@ -67,7 +67,7 @@ def agreement_channel():
     """ElasticState's agreement transport, connected over torchrun's store (after init_group)."""
     from datetime import timedelta
 
-    from elastic.agreement_channel import AgreementChannel
+    from elastic.cluster.agreement_channel import AgreementChannel
 
     channel = AgreementChannel(dist.get_rank(), dist.get_world_size(), timedelta(minutes=5))
     channel.connect(dist.distributed_c10d._get_default_store(), "127.0.0.1", 0,
@@ -79,9 +79,9 @@ def register_membership(url: str) -> None:
     """Starts what an ElasticState worker runs beside training: client, keepalive, watch."""
     from datetime import timedelta
 
-    from elastic.etcd_client import EtcdClient
-    from elastic.keys import JobKeys
-    from elastic.membership import EtcdMembership
+    from elastic.cluster.etcd_client import EtcdClient
+    from elastic.cluster.keys import JobKeys
+    from elastic.cluster.membership import EtcdMembership
 
     membership = EtcdMembership(EtcdClient(url), JobKeys("threads-cost"), "127.0.0.1",
                                 timedelta(seconds=3))

@@ -8,8 +8,8 @@ Example:
     >>> loaded = store.load()   # newest checkpoint that verifies
 """
 
-from checkpoint.compat import check_compatible
-from checkpoint.errors import (
+from elastic.checkpoint.compat import check_compatible
+from elastic.checkpoint.errors import (
     CheckpointBackendError,
     CheckpointCorruptError,
     CheckpointError,
@@ -19,9 +19,9 @@ from checkpoint.errors import (
     CheckpointUnsafeError,
     CheckpointWriteError,
 )
-from checkpoint.listing import CheckpointRef
-from checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest
-from checkpoint.store import CheckpointStore, LoadedCheckpoint
+from elastic.checkpoint.listing import CheckpointRef
+from elastic.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest
+from elastic.checkpoint.store import CheckpointStore, LoadedCheckpoint
 
 __all__ = [
     "FORMAT_VERSION",

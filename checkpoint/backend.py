@@ -27,7 +27,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from checkpoint.errors import CheckpointBackendError
+from elastic.checkpoint.errors import CheckpointBackendError
 
 logger = logging.getLogger(__name__)
 

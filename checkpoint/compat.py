@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from checkpoint.errors import CheckpointIncompatibleError
+from elastic.checkpoint.errors import CheckpointIncompatibleError
 
 
 def _leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpoint.backend import Storage
-from checkpoint.errors import CheckpointCorruptError, CheckpointIncompatibleError
-from checkpoint.manifest import MANIFEST_NAME, Manifest, step_dir_name
+from elastic.checkpoint.backend import Storage
+from elastic.checkpoint.errors import CheckpointCorruptError, CheckpointIncompatibleError
+from elastic.checkpoint.manifest import MANIFEST_NAME, Manifest, step_dir_name
 
 _STEP_DIR = re.compile(r"^\d{12}$")
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpoint.errors import CheckpointCorruptError, CheckpointIncompatibleError
+from elastic.checkpoint.errors import CheckpointCorruptError, CheckpointIncompatibleError
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"

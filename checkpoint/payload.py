@@ -18,13 +18,13 @@ from typing import IO, Any
 
 import torch
 
-from checkpoint.backend import Storage, io_retry
-from checkpoint.errors import (
+from elastic.checkpoint.backend import Storage, io_retry
+from elastic.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointIncompatibleError,
     CheckpointUnsafeError,
 )
-from checkpoint.manifest import FileEntry
+from elastic.checkpoint.manifest import FileEntry
 
 PAYLOAD_NAME = "state.pt"
 _CHUNK = 8 << 20  # bytes handed to the filesystem per write call

@@ -17,17 +17,17 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from checkpoint.backend import Storage, resolve_filesystem
-from checkpoint.errors import (
+from elastic.checkpoint.backend import Storage, resolve_filesystem
+from elastic.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFencedError,
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
-from checkpoint.listing import CheckpointRef, Scan, scan_checkpoints
-from checkpoint.manifest import MANIFEST_NAME, Manifest, checked_metadata, step_dir_name
-from checkpoint.payload import PAYLOAD_NAME, HostStaging, read_payload, to_host, write_payload
+from elastic.checkpoint.listing import CheckpointRef, Scan, scan_checkpoints
+from elastic.checkpoint.manifest import MANIFEST_NAME, Manifest, checked_metadata, step_dir_name
+from elastic.checkpoint.payload import PAYLOAD_NAME, HostStaging, read_payload, to_host, write_payload
 
 logger = logging.getLogger(__name__)
 #: Storage failures that a write translates into CheckpointWriteError.

@@ -2,6 +2,6 @@
 
 import sys
 
-from elastic.cli import main
+from elastic.launch.cli import main
 
 sys.exit(main())

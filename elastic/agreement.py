@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from elastic.cluster import Cluster
+from elastic.cluster.cluster import Cluster
 from elastic.errors import LeaveInterrupt, MembershipChangedInterrupt, PeerFailureError
 
 __all__ = ["MembershipAgreement"]

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from checkpoint import (CheckpointError, CheckpointNotFoundError, CheckpointRef, CheckpointStore,
+from elastic.checkpoint import (CheckpointError, CheckpointNotFoundError, CheckpointRef, CheckpointStore,
                         check_compatible)
 from elastic.events import EventLog
 

@@ -21,11 +21,11 @@ import time
 import uuid
 from pathlib import Path
 
-from elastic.embedded_etcd import EmbeddedEtcd
-from elastic.etcd_client import EtcdClient
-from elastic.keys import JobKeys
-from elastic.report import build_timeline, load_events, plot
-from elastic.status import collect
+from elastic.launch.embedded_etcd import EmbeddedEtcd
+from elastic.cluster.etcd_client import EtcdClient
+from elastic.cluster.keys import JobKeys
+from elastic.launch.report import build_timeline, load_events, plot
+from elastic.launch.status import collect
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = [str(HERE / "digits_elastic.py"), "--epochs", "20", "--step-ms", "60"]

@@ -3,13 +3,13 @@
 Knows torch and torch.distributed collectives; never imports ``elastic`` or ``checkpoint``.
 """
 
-from state.errors import NoCommitError, StateError, StateKeyError, SyncError
-from state.global_batch import Share, sample_seed
-from state.lr_scaling import LinearLRScaling, SqrtLRScaling
-from state.rng import RNGState, SeededDataset, seed_everything
-from state.sampler import ElasticSampler
-from state.stateful import Stateful, is_stateful, snapshot
-from state.train_state import TrainState
+from elastic.state.errors import NoCommitError, StateError, StateKeyError, SyncError
+from elastic.state.global_batch import Share, sample_seed
+from elastic.state.lr_scaling import LinearLRScaling, SqrtLRScaling
+from elastic.state.rng import RNGState, SeededDataset, seed_everything
+from elastic.state.sampler import ElasticSampler
+from elastic.state.stateful import Stateful, is_stateful, snapshot
+from elastic.state.train_state import TrainState
 
 __all__ = [
     "ElasticSampler",

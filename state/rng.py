@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from state.errors import StateError, StateKeyError
-from state.global_batch import sample_seed
+from elastic.state.errors import StateError, StateKeyError
+from elastic.state.global_batch import sample_seed
 
 __all__ = ["RNGState", "SeededDataset", "seed_everything"]
 

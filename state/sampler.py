@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from state.errors import StateError, StateKeyError
-from state.global_batch import Share, share_of
+from elastic.state.errors import StateError, StateKeyError
+from elastic.state.global_batch import Share, share_of
 
 __all__ = ["ElasticSampler", "split_counts"]
 

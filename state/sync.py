@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from state.errors import SyncError
-from state.stateful import rebuild_mapping, rebuild_sequence
+from elastic.state.errors import SyncError
+from elastic.state.stateful import rebuild_mapping, rebuild_sequence
 
 __all__ = ["TensorSlot", "BUCKET_BYTES", "split_tensors", "fill_tensors", "plan_buckets",
            "broadcast_payload"]

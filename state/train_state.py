@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from state.errors import NoCommitError, StateError, StateKeyError
-from state.stateful import is_stateful, snapshot
-from state.sync import broadcast_payload
+from elastic.state.errors import NoCommitError, StateError, StateKeyError
+from elastic.state.stateful import is_stateful, snapshot
+from elastic.state.sync import broadcast_payload
 
 __all__ = ["TrainState"]
 

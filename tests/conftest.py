@@ -1,4 +1,5 @@
-"""Shared fixtures: a real etcd on 127.0.0.1 and worker jobs that always clean up."""
+"""Shared fixtures: a real etcd on 127.0.0.1, worker jobs that always clean up, an S3 server
+and a fault-injecting filesystem."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from elastic.embedded_etcd import EmbeddedEtcd
-from tests.harness import Job
+from elastic.launch.embedded_etcd import EmbeddedEtcd
+from tests.support.faulty_fs import faulty_fs  # noqa: F401 (a fixture)
+from tests.support.harness import Job
+from tests.support.s3_server import s3_server, s3_url  # noqa: F401 (fixtures)
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -15,7 +15,7 @@ import fsspec
 import pytest
 import torch
 
-from checkpoint import (
+from elastic.checkpoint import (
     CheckpointError,
     CheckpointFencedError,
     CheckpointNotFoundError,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import (
+from elastic.checkpoint import (
     CheckpointBackendError,
     CheckpointError,
     CheckpointIncompatibleError,

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from tests.workers.sync_points import wait_for_peers
 from elastic import ElasticSampler, ElasticState
-from state import LinearLRScaling, RNGState, SeededDataset, seed_everything
+from elastic.state import LinearLRScaling, RNGState, SeededDataset, seed_everything
 
 HIDDEN = 16
 

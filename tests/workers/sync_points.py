@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tests.polling import poll_until
+from tests.support.polling import poll_until
 
 
 def wait_for_peers(out: Path, index: int, timeout_s: float = 120.0) -> None:

@@ -1,0 +1,148 @@
+"""One worker's membership in a job: an etcd lease kept alive by a thread, and a job watch.
+
+Owns the member key (bound to the lease), the keepalive thread, and a watch on the job prefix
+that fans events out to listeners. A member whose lease is gone is *fenced*: ``fenced`` is set,
+listeners hear of it, and this identity is never used again (a new ``EtcdMembership`` registers
+as a new member). No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+
+from elastic.errors import EtcdUnavailableError, FencedError
+from elastic.cluster.etcd_client import EtcdClient, WatchEvent
+from elastic.cluster.keys import JobKeys
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[list[WatchEvent]], None]
+
+
+def new_member_id() -> str:
+    """A member id unique across hosts, processes and re-registrations."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class EtcdMembership:
+    """Registers this process as a member of a job and keeps it registered.
+
+    Args:
+        client: the etcd client.
+        keys: the job's key builder.
+        advertise_addr: the address peers use to reach this worker.
+        lease_ttl: the lease TTL; a frozen or cut-off member is dropped this long after its
+            last keepalive.
+    """
+
+    def __init__(self, client: EtcdClient, keys: JobKeys, advertise_addr: str,
+                 lease_ttl: timedelta) -> None:
+        if lease_ttl < timedelta(seconds=1):
+            raise ValueError(f"lease_ttl ({lease_ttl}) must be at least 1 second.")
+        self._client = client
+        self.keys = keys
+        self.member_id = new_member_id()
+        self.advertise_addr = advertise_addr
+        self.lease_ttl = lease_ttl
+        self.lease = 0
+        self.fenced = threading.Event()
+        self._stop = threading.Event()
+        self._listeners: list[Listener] = []
+        self._fence_listeners: list[Callable[[], None]] = []
+        self._keepalive: threading.Thread | None = None
+        self._cancel_watch: Callable[[], None] | None = None
+
+    def add_listener(self, listener: Listener) -> None:
+        """Calls ``listener`` with every change under the job prefix (on the etcd thread)."""
+        self._listeners.append(listener)
+
+    def on_fenced(self, callback: Callable[[], None]) -> None:
+        """Calls ``callback`` once if this member's lease is lost."""
+        self._fence_listeners.append(callback)
+
+    def register(self) -> int:
+        """Grants the lease, writes the member key and starts keepalive and watch.
+
+        Returns:
+            The etcd revision of the registration; the watch starts right after it.
+        """
+        self.lease = self._client.grant(self.lease_ttl)
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "addr": self.advertise_addr,
+                "lease": self.lease, "since": time.time()}
+        revision = self._client.put(self.keys.member(self.member_id), json.dumps(info),
+                                    lease=self.lease)
+        self._cancel_watch = self._client.watch_prefix(self.keys.prefix, revision + 1,
+                                                       self._dispatch)
+        self._keepalive = threading.Thread(target=self._keep_alive, name="elastic-keepalive",
+                                           daemon=True)
+        self._keepalive.start()
+        return revision
+
+    def _dispatch(self, events: list[WatchEvent]) -> None:
+        for listener in self._listeners:
+            listener(events)
+        if not self.fenced.is_set() and any(
+                e.kind == "delete" and e.key == self.keys.member(self.member_id) for e in events):
+            if not self._stop.is_set():
+                self._fence("its member key was deleted")
+
+    def _keep_alive(self) -> None:
+        ttl_s = self.lease_ttl.total_seconds()
+        interval_s = max(0.2, ttl_s / 4)
+        last_ok = time.monotonic()
+        while not self._stop.wait(interval_s):
+            try:
+                remaining = self._client.refresh(self.lease)
+            except EtcdUnavailableError as exc:
+                if time.monotonic() - last_ok > ttl_s:
+                    self._fence(f"etcd unreachable for longer than the lease TTL ({exc})")
+                    return
+                continue
+            if self._stop.is_set():
+                return  # our own leave() revoked it
+            if remaining <= 0:
+                self._fence("its lease expired (the process was frozen or cut off)")
+                return
+            last_ok = time.monotonic()
+
+    def _fence(self, why: str) -> None:
+        if self.fenced.is_set():
+            return
+        log.warning("member %s is fenced: %s", self.member_id, why)
+        self.fenced.set()
+        for callback in self._fence_listeners:
+            callback()
+
+    def check_not_fenced(self) -> None:
+        """Raises:
+            FencedError: the lease is gone; this identity must not act any more.
+        """
+        if self.fenced.is_set():
+            raise FencedError(
+                f"member {self.member_id} lost its lease; it re-registers as a new member.")
+
+    def leave(self) -> None:
+        """Stops keepalive and watch and revokes the lease (deleting every key bound to it)."""
+        self._stop.set()
+        if self._cancel_watch is not None:
+            self._cancel_watch()
+            self._cancel_watch = None
+        if self._keepalive is not None:
+            self._keepalive.join(timeout=self._client_timeout_s())
+        if self.lease and not self.fenced.is_set():
+            try:
+                self._client.revoke(self.lease)
+            except EtcdUnavailableError as exc:
+                log.warning("could not revoke lease of %s (%s); it expires in %s",
+                            self.member_id, exc, self.lease_ttl)
+
+    def _client_timeout_s(self) -> float:
+        return self.lease_ttl.total_seconds() + 5

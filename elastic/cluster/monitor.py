@@ -1,0 +1,106 @@
+"""Watches the job for changes that concern the formed round; never runs collectives.
+
+- ``pending`` is set when the world should change at the next commit: a newcomer asked to join,
+  or a member of the round left.
+- ``on_broken`` is called (at most once per round) when the round's group cannot go on: a member
+  of the round lost its key without finishing (died, frozen, cut off), or a survivor reported a
+  failure. The runner releases the group then, so that nobody waits for a collective timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from elastic.cluster.etcd_client import EtcdClient, WatchEvent
+from elastic.cluster.keys import JobKeys
+from elastic.cluster.plan import JoinRequest
+from elastic.cluster.rendezvous import Topology
+
+log = logging.getLogger(__name__)
+
+
+class ChangeMonitor:
+    """Tracks one formed round against the job's watch events.
+
+    Args:
+        keys: the job's key builder.
+        member_id: this member (its own events are not news).
+        on_broken: called with a reason when the round's group must be released.
+    """
+
+    def __init__(self, keys: JobKeys, member_id: str, on_broken: Callable[[str], None]) -> None:
+        self._keys = keys
+        self.member_id = member_id
+        self._on_broken = on_broken
+        self._lock = threading.Lock()
+        self.pending = threading.Event()
+        self.reason = ""
+        self._round: int | None = None
+        self._members: frozenset[str] = frozenset()
+        self._done: set[str] = set()
+        self._broken = False
+
+    def arm(self, topology: Topology, client: EtcdClient) -> None:
+        """Starts tracking a newly formed round; picks up joins that arrived while it formed."""
+        with self._lock:
+            self._round = topology.round
+            self._members = frozenset(topology.members)
+            self._done = set()
+            self._broken = False
+            self.pending.clear()
+            self.reason = ""
+        joins, _ = client.get_prefix(self._keys.joins(topology.round + 1))
+        self.on_events([WatchEvent("put", kv.key, kv.value, kv.mod_revision) for kv in joins])
+
+    def disarm(self) -> None:
+        """Stops tracking (during a re-formation nothing may release the group being formed)."""
+        with self._lock:
+            self._round = None
+
+    def on_events(self, events: list[WatchEvent]) -> None:
+        """Listener for the membership watch (runs on the etcd thread)."""
+        broken = None
+        with self._lock:
+            if self._round is None:
+                return
+            for event in events:
+                broken = self._consider(event) or broken
+            if broken and not self._broken:
+                self._broken = True
+            else:
+                broken = None
+        if broken:
+            self._on_broken(broken)
+
+    def _consider(self, event: WatchEvent) -> str | None:
+        assert self._round is not None
+        n = self._keys.round_of(event.key)
+        if n is not None and event.kind == "put":
+            if event.key.startswith(self._keys.dones(self._round)):
+                self._done.add(event.key.rsplit("/", 1)[1])
+            elif n > self._round and event.key.startswith(self._keys.joins(n)):
+                return self._on_join(JoinRequest.from_json(event.value, event.revision))
+            return None
+        if event.kind == "delete" and event.key.startswith(self._keys.members):
+            member = event.key[len(self._keys.members):]
+            if member in self._members and member != self.member_id \
+                    and member not in self._done:
+                self._flag(f"member {member} left the round")
+                return f"member {member} of round {self._round} is gone"
+        return None
+
+    def _on_join(self, request: JoinRequest) -> str | None:
+        if request.member_id == self.member_id or request.reason == "spare":
+            return None
+        self._flag(f"member {request.member_id} asks to join ({request.reason})")
+        if request.reason == "failure":
+            return f"member {request.member_id} reported a failure of round {self._round}"
+        return None
+
+    def _flag(self, reason: str) -> None:
+        if not self.pending.is_set():
+            self.reason = reason
+            log.info("membership change pending: %s", reason)
+        self.pending.set()

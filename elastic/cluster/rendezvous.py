@@ -1,0 +1,222 @@
+"""Rounds agreed on etcd: join requests, a settle window, and one plan per round by CAS.
+
+A member asks to be in round ``R + 1`` (R = the newest planned round) with its newest commit
+version. Any waiting member may close the round once ``plan.should_close`` says so; the close is
+a compare-and-swap that creates ``rounds/{n}/plan`` and moves ``round`` to ``n`` in one
+transaction, so exactly one plan exists per round. Waiting wakes on watch events, and on the
+settle deadline, never on a polling sleep.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+from elastic.errors import LeaveInterrupt, RendezvousClosedError, RendezvousTimeoutError
+from elastic.cluster.etcd_client import EtcdClient, WatchEvent
+from elastic.cluster.keys import JobKeys
+from elastic.cluster.membership import EtcdMembership
+from elastic.cluster.plan import CloseRule, JoinRequest, Plan, assign_ranks, should_close
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RendezvousConfig:
+    """Limits of a job's rounds."""
+
+    min_workers: int = 1
+    max_workers: int | None = None
+    settle: timedelta = timedelta(milliseconds=500)
+    timeout: timedelta = timedelta(minutes=5)
+    admit_timeout: timedelta = timedelta(minutes=30)
+
+    def __post_init__(self) -> None:
+        if self.min_workers < 1:
+            raise ValueError(f"min_workers ({self.min_workers}) must be >= 1.")
+        if self.max_workers is not None and self.max_workers < self.min_workers:
+            raise ValueError(f"max_workers ({self.max_workers}) must be >= min_workers "
+                             f"({self.min_workers}).")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This member's place in a formed round."""
+
+    round: int
+    rank: int
+    world_size: int
+    members: tuple[str, ...]
+    master_addr: str
+    master_port: int
+    store_prefix: str
+    versions: dict[str, int]
+
+
+class Rendezvous:
+    """Joins rounds of one job.
+
+    Args:
+        client: the etcd client.
+        membership: this member's registration (its watch wakes the waiting).
+        config: the job's limits.
+    """
+
+    def __init__(self, client: EtcdClient, membership: EtcdMembership,
+                 config: RendezvousConfig) -> None:
+        self._client = client
+        self._membership = membership
+        self._keys: JobKeys = membership.keys
+        self.config = config
+        self._rule = CloseRule(config.min_workers, config.max_workers,
+                               config.settle.total_seconds())
+        self._changed = threading.Condition()
+        self._epoch = 0
+        membership.add_listener(self._on_events)
+
+    def _on_events(self, events: list[WatchEvent]) -> None:
+        with self._changed:
+            self._epoch += 1
+            self._changed.notify_all()
+
+    def latest_round(self) -> int:
+        """The number of the newest planned round (0: none yet)."""
+        kv = self._client.get(self._keys.round)
+        return int(kv.value) if kv else 0
+
+    def read_plan(self, n: int) -> Plan | None:
+        kv = self._client.get(self._keys.plan(n)) if n > 0 else None
+        return Plan.from_json(kv.value) if kv else None
+
+    def join(self, reason: str, version: int, port: int,
+             cancelled: Callable[[], bool] = lambda: False) -> Topology | None:
+        """Asks to be in the next round and waits until it forms.
+
+        Returns:
+            This member's topology, or None when it was left out as a spare (call again).
+
+        Raises:
+            RendezvousTimeoutError: fewer than min_workers for longer than the timeout, or
+                never admitted by the running members.
+            FencedError: this member's lease was lost while waiting.
+            LeaveInterrupt: ``cancelled()`` turned true (SIGTERM) while waiting.
+        """
+        started = time.monotonic()
+        while True:
+            self._membership.check_not_fenced()
+            n = self.latest_round() + 1
+            request = JoinRequest(self._membership.member_id, version, reason,
+                                  self._membership.advertise_addr, port)
+            self._client.put(self._keys.join(n, self._membership.member_id), request.to_json(),
+                             lease=self._membership.lease)
+            plan = self._wait_for_plan(n, started, cancelled)
+            if self._membership.member_id in plan.ranks:
+                return self._topology(plan)
+            if self._membership.member_id in plan.spares:
+                return None
+            log.info("round %d closed without %s; asking for the next", n,
+                     self._membership.member_id)
+
+    def _wait_for_plan(self, n: int, started: float, cancelled: Callable[[], bool]) -> Plan:
+        previous = self.read_plan(n - 1)
+        seen: tuple[frozenset[str], frozenset[str]] | None = None
+        last_change = time.monotonic()
+        short_since: float | None = None
+        while True:
+            with self._changed:
+                epoch = self._epoch
+            self._membership.check_not_fenced()
+            if cancelled():
+                raise LeaveInterrupt(f"asked to leave while waiting for round {n}")
+            plan = self.read_plan(n)
+            if plan is not None:
+                return plan
+            if self._has_done(n - 1):
+                raise RendezvousClosedError(f"The job finished in round {n - 1}; nothing to join.")
+            requests, live = self._read_round(n)
+            now = time.monotonic()
+            state = (frozenset(r.member_id for r in requests), frozenset(live))
+            if state != seen:
+                seen, last_change = state, now
+            short_since = self._check_limits(requests, n, started, short_since, now)
+            if should_close(requests, live, previous is not None, now - last_change, self._rule):
+                self._close(n, requests, previous)
+                continue
+            wake_in = max(0.01, self._rule.settle_s - (now - last_change)) + 0.01
+            with self._changed:
+                if self._epoch == epoch:
+                    self._changed.wait(timeout=min(wake_in, 1.0))
+
+    def _has_done(self, n: int) -> bool:
+        if n < 1:
+            return False
+        kvs, _ = self._client.get_prefix(self._keys.dones(n))
+        return bool(kvs)
+
+    def _read_round(self, n: int) -> tuple[list[JoinRequest], set[str]]:
+        joins, _ = self._client.get_prefix(self._keys.joins(n))
+        members, _ = self._client.get_prefix(self._keys.members)
+        requests = [JoinRequest.from_json(kv.value, kv.create_revision) for kv in joins]
+        live = {kv.key[len(self._keys.members):] for kv in members}
+        return requests, live
+
+    def _check_limits(self, requests: list[JoinRequest], n: int, started: float,
+                      short_since: float | None, now: float) -> float | None:
+        if len(requests) >= self.config.min_workers:
+            short_since = None
+        elif short_since is None:
+            short_since = now
+        timeout_s = self.config.timeout.total_seconds()
+        if short_since is not None and now - short_since > timeout_s:
+            raise RendezvousTimeoutError(
+                f"Round {n}: only {len(requests)} of min_workers={self.config.min_workers} "
+                f"worker(s) joined within {timeout_s:.0f} s. Start more workers, or lower "
+                "--min-workers / ELASTIC_MIN_WORKERS.")
+        if now - started > self.config.admit_timeout.total_seconds():
+            raise RendezvousTimeoutError(
+                f"Round {n} did not form within {self.config.admit_timeout}: the running members "
+                "admit new workers only at state.commit() or state.check_membership().")
+        return short_since
+
+    def _close(self, n: int, requests: list[JoinRequest], previous: Plan | None) -> None:
+        plan = assign_ranks(requests, previous.ranks if previous else [], n,
+                            self.config.max_workers)
+        if self._client.create(self._keys.plan(n), plan.to_json(),
+                               also={self._keys.round: str(n)}):
+            log.info("round %d formed by %s: world %d", n, self._membership.member_id,
+                     plan.world_size)
+            if n > 2:
+                self._client.delete_prefix(self._keys.round_prefix(n - 2))
+
+    def _topology(self, plan: Plan) -> Topology:
+        me = self._membership.member_id
+        return Topology(round=plan.round, rank=plan.ranks.index(me), world_size=plan.world_size,
+                        members=tuple(plan.ranks), master_addr=plan.master_addr,
+                        master_port=plan.master_port,
+                        store_prefix=self._keys.store(plan.round), versions=dict(plan.versions))
+
+    def finish(self, topology: Topology, timeout: timedelta) -> None:
+        """Records that this member returned from the training function, then waits until every
+        member of the round has either returned too or gone (so that no finisher breaks a peer
+        still in its last collective).
+        """
+        n = topology.round
+        self._client.put(self._keys.done(n, self._membership.member_id), b"1")
+        deadline = time.monotonic() + timeout.total_seconds()
+        while time.monotonic() < deadline:
+            with self._changed:
+                epoch = self._epoch
+            dones, _ = self._client.get_prefix(self._keys.dones(n))
+            finished = {kv.key[len(self._keys.dones(n)):] for kv in dones}
+            _, live = self._read_round(n + 1)
+            waiting = [m for m in topology.members if m not in finished and m in live]
+            if not waiting:
+                return
+            with self._changed:
+                if self._epoch == epoch:
+                    self._changed.wait(timeout=1.0)
+        log.warning("members %s did not finish within %s", waiting, timeout)

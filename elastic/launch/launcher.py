@@ -1,0 +1,276 @@
+"""The per-node launcher of ``elastic run``: starts ``-n`` workers and looks after them.
+
+Elastic mode (the default, for ElasticState workers): every worker is one member of the job. A
+worker that dies abnormally has its etcd lease revoked at once (so that the survivors do not
+wait for the lease TTL) and is restarted, up to ``max_restarts``, as a new member; a worker that
+exits 0 is done. Plain mode (``--plain``) is in ``elastic.launch.plain``. SIGINT/SIGTERM make every
+local worker leave at its next commit; stragglers are killed after a grace period. The launcher
+registers itself under the job's launcher keys, so that ``elastic status`` and later launchers
+see it. It reads no environment variables: ``elastic.launch.cli`` hands it everything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from elastic.errors import EtcdUnavailableError
+from elastic.cluster.etcd_client import EtcdClient
+from elastic.launch.job_config import JobConfig, claim
+from elastic.cluster.keys import JobKeys
+from elastic.cluster.membership import EtcdMembership
+from elastic.signals import relay_signals
+from elastic.launch.worker_procs import WorkerProcs, describe_exit
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything one launcher needs.
+
+    Attributes:
+        command: the worker command line.
+        target: the script file name or "-m module" (part of the job's configuration).
+        etcd: comma-separated etcd client URLs.
+        job_id: the job's id.
+        nproc: workers on this node.
+        min_workers: fewest workers to train with.
+        max_workers: most workers to train with.
+        max_restarts: restarts of crashed workers (plain: of generations) before giving up.
+        checkpoint: durable checkpoint URL.
+        backend: "auto", "nccl" or "gloo".
+        advertise_addr: the address peers reach this node's workers on.
+        log_dir: where workers write their events.
+        lease_ttl_s: the workers' (and this launcher's) lease TTL.
+        grace_s: how long workers get to leave after SIGTERM.
+        plain: torchrun-compatible mode.
+        env: the environment workers start from (the CLI's, plus the ELASTIC_* variables).
+    """
+
+    command: tuple[str, ...]
+    target: str
+    etcd: str
+    job_id: str
+    nproc: int = 1
+    min_workers: int = 1
+    max_workers: int | None = None
+    max_restarts: int = 3
+    checkpoint: str | None = None
+    backend: str = "auto"
+    advertise_addr: str = "127.0.0.1"
+    log_dir: str | None = None
+    lease_ttl_s: float = 3.0
+    grace_s: float = 30.0
+    plain: bool = False
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ValueError(f"--nproc-per-node ({self.nproc}) must be at least 1.")
+        if self.min_workers < 1:
+            raise ValueError(f"--min-workers ({self.min_workers}) must be at least 1.")
+        if self.max_workers is not None and self.max_workers < self.min_workers:
+            raise ValueError(f"--max-workers ({self.max_workers}) must be >= --min-workers "
+                             f"({self.min_workers}).")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts ({self.max_restarts}) must be >= 0.")
+        if self.lease_ttl_s < 1:
+            raise ValueError(f"--lease-ttl ({self.lease_ttl_s}) must be at least 1 second.")
+
+    def job_config(self) -> JobConfig:
+        return JobConfig(mode="plain" if self.plain else "elastic", target=self.target,
+                         min_workers=self.min_workers, max_workers=self.max_workers,
+                         checkpoint=self.checkpoint, backend=self.backend,
+                         nproc=self.nproc if self.plain else None)
+
+    def worker_env(self, local_rank: int) -> dict[str, str]:
+        """The ELASTIC_* variables (and LOCAL_RANK) of one worker."""
+        env = {
+            "ELASTIC_ETCD": self.etcd, "ELASTIC_JOB_ID": self.job_id,
+            "ELASTIC_MIN_WORKERS": str(self.min_workers),
+            "ELASTIC_MAX_WORKERS": "" if self.max_workers is None else str(self.max_workers),
+            "ELASTIC_CHECKPOINT": self.checkpoint or "", "ELASTIC_BACKEND": self.backend,
+            "ELASTIC_ADVERTISE_ADDR": self.advertise_addr, "ELASTIC_LOG_DIR": self.log_dir or "",
+            "ELASTIC_LEASE_TTL": str(self.lease_ttl_s), "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(self.nproc),
+        }
+        if self.advertise_addr == "127.0.0.1" and "GLOO_SOCKET_IFNAME" not in self.env:
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+        if self.caps_threads:
+            env["OMP_NUM_THREADS"] = "1"
+        return env
+
+    @property
+    def caps_threads(self) -> bool:
+        """Whether workers get ``OMP_NUM_THREADS=1``: several workers share this node and the
+        user did not choose a thread count (each would otherwise start one intra-op thread per
+        core and they would fight over the cores; torchrun does the same)."""
+        return self.nproc > 1 and "OMP_NUM_THREADS" not in self.env
+
+
+class StopSignal:
+    """SIGINT/SIGTERM handling of the launcher: the first asks for a graceful stop, a second
+    one for an immediate kill. ``wake`` is set on either, so that waits end at once."""
+
+    def __init__(self, wake: threading.Event,
+                 message: str = "asking the workers to leave (again to kill them now)") -> None:
+        self.wake = wake
+        self.message = message
+        self.requested = threading.Event()
+        self.forced = threading.Event()
+
+    def install(self) -> Callable[[], None]:
+        """Installs the handlers (main thread only); returns a function that restores them.
+
+        The handlers run on a relay thread (``elastic.signals``): setting ``wake`` inside a
+        real signal handler deadlocks when the main thread is in the middle of waiting on it.
+        """
+        return relay_signals((signal.SIGINT, signal.SIGTERM), self._on_signal, "elastic-signals")
+
+    def _on_signal(self, signum: signal.Signals) -> None:
+        if self.requested.is_set():
+            self.forced.set()
+        self.requested.set()
+        self.wake.set()
+        try:
+            print(f"elastic: signal {signum.name}: {self.message}", file=sys.stderr, flush=True)
+        except OSError:
+            pass  # stderr is gone (a closed terminal or pipe); the stop goes ahead regardless
+
+
+def revoke_worker_lease(client: EtcdClient, keys: JobKeys, pid: int) -> list[str]:
+    """Revokes the lease of every member this host's process ``pid`` registered.
+
+    Returns:
+        The member ids whose lease was revoked (empty: the process never registered).
+    """
+    kvs, _ = client.get_prefix(keys.members)
+    host, revoked = socket.gethostname(), []
+    for kv in kvs:
+        try:
+            info = json.loads(kv.value)
+        except ValueError:
+            continue
+        if info.get("host") == host and info.get("pid") == pid and info.get("lease"):
+            client.revoke(int(info["lease"]))
+            revoked.append(kv.key[len(keys.members):])
+    return revoked
+
+
+class Launcher:
+    """Runs one node's share of a job.
+
+    Args:
+        spec: what to launch.
+    """
+
+    def __init__(self, spec: LaunchSpec) -> None:
+        self.spec = spec
+        self.keys = JobKeys(spec.job_id)
+        self.procs = WorkerProcs(spec.command, spec.env)
+        self.stop = StopSignal(self.procs.changed)
+        self.client: EtcdClient | None = None
+        self.membership: EtcdMembership | None = None
+
+    def connect(self, retry_for: timedelta = timedelta(seconds=5)) -> bool:
+        """Connects to etcd, claims or checks the job's configuration and registers.
+
+        Returns:
+            True when this launcher started the job.
+
+        Raises:
+            EtcdUnavailableError: etcd did not answer within ``retry_for``.
+            JobConfigError: the job runs with another configuration.
+        """
+        self.client = EtcdClient(self.spec.etcd, retry_for=retry_for)
+        first = claim(self.client, self.keys, self.spec.job_config())
+        self.membership = EtcdMembership(self.client, self.keys.launchers(),
+                                         self.spec.advertise_addr,
+                                         timedelta(seconds=self.spec.lease_ttl_s))
+        self.membership.register()
+        return first
+
+    def run(self) -> int:
+        """Starts the workers and looks after them until they are all done.
+
+        Returns:
+            The job's exit status on this node: 0 when every worker finished or left cleanly.
+        """
+        assert self.client is not None and self.membership is not None, "connect() first"
+        restore = self.stop.install()
+        if self.spec.caps_threads:
+            _say(f"OMP_NUM_THREADS=1 for each of the {self.spec.nproc} workers (set "
+                 "OMP_NUM_THREADS to choose another thread count)")
+        try:
+            if self.spec.plain:
+                from elastic.launch.plain import PlainGenerations  # noqa: PLC0415 (torch import)
+                return PlainGenerations(self).run()
+            return self._run_elastic()
+        finally:
+            restore()
+            self.procs.kill()
+
+    def close(self) -> None:
+        """Leaves the launcher membership and closes the etcd client."""
+        if self.membership is not None:
+            self.membership.leave()
+        if self.client is not None:
+            self.client.close()
+
+    def _run_elastic(self) -> int:
+        for local_rank in range(self.spec.nproc):
+            self.procs.start(local_rank, self.spec.worker_env(local_rank))
+        restarts, failed = 0, 0
+        while True:
+            self.procs.changed.wait(timeout=5.0)
+            self.procs.changed.clear()
+            if self.stop.requested.is_set():
+                return self._shutdown(failed)
+            for worker in self.procs.exited():
+                code = worker.returncode or 0
+                if code == 0:
+                    continue
+                self._revoke(worker.pid, code)
+                if restarts < self.spec.max_restarts:
+                    restarts += 1
+                    _say(f"restarting worker local_rank={worker.local_rank} "
+                         f"(restart {restarts} of {self.spec.max_restarts})")
+                    self.procs.start(worker.local_rank, self.spec.worker_env(worker.local_rank))
+                else:
+                    failed += 1
+            if not self.procs.running():
+                return 1 if failed else 0
+
+    def _revoke(self, pid: int, code: int) -> None:
+        assert self.client is not None
+        try:
+            revoked = revoke_worker_lease(self.client, self.keys, pid)
+        except EtcdUnavailableError as exc:
+            _say(f"worker pid={pid} {describe_exit(code)}; could not revoke its lease ({exc})")
+            return
+        if revoked:
+            _say(f"worker pid={pid} {describe_exit(code)}; revoked the lease of {revoked[0]}")
+        else:
+            _say(f"worker pid={pid} {describe_exit(code)} before it joined the job. If it is a "
+                 "plain torch.distributed script (no ElasticState), run it with "
+                 "`elastic run --plain`.")
+
+    def _shutdown(self, failed: int) -> int:
+        grace = 0.0 if self.stop.forced.is_set() else self.spec.grace_s
+        self.procs.terminate(grace, cut=self.stop.forced)
+        for worker in self.procs.exited():
+            if worker.returncode:
+                failed += 1
+        return 1 if failed else 0
+
+
+def _say(message: str) -> None:
+    print(f"elastic: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,186 @@
+"""torchrun-compatible generations for plain DDP scripts (``elastic run --plain``).
+
+The launchers of a job agree on generations with the same rendezvous as the workers, under the
+job's launcher keys: one member per launcher, ``nproc`` workers each. A generation gives every
+launcher a base rank; the launcher of rank 0 hosts the generation's TCPStore, bound to its
+advertise address only (never every interface), and the workers connect to it as clients
+(``TORCHELASTIC_USE_AGENT_STORE=True``), so ``init_process_group(init_method="env://")`` works
+unchanged. When a worker anywhere fails, or a launcher joins or dies, every launcher stops its
+workers and a new generation forms; failures count against ``--max-restarts``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import threading
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from elastic.errors import LeaveInterrupt, RendezvousClosedError
+from elastic.cluster.etcd_client import WatchEvent
+from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
+
+if TYPE_CHECKING:
+    from elastic.launch.launcher import Launcher
+
+log = logging.getLogger(__name__)
+
+_RESTART_GRACE_S = 3.0  # plain workers of a broken generation have nothing to save
+
+
+class PlainGenerations:
+    """Runs a launcher's workers through torchrun-style generations.
+
+    Args:
+        launcher: the connected launcher (its etcd client, membership, workers and signals).
+    """
+
+    def __init__(self, launcher: "Launcher") -> None:
+        self.launcher = launcher
+        self.spec = launcher.spec
+        assert launcher.client is not None and launcher.membership is not None
+        self.membership = launcher.membership
+        self.keys = self.membership.keys
+        nproc = self.spec.nproc
+        config = RendezvousConfig(
+            min_workers=math.ceil(self.spec.min_workers / nproc),
+            max_workers=None if self.spec.max_workers is None
+            else max(1, self.spec.max_workers // nproc),
+            settle=timedelta(seconds=1))
+        self.rendezvous = Rendezvous(launcher.client, self.membership, config)
+        self.news = threading.Event()
+        self._lock = threading.Lock()
+        self._armed: Topology | None = None
+        self.membership.add_listener(self._on_events)
+
+    def run(self) -> int:
+        """Forms generations until the workers finish, fail too often, or are stopped.
+
+        Returns:
+            0 when every worker of the last generation exited 0, else 1.
+        """
+        reason, failures = "start", 0
+        while True:
+            try:
+                topology, listener = self._join(reason)
+            except RendezvousClosedError as exc:
+                print(f"elastic: {exc}", flush=True)
+                return 0
+            except LeaveInterrupt:
+                print("elastic: stopped while the next generation was forming", flush=True)
+                return 1
+            if topology is None:
+                reason = "spare"
+                continue
+            outcome = self._generation(topology, listener, failures)
+            if outcome == "done":
+                self.rendezvous.finish(topology, timeout=timedelta(minutes=5))
+                return 0
+            if outcome == "stopped":
+                return 1
+            if outcome == "failed":
+                failures += 1
+                if failures > self.spec.max_restarts:
+                    print(f"elastic: a worker failed and --max-restarts "
+                          f"({self.spec.max_restarts}) is used up; giving up.", flush=True)
+                    return 1
+                print(f"elastic: a worker failed; restarting every worker (restart {failures} "
+                      f"of {self.spec.max_restarts})", flush=True)
+            reason = "failure" if outcome == "failed" else "change"
+
+    def _join(self, reason: str) -> tuple[Topology | None, socket.socket]:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind((self.spec.advertise_addr, 0))
+        listener.listen(128)
+        topology = None
+        try:
+            topology = self.rendezvous.join(reason, 0, listener.getsockname()[1],
+                                            cancelled=self.launcher.stop.requested.is_set)
+        finally:
+            if topology is None:
+                listener.close()
+        return topology, listener
+
+    def _generation(self, topology: Topology, listener: socket.socket, failures: int) -> str:
+        store = None
+        if topology.rank == 0:
+            # The store takes over the socket (it closes the fd): bound to one address only.
+            store = dist.TCPStore(topology.master_addr, topology.master_port, None, True,
+                                  wait_for_workers=False, master_listen_fd=listener.detach())
+        else:
+            listener.close()
+        procs = self.launcher.procs
+        with self._lock:
+            self._armed = topology
+            self.news.clear()
+        try:
+            for local_rank in range(self.spec.nproc):
+                procs.start(local_rank, self._env(topology, local_rank, failures))
+            print(f"elastic: generation {topology.round}: world size "
+                  f"{topology.world_size * self.spec.nproc}, ranks from "
+                  f"{topology.rank * self.spec.nproc}", flush=True)
+            return self._watch()
+        finally:
+            with self._lock:
+                self._armed = None
+            stopping = self.launcher.stop
+            procs.terminate(0.0 if stopping.forced.is_set() else
+                            self.spec.grace_s if stopping.requested.is_set() else _RESTART_GRACE_S,
+                            cut=stopping.forced)
+            procs.exited()
+            procs.forget_exited()
+            del store
+
+    def _watch(self) -> str:
+        procs = self.launcher.procs
+        while True:
+            procs.changed.wait(timeout=5.0)
+            procs.changed.clear()
+            if self.launcher.stop.requested.is_set():
+                return "stopped"
+            exited = procs.exited()
+            if any(w.returncode for w in exited):
+                return "failed"
+            if self.news.is_set():
+                return "changed"
+            if not procs.running():
+                return "done"
+
+    def _env(self, topology: Topology, local_rank: int, failures: int) -> dict[str, str]:
+        nproc = self.spec.nproc
+        env = self.spec.worker_env(local_rank)
+        env.update({
+            "RANK": str(topology.rank * nproc + local_rank),
+            "WORLD_SIZE": str(topology.world_size * nproc),
+            "GROUP_RANK": str(topology.rank), "GROUP_WORLD_SIZE": str(topology.world_size),
+            "ROLE_RANK": str(topology.rank * nproc + local_rank),
+            "ROLE_WORLD_SIZE": str(topology.world_size * nproc),
+            "MASTER_ADDR": topology.master_addr, "MASTER_PORT": str(topology.master_port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": str(failures),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.spec.max_restarts),
+            "TORCHELASTIC_RUN_ID": self.spec.job_id,
+        })
+        return env
+
+    def _on_events(self, events: list[WatchEvent]) -> None:
+        """A join request for the next generation, or a launcher of this one gone: restart."""
+        with self._lock:
+            armed = self._armed
+        if armed is None:
+            return
+        me = self.membership.member_id
+        for event in events:
+            joining = (event.key.startswith(self.keys.joins(armed.round + 1))
+                       and not event.key.endswith(me))
+            member = event.key[len(self.keys.members):] \
+                if event.key.startswith(self.keys.members) else None
+            gone = event.kind == "delete" and member in armed.members and member != me
+            if joining or gone:
+                log.info("generation %d changes: %s %s", armed.round, event.kind, event.key)
+                self.news.set()
+                self.launcher.procs.changed.set()

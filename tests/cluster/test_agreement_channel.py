@@ -1,0 +1,184 @@
+"""The agreement channel over real loopback sockets: ranks are threads of this process, the
+round's store is torch's in-memory ``HashStore``. A worker that dies is a rank whose sockets
+close (what the kernel does for a killed process); a frozen one is a rank that stops talking."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from elastic.cluster.agreement_channel import AgreementChannel
+from elastic.errors import AdvertiseAddressError, PeerFailureError
+from tests.support.polling import poll_until
+
+pytestmark = pytest.mark.timeout(60)
+
+_ADDR = "127.0.0.1"
+_LONG = timedelta(seconds=30)
+
+
+def _in_threads(world_size: int, fn: Callable[[int], Any], timeout_s: float = 20) -> list[Any]:
+    """Runs ``fn(rank)`` for every rank in its own thread; returns results or raised errors."""
+    results: list[Any] = [None] * world_size
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except Exception as exc:  # noqa: BLE001 (handed back to the test)
+            results[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+        assert not thread.is_alive(), "a rank is still blocked"
+    return results
+
+
+def _connected(world_size: int, round_: int = 7) -> list[AgreementChannel]:
+    store = dist.HashStore()
+    channels = [AgreementChannel(r, world_size, _LONG) for r in range(world_size)]
+    errors = _in_threads(world_size, lambda r: channels[r].connect(store, _ADDR, round_, _LONG))
+    assert errors == [None] * world_size
+    return channels
+
+
+def _close(channels: list[AgreementChannel]) -> None:
+    for channel in channels:
+        channel.close()
+
+
+def test_every_rank_learns_the_maximum_of_every_flag_in_each_agreement():
+    channels = _connected(4)
+    try:
+        quiet = (False, False)
+        flags = [[quiet] * 4, [quiet, quiet, (True, False), quiet], [quiet] * 3 + [(True, True)]]
+
+        def agree(rank: int, mine: list[tuple[bool, bool]]) -> tuple[bool, bool]:
+            channels[rank].start(*mine[rank])
+            return channels[rank].finish()
+
+        for mine, expected in zip(flags, [(False, False), (True, False), (True, True)]):
+            assert _in_threads(4, lambda r, mine=mine: agree(r, mine)) == [expected] * 4
+    finally:
+        _close(channels)
+
+
+def test_a_world_of_one_agrees_with_itself_without_any_socket():
+    channel = AgreementChannel(0, 1, _LONG)
+    channel.connect(dist.HashStore(), _ADDR, 1, _LONG)
+    channel.start(True, False)
+    assert channel.finish() == (True, False)
+
+
+def test_a_dead_peer_fails_the_agreement_on_every_rank_at_once():
+    channels = _connected(3)
+    try:
+        channels[2].close()  # rank 2's process is gone: the kernel closes its sockets
+        started = time.monotonic()
+
+        def agree(rank: int) -> tuple[bool, bool]:
+            channels[rank].start(False, False)
+            return channels[rank].finish()
+
+        results = _in_threads(2, agree)
+        assert all(isinstance(r, PeerFailureError) for r in results), results
+        assert time.monotonic() - started < 5
+    finally:
+        _close(channels)
+
+
+def test_releasing_frees_a_rank_blocked_on_a_frozen_peer_and_names_the_reason():
+    channels = _connected(2, round_=8)  # rank 1 is frozen: it never hands its flags over
+    try:
+        # The membership watch's part: the frozen member's lease ran out. Whether it lands
+        # before or during the wait, the wait ends with the reason.
+        watch = threading.Timer(0.2, channels[0].release, ("member m1 of round 8 is gone",))
+        watch.start()
+        channels[0].start(False, False)
+        started = time.monotonic()
+        with pytest.raises(PeerFailureError, match="member m1 of round 8 is gone"):
+            channels[0].finish()
+        assert time.monotonic() - started < 5
+        watch.join(5)
+    finally:
+        _close(channels)
+
+
+def test_a_connection_from_another_round_is_turned_away():
+    store = dist.HashStore()
+    channels = [AgreementChannel(r, 2, _LONG) for r in range(2)]
+    stale = AgreementChannel(1, 2, _LONG)
+
+    def connect(rank: int) -> None:
+        if rank == 0:
+            channels[0].connect(store, _ADDR, 5, _LONG)
+        elif rank == 1:
+            stale.connect(store, _ADDR, 4, timedelta(seconds=5))  # a worker of round 4
+            channels[1].connect(store, _ADDR, 5, _LONG)
+
+    try:
+        assert _in_threads(2, connect) == [None, None]
+        agreed = _in_threads(2, lambda r: (channels[r].start(r == 1, False),
+                                           channels[r].finish())[1])
+        assert agreed == [(True, False)] * 2
+    finally:
+        _close(channels + [stale])
+
+
+def test_forming_fails_with_a_peer_failure_when_a_rank_never_connects():
+    channel = AgreementChannel(0, 3, _LONG)
+    started = time.monotonic()
+    with pytest.raises(PeerFailureError, match="could not be formed"):
+        channel.connect(dist.HashStore(), _ADDR, 3, timedelta(seconds=0.5))
+    assert time.monotonic() - started < 5
+    channel.close()
+
+
+def test_a_channel_released_before_it_connects_refuses_to_form():
+    channel = AgreementChannel(0, 2, _LONG)
+    channel.release("the round broke while the group formed")
+    with pytest.raises(PeerFailureError, match="the round broke"):
+        channel.connect(dist.HashStore(), _ADDR, 3, _LONG)
+    channel.close()
+
+
+def test_releasing_frees_rank_zero_while_it_awaits_a_silent_connections_hello():
+    store = dist.HashStore()
+    channel = AgreementChannel(0, 2, _LONG)
+    silent: list[socket.socket] = []
+
+    def connect_silently() -> None:  # a peer frozen between its connect and its hello
+        store.wait(["elastic/agreement"], timedelta(seconds=10))
+        address = json.loads(store.get("elastic/agreement"))
+        silent.append(socket.create_connection((address["host"], address["port"]), timeout=10))
+        # Nothing signals "rank 0 reads this connection's hello" from inside connect(): look.
+        assert poll_until(lambda: channel._vetting is not None, 5)  # noqa: SLF001
+        channel.release("member m1 of round 9 is gone")
+
+    helper = threading.Thread(target=connect_silently, daemon=True)
+    helper.start()
+    started = time.monotonic()
+    with pytest.raises(PeerFailureError, match="member m1 of round 9 is gone"):
+        channel.connect(store, _ADDR, 9, timedelta(seconds=30))
+    assert time.monotonic() - started < 5, "the release did not reach the connection being vetted"
+    helper.join(5)
+    for sock in silent:
+        sock.close()
+    channel.close()
+
+
+def test_an_advertised_address_that_is_not_this_machines_is_a_clear_configuration_error():
+    channel = AgreementChannel(0, 2, _LONG)
+    with pytest.raises(AdvertiseAddressError, match="--advertise-addr"):
+        channel.connect(dist.HashStore(), "192.0.2.1", 3, timedelta(seconds=5))  # TEST-NET-1
+    channel.close()

@@ -1,0 +1,250 @@
+"""The etcd layer against a real server: client, leases and fencing, watches, the torch store."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from elastic.errors import EtcdUnavailableError
+from elastic.cluster.etcd_client import EtcdClient, WatchEvent
+from elastic.cluster.etcd_store import EtcdStore
+from elastic.launch.job_config import JobConfig, claim
+from elastic.cluster.keys import JobKeys
+from elastic.cluster.membership import EtcdMembership
+
+
+@pytest.fixture
+def client(etcd):
+    c = EtcdClient(etcd.url)
+    yield c
+    c.close()
+
+
+def test_create_is_a_compare_and_swap_that_only_one_caller_wins(client):
+    assert client.create("/t/cas/plan", "first", also={"/t/cas/round": "1"})
+    assert not client.create("/t/cas/plan", "second", also={"/t/cas/round": "2"})
+    assert client.get("/t/cas/plan").value == b"first"
+    assert client.get("/t/cas/round").value == b"1"
+
+
+def test_a_revoked_lease_deletes_its_keys_and_the_watch_sees_it(client):
+    _, revision = client.get_prefix("/t/lease/")
+    seen: list[WatchEvent] = []
+    deleted = threading.Event()
+
+    def on_events(events: list[WatchEvent]) -> None:
+        seen.extend(events)
+        if any(e.kind == "delete" for e in events):
+            deleted.set()
+
+    cancel = client.watch_prefix("/t/lease/", revision + 1, on_events)
+    try:
+        lease = client.grant(timedelta(seconds=5))
+        client.put("/t/lease/k", "v", lease=lease)
+        client.revoke(lease)
+        assert deleted.wait(timeout=10)
+        assert [e.kind for e in seen] == ["put", "delete"]
+        assert client.refresh(lease) <= 0
+    finally:
+        cancel()
+
+
+def test_a_member_whose_lease_expires_is_fenced(client):
+    membership = EtcdMembership(client, JobKeys("fence-test"), "127.0.0.1", timedelta(seconds=1))
+    fenced = threading.Event()
+    membership.on_fenced(fenced.set)
+    membership.register()
+    try:
+        # Revoking from outside is what a frozen member finds when it wakes: the lease is gone.
+        client.revoke(membership.lease)
+        assert fenced.wait(timeout=10)
+        assert membership.fenced.is_set()
+    finally:
+        membership.leave()
+
+
+def test_a_graceful_leave_deletes_the_member_key_at_once(client):
+    keys = JobKeys("leave-test")
+    membership = EtcdMembership(client, keys, "127.0.0.1", timedelta(seconds=30))
+    membership.register()
+    assert client.get(keys.member(membership.member_id)) is not None
+    membership.leave()
+    assert client.get(keys.member(membership.member_id)) is None
+    assert not membership.fenced.is_set()
+
+
+def test_a_watch_resumes_after_etcd_restarts_without_losing_events(private_etcd):
+    client = EtcdClient(private_etcd.url, retry_for=timedelta(seconds=30))
+    try:
+        _, revision = client.get_prefix("/t/restart/")
+        got: list[str] = []
+        arrived = threading.Condition()
+
+        def on_events(events: list[WatchEvent]) -> None:
+            with arrived:
+                got.extend(e.key for e in events)
+                arrived.notify_all()
+
+        cancel = client.watch_prefix("/t/restart/", revision + 1, on_events)
+        client.put("/t/restart/before", "1")
+        private_etcd.restart()
+        client.put("/t/restart/after", "2")
+        with arrived:
+            assert arrived.wait_for(lambda: len(got) >= 2, timeout=30), got
+        assert got == ["/t/restart/before", "/t/restart/after"]
+        cancel()
+    finally:
+        client.close()
+
+
+def test_an_unreachable_etcd_raises_after_the_retry_deadline_naming_the_url():
+    from elastic.cluster.ports import free_port
+    url = f"http://127.0.0.1:{free_port()}"
+    client = EtcdClient(url, retry_for=timedelta(seconds=2))
+    started = time.monotonic()
+    try:
+        with pytest.raises(EtcdUnavailableError, match=url.replace(".", r"\.")):
+            client.put("/x", "y")
+        assert time.monotonic() - started < 15
+    finally:
+        client.close()
+
+
+def test_the_etcd_store_serves_torch_store_operations(client):
+    store = EtcdStore(client, "/t/store/", timedelta(seconds=5))
+    try:
+        store.set("a", b"1")
+        assert store.get("a") == b"1"
+        assert store.add("n", 2) == 2 and store.add("n", 3) == 5
+        assert store.compare_set("c", b"", b"x") == b"x"
+        assert store.compare_set("c", b"wrong", b"y") == b"x"
+        assert store.check(["a", "n"]) and not store.check(["missing"])
+        with pytest.raises(RuntimeError, match="missing"):
+            store.wait(["missing"], timedelta(milliseconds=200))
+        writer = EtcdClient(client.urls)
+        late_writer = threading.Timer(0.2, writer.put, args=("/t/store/late", b"v"))
+        late_writer.start()
+        assert store.get("late") == b"v"  # blocks on the watch until another writer puts it
+        late_writer.join(timeout=30)  # the watch can see the put before put() returns
+        writer.close()
+    finally:
+        store.close()
+
+
+def test_etcd_urls_without_a_port_are_rejected_with_an_example():
+    with pytest.raises(ValueError, match="host and a port"):
+        EtcdClient("http://127.0.0.1")
+
+
+_FORKING_LOADER = """
+import sys
+from elastic.cluster.etcd_client import EtcdClient
+from torch.utils.data import DataLoader
+client = EtcdClient(sys.argv[1])
+client.put("fork-check", "x")
+assert sum(len(b) for b in DataLoader(list(range(64)), batch_size=8, num_workers=2)) == 64
+client.close()
+print("loaded")
+"""
+
+
+def test_dataloader_workers_forking_beside_the_client_make_grpc_log_nothing(etcd, tmp_path):
+    script = tmp_path / "forking_loader.py"
+    script.write_text(_FORKING_LOADER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRPC_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, str(script), etcd.url], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "loaded" in done.stdout
+    assert "skipping fork() handlers" not in done.stderr, done.stderr
+
+
+def test_replace_clearing_prefixes_writes_and_clears_in_one_guarded_transaction(client):
+    prefixes = ("/t/clr/job/", "/t/clr/job.launchers/")
+    for key, value in {"/t/clr/job/config": "old", "/t/clr/job/rounds/1": "done",
+                       "/t/clr/job.launchers/a": "l", "/t/clr/jobx/keep": "k"}.items():
+        client.put(key, value)
+    old = client.get("/t/clr/job/config")
+    assert client.replace("/t/clr/job/config", "new", old.mod_revision, clearing=prefixes)
+    assert client.get("/t/clr/job/config").value == b"new"
+    assert client.get("/t/clr/job/rounds/1") is None and client.get("/t/clr/job.launchers/a") is None
+    assert client.get("/t/clr/jobx/keep").value == b"k"
+    client.put("/t/clr/job/rounds/2", "fresh")
+    # A caller that read the old revision neither clears nor writes.
+    assert not client.replace("/t/clr/job/config", "other", old.mod_revision, clearing=prefixes)
+    assert client.get("/t/clr/job/rounds/2").value == b"fresh"
+    assert client.get("/t/clr/job/config").value == b"new"
+
+
+class _LetsAnotherLauncherInAfterItsFirstRead:
+    """An EtcdClient whose first ``get`` is followed by another launcher's whole claim."""
+
+    def __init__(self, client: EtcdClient, other) -> None:
+        self._client, self._other = client, other
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def get(self, key):
+        value = self._client.get(key)
+        if self._other is not None:
+            other, self._other = self._other, None
+            other()
+        return value
+
+
+def test_of_two_launchers_starting_a_dead_job_together_only_one_starts_it(client):
+    keys = JobKeys(f"together-{os.getpid()}")
+    client.put(keys.config, "{}")  # a previous run's leftovers, nobody alive
+    client.put(keys.rounds + "1/done", "1")
+    config = JobConfig(mode="elastic", target="train.py", min_workers=1, max_workers=None,
+                       checkpoint=None, backend="auto")
+    started_first = []
+    second = _LetsAnotherLauncherInAfterItsFirstRead(
+        client, lambda: started_first.append(claim(client, keys, config)))
+    assert claim(second, keys, config) is False
+    assert started_first == [True]
+    assert JobConfig.from_json(client.get(keys.config).value) == config
+    assert client.get(keys.rounds + "1/done") is None
+
+
+def _server_threads(server) -> tuple[set[int], str]:
+    """The nice values of the server's threads, and its GOMAXPROCS."""
+    pid = server.process.pid
+    nices = {os.getpriority(os.PRIO_PROCESS, int(t.name))
+             for t in Path(f"/proc/{pid}/task").iterdir()}
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    go = [v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"GOMAXPROCS=")]
+    return nices, go[0] if go else ""
+
+
+@pytest.mark.skipif("GOMAXPROCS" in os.environ, reason="a GOMAXPROCS set by the user wins")
+def test_the_embedded_etcd_runs_every_thread_below_training_on_one_go_thread():
+    from elastic.launch.embedded_etcd import EmbeddedEtcd
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    with EmbeddedEtcd() as server:
+        nices, go_max_procs = _server_threads(server)
+        client = EtcdClient(server.url)
+        try:
+            assert client.put("/still/serves", "yes") > 0
+        finally:
+            client.close()
+    assert nices == {min(ours + 10, 19)} and go_max_procs == "1"
+    with EmbeddedEtcd(niceness=0, go_max_procs=None) as server:
+        assert _server_threads(server) == ({ours}, "")
+
+
+def test_embedded_etcd_options_out_of_range_are_refused_with_the_range():
+    from elastic.launch.embedded_etcd import EmbeddedEtcd
+    with pytest.raises(ValueError, match=r"niceness \(20\) must be within 0\.\.19"):
+        EmbeddedEtcd(niceness=20)
+    with pytest.raises(ValueError, match=r"go_max_procs \(0\) must be >= 1"):
+        EmbeddedEtcd(go_max_procs=0)

@@ -1,0 +1,114 @@
+"""Bad input gets one clear line that says what to do, a non-zero exit, and no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+
+import pytest
+
+from elastic.launch.cli import main
+from elastic.cluster.ports import free_port
+from elastic.cluster.etcd_client import EtcdClient
+from elastic.launch.job_config import JobConfig, claim
+from elastic.cluster.keys import JobKeys
+from elastic.cluster.membership import EtcdMembership
+from tests.support.cli import WORKERS
+
+pytestmark = pytest.mark.timeout(60)
+WORKER = str(WORKERS / "elastic_worker.py")
+
+
+def one_clear_line(text: str, *needles: str) -> None:
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line, got:\n{text}"
+    assert "Traceback" not in text
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["run", "--bogus", WORKER], ["unrecognized arguments: --bogus", "--help"]),
+    (["run", "missing_script.py"], ["'missing_script.py' not found"]),
+    (["run", "-n", "0", WORKER], ["--nproc-per-node (0) must be at least 1"]),
+    (["run", "--min-workers", "3", "--max-workers", "2", WORKER],
+     ["--max-workers (2) must be >= --min-workers (3)"]),
+    (["run", "--etcd", "nonsense", WORKER], ["needs a host and a port"]),
+    (["run"], ["no script given"]),
+    (["frobnicate"], ["unknown command 'frobnicate'"]),
+    (["status", "--job-id", "x"], ["--etcd"]),
+])
+def test_bad_command_lines_get_one_line_and_exit_two(capsys, args, needles):
+    # In process (argument checks start nothing); the subprocess path is tested below.
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    one_clear_line(captured.out + captured.err, *needles)
+
+
+def test_the_console_entry_point_rejects_an_unknown_flag_in_one_line(cli):
+    run = cli("run", "--bogus", WORKER)
+    assert run.wait(30) == 2
+    one_clear_line(run.text(), "unrecognized arguments: --bogus")
+
+
+def test_an_unreachable_etcd_fails_after_bounded_retries_naming_the_url(cli):
+    url = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    run = cli("run", "--etcd", url, WORKER)
+    assert run.wait(45) == 1
+    assert time.monotonic() - started < 40
+    one_clear_line(run.text(), url, "Check that etcd runs")
+
+
+def test_a_job_running_with_another_configuration_is_refused(cli, etcd):
+    job = f"conflict-{os.getpid()}"
+    keys = JobKeys(job)
+    client = EtcdClient(etcd.url)
+    launcher = EtcdMembership(client, keys.launchers(), "127.0.0.1", timedelta(seconds=10))
+    try:
+        claim(client, keys, JobConfig(mode="elastic", target="elastic_worker.py", min_workers=1,
+                                      max_workers=None, checkpoint=None, backend="auto"))
+        launcher.register()  # a live launcher of the job
+        run = cli("run", "--etcd", etcd.url, "--job-id", job, "--min-workers", "2", WORKER)
+        assert run.wait(30) == 1
+        one_clear_line(run.text(), "already running with another configuration",
+                       "min_workers: 1 (running) != 2 (yours)", "--job-id")
+    finally:
+        launcher.leave()
+        client.close()
+
+
+def test_report_writes_a_png_and_prints_the_recoveries(cli, tmp_path):
+    log_dir = tmp_path / "events"
+    log_dir.mkdir()
+    t = 1_700_000_000.0
+    rows = [(0.0, "joined", {}), (0.1, "joined", {}), (0.2, "joined", {}),
+            (0.5, "resumed", {"round": 1, "world_size": 3, "reason": "start", "version": 1}),
+            (5.0, "failure_detected", {"round": 1}), (5.1, "failure_detected", {"round": 1}),
+            (5.4, "resumed", {"round": 2, "world_size": 2, "reason": "failure", "version": 9}),
+            (8.9, "membership_changed", {"round": 2, "rank": 0, "version": 20}),
+            (9.0, "resumed", {"round": 3, "world_size": 3, "reason": "change", "version": 20}),
+            (9.5, "checkpoint_written", {"version": 24, "url": "file:///ck/000000000024",
+                                         "blocked_s": 0.004, "write_s": 0.25}),
+            (9.9, "checkpoint_failed", {"version": 28, "error": "storage gone"})]
+    rows += [(0.5 + i * 0.25, "progress", {"step": i * 2}) for i in range(40)]
+    with open(log_dir / "events-w.jsonl", "w") as out:
+        for dt, event, fields in rows:
+            out.write(json.dumps({"t": t + dt, "event": event, "worker": "w", **fields}) + "\n")
+    png = tmp_path / "timeline.png"
+    run = cli("report", str(log_dir), "--out", str(png))
+    assert run.wait(60) == 0, run.text()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "0.40 s (failure detected -> resumed in world 2)" in run.text()
+    assert "world changes agreed at a commit: 1" in run.text()
+    assert "failures: 1 (detected 2 times by the workers)" in run.text()
+    assert "written          24        0.004      0.250  file:///ck/000000000024" in run.text()
+    assert "failed           28" in run.text() and "storage gone" in run.text()
+
+
+def test_report_on_a_directory_without_events_says_what_to_pass(cli, tmp_path):
+    run = cli("report", str(tmp_path / "nothing"))
+    assert run.wait(30) == 1
+    one_clear_line(run.text(), "--log-dir")

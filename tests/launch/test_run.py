@@ -1,0 +1,173 @@
+"""`elastic run` end to end: embedded etcd, joining launchers, SIGTERM, crashes, plain DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from elastic.cluster.etcd_client import EtcdClient
+from elastic.cluster.keys import JobKeys
+from tests.support.cli import WORKERS, events, is_alive, wait_until, worker_pids
+
+pytestmark = pytest.mark.timeout(120)
+WORKER = str(WORKERS / "elastic_worker.py")
+
+
+def resumed_worlds(log_dir: Path) -> list[int]:
+    return [e["world_size"] for e in events(log_dir) if e["event"] == "resumed"]
+
+
+def etcd_processes_on(port: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "etcd" in cmdline and f"127.0.0.1:{port}" in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+def test_the_embedded_etcd_starts_prints_the_join_command_and_stops(cli, tmp_path):
+    run = cli("run", "-n", "1", "--log-dir", str(tmp_path / "events"), WORKER, "--steps", "10")
+    assert run.wait(90) == 0, run.text()
+    text = run.text()
+    match = re.search(r"elastic run --etcd (http://127\.0\.0\.1:(\d+)) --job-id (\S+) -n 1", text)
+    assert match, text
+    assert "elastic_worker.py --steps 10" in text
+    url, port = match.group(1), int(match.group(2))
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(f"{url}/health", timeout=2)
+    assert not etcd_processes_on(port), "the embedded etcd outlived the job"
+    assert "worker done at step 10" in text
+
+
+def test_a_second_launcher_joins_the_running_job_and_the_world_grows(cli, etcd, tmp_path):
+    log_dir, job = tmp_path / "events", f"join-{os.getpid()}"
+    common = ["run", "--etcd", etcd.url, "--job-id", job, "--log-dir", str(log_dir)]
+    first = cli(*common, "-n", "2", WORKER, "--steps", "100000", name="a")
+    wait_until(lambda: 2 in resumed_worlds(log_dir), 60, "world 2", [first])
+    status = cli("status", "--etcd", etcd.url, "--job-id", job, "--json", name="status")
+    assert status.wait(30) == 0
+    shown = json.loads(status.text())
+    assert len(shown["members"]) == 2 and shown["plan"]["world_size"] == 2
+    assert len(shown["launchers"]) == 1
+    second = cli(*common, "-n", "1", WORKER, "--steps", "100000", name="b")
+    wait_until(lambda: 3 in resumed_worlds(log_dir), 60, "world 3", [first, second])
+    for launcher in (first, second):
+        launcher.proc.send_signal(signal.SIGTERM)
+    assert first.wait(40) == 0 and second.wait(40) == 0
+    assert not [pid for pid in worker_pids(log_dir) if is_alive(pid)]
+
+
+def test_sigterm_to_the_launcher_ends_every_worker_gracefully(cli, etcd, tmp_path):
+    log_dir = tmp_path / "events"
+    run = cli("run", "--etcd", etcd.url, "--job-id", f"term-{os.getpid()}", "-n", "2",
+              "--log-dir", str(log_dir), WORKER, "--steps", "100000")
+    wait_until(lambda: 2 in resumed_worlds(log_dir), 60, "world 2", [run])
+    wait_until(lambda: any(e["event"] == "progress" and e["step"] >= 40 for e in events(log_dir)),
+               60, "rank 0 to report step 40", [run])
+    pids = worker_pids(log_dir)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(40) == 0, run.text()
+    assert not [pid for pid in pids if is_alive(pid)], "a worker outlived its launcher"
+    left = {e["pid"] for e in events(log_dir) if e["event"] == "left"}
+    assert left == pids, "not every worker left gracefully"
+    progress = [e for e in events(log_dir) if e["event"] == "progress"]
+    assert progress and {e["rank"] for e in progress} == {0}, "rank 0 reports progress"
+    steps = [e["step"] for e in sorted(progress, key=lambda e: e["t"])]
+    assert steps == sorted(steps) and steps[-1] > steps[0] and all(s % 5 == 0 for s in steps)
+    report = cli("report", str(log_dir), "--out", str(tmp_path / "t.png"), name="report")
+    assert report.wait(60) == 0, report.text()
+    assert f"progress: {steps[-1]} steps" in report.text()
+
+
+def test_a_crashed_worker_has_its_lease_revoked_at_once_and_is_restarted(cli, etcd, tmp_path):
+    log_dir, job = tmp_path / "events", f"crash-{os.getpid()}"
+    run = cli("run", "--etcd", etcd.url, "--job-id", job, "-n", "2", "--lease-ttl", "30",
+              "--max-restarts", "1", "--log-dir", str(log_dir), WORKER, "--steps", "100000")
+    wait_until(lambda: 2 in resumed_worlds(log_dir), 60, "world 2", [run])
+    original = worker_pids(log_dir)
+    victim = min(original)
+    client = EtcdClient(etcd.url)
+    try:
+        keys = JobKeys(job)
+        registered = lambda: any(json.loads(kv.value)["pid"] == victim  # noqa: E731
+                                 for kv in client.get_prefix(keys.members)[0])
+        assert registered()
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: not registered(), 5, "the victim's member key to go", [run])
+        assert time.monotonic() - killed_at < 5, "the lease was not revoked at once (TTL 30 s)"
+    finally:
+        client.close()
+    wait_until(lambda: any(e["event"] == "resumed" and e["pid"] not in original
+                           and e["world_size"] == 2 for e in events(log_dir)),
+               60, "the restarted worker to rejoin in world 2", [run])
+    assert "restarting worker" in run.text()
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(40) == 0, run.text()
+
+
+def test_a_plain_ddp_script_runs_unchanged_and_survives_a_crash_by_restart(cli, etcd, tmp_path):
+    run = cli("run", "--plain", "--etcd", etcd.url, "--job-id", f"plain-{os.getpid()}",
+              "-n", "2", "--max-restarts", "1", str(WORKERS / "plain_ddp.py"), str(tmp_path),
+              env={"CRASH_RANK": "1"})
+    assert run.wait(90) == 0, run.text()
+    results = [json.loads((tmp_path / f"plain-{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["world"] == 2 and r["restart"] == 1 for r in results)
+    assert results[0]["params"] == results[1]["params"]
+    assert results[0]["master"] == "127.0.0.1"
+    assert "restarting every worker" in run.text()
+
+
+def test_sigint_while_a_plain_generation_forms_stops_the_launcher_at_once(cli, etcd, tmp_path):
+    job = f"plain-wait-{os.getpid()}"
+    run = cli("run", "--plain", "--etcd", etcd.url, "--job-id", job, "-n", "1",
+              "--min-workers", "2", str(WORKERS / "plain_ddp.py"), str(tmp_path))
+    client = EtcdClient(etcd.url)
+    try:
+        rounds = JobKeys(job).launchers().rounds
+        wait_until(lambda: client.get_prefix(rounds)[0], 60,
+                   "the launcher to ask for a generation (it waits for a second one)", [run])
+    finally:
+        client.close()
+    asked = time.monotonic()
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait(30) == 1, run.text()
+    assert time.monotonic() - asked < 5, "the launcher waited for the generation to form"
+    assert "stopped while the next generation was forming" in run.text()
+    assert not list(tmp_path.glob("plain-*.json")), "no worker was started"
+
+
+def test_a_second_sigint_kills_workers_that_ignore_the_first_without_waiting_the_grace(
+        cli, etcd, tmp_path):
+    pid_file = tmp_path / "stuck.pid"
+    run = cli("run", "--etcd", etcd.url, "--job-id", f"stuck-{os.getpid()}", "-n", "1",
+              "--grace", "90", str(WORKERS / "ignores_sigterm.py"), str(pid_file))
+    wait_until(pid_file.exists, 60, "the worker to start", [run])
+    stuck = int(pid_file.read_text())
+    try:
+        run.proc.send_signal(signal.SIGINT)
+        wait_until(lambda: "signal SIGINT" in run.text(), 30, "the launcher to see SIGINT", [run])
+        assert is_alive(stuck), "the worker ignores SIGTERM, so it is still there"
+        asked_again = time.monotonic()
+        run.proc.send_signal(signal.SIGINT)
+        run.wait(30)
+        assert time.monotonic() - asked_again < 30, "the launcher waited out the grace period"
+        assert not is_alive(stuck), run.text()
+        assert "asked again" in run.text()
+    finally:
+        if is_alive(stuck):
+            os.kill(stuck, signal.SIGKILL)

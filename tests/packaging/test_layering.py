@@ -1,0 +1,57 @@
+"""The layering rule is enforced on the source, and the checker catches a planted import."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.support.layering import violations
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_no_module_imports_against_the_layering():
+    found = violations(REPO)
+    assert not found, "imports against the layering:\n" + "\n".join(map(str, found))
+
+
+@pytest.fixture
+def source_copy(tmp_path: Path) -> Path:
+    for folder in ("elastic", "state", "checkpoint"):
+        shutil.copytree(REPO / folder, tmp_path / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+@pytest.mark.parametrize(("module", "planted", "why"), [
+    ("checkpoint/store.py", "from elastic.state import TrainState", "checkpoint layer may not"),
+    ("state/sampler.py", "from elastic.cluster.keys import JobKeys", "state layer may not"),
+    ("state/sampler.py", "import elastic.launch.cli", "state layer may not"),
+    ("elastic/cluster/monitor.py", "from elastic.elastic_state import ElasticState",
+     "cluster layer may not import the run_loop"),
+    ("elastic/cluster/rendezvous.py", "from elastic import ElasticState",
+     "cluster layer may not import the launch"),
+    ("elastic/agreement.py", "from elastic.launch import launcher", "run_loop layer may not"),
+    ("elastic/errors.py", "from elastic.cluster.plan import Plan", "foundation layer may not"),
+    ("elastic/cluster/plan.py", "from state.sampler import ElasticSampler", "can be shadowed"),
+    ("elastic/durable.py", "    import checkpoint", "can be shadowed"),
+])
+def test_a_planted_forbidden_import_is_reported(source_copy, module, planted, why):
+    target = source_copy / module
+    if planted.startswith(" "):  # inside a function, where lazy imports live
+        planted = "def _late():\n" + planted + "\n"
+    target.write_text(target.read_text() + "\n" + planted + "\n")
+    found = violations(source_copy)
+    assert len(found) == 1, found
+    assert why in str(found[0]) and found[0].path == target
+
+
+def test_a_relative_import_is_resolved_before_it_is_judged(source_copy):
+    target = source_copy / "state" / "rng.py"
+    target.write_text(target.read_text() + "\nfrom ..cluster import plan\n")
+    found = violations(source_copy)
+    assert [v.imported for v in found] == ["elastic.cluster"]

@@ -1,0 +1,61 @@
+"""Signal handlers that take no lock: a signal that lands while the main thread holds the very
+lock the handling needs is still handled, and restoring leaves nothing behind."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+
+from elastic.launch.launcher import StopSignal
+from elastic.signals import relay_signals
+
+pytestmark = pytest.mark.timeout(20)  # a handler that deadlocks fails here instead of hanging
+
+
+def test_a_signal_that_lands_while_the_main_thread_is_inside_the_wake_event_is_handled():
+    wake = threading.Event()
+    stop = StopSignal(wake)
+    restore = stop.install()
+    try:
+        # The main thread holds the Event's condition lock, as it does for a moment inside
+        # wake.wait() or wake.clear(); a handler that set the Event itself would wait for it
+        # forever (the lock is not reentrant).
+        with wake._cond:  # noqa: SLF001 (the exact lock the old handler deadlocked on)
+            signal.raise_signal(signal.SIGTERM)
+        assert stop.requested.wait(5) and wake.wait(5)
+        assert not stop.forced.is_set()
+        with wake._cond:  # noqa: SLF001
+            signal.raise_signal(signal.SIGINT)
+        assert stop.forced.wait(5), "the second signal asks for the immediate kill"
+    finally:
+        restore()
+
+
+def test_restoring_puts_back_the_previous_handlers_and_ends_the_relay_thread():
+    before = signal.getsignal(signal.SIGTERM)
+    seen: list[signal.Signals] = []
+    restore = relay_signals((signal.SIGTERM,), seen.append, "relay-under-test")
+    relays = [t for t in threading.enumerate() if t.name == "relay-under-test"]
+    assert len(relays) == 1 and signal.getsignal(signal.SIGTERM) is not before
+    signal.raise_signal(signal.SIGTERM)
+    restore()
+    assert seen == [signal.SIGTERM], "a signal relayed before restore() is delivered"
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert not relays[0].is_alive()
+
+
+def test_off_the_main_thread_nothing_is_installed():
+    results: list[object] = []
+
+    def install() -> None:
+        restore = relay_signals((signal.SIGTERM,), lambda sig: None, "never")
+        results.append(signal.getsignal(signal.SIGTERM))
+        restore()
+
+    before = signal.getsignal(signal.SIGTERM)
+    thread = threading.Thread(target=install)
+    thread.start()
+    thread.join(5)
+    assert results == [before]

@@ -1,0 +1,93 @@
+"""TrainState.sync over a real 3-process gloo group (spawned processes, FileStore, loopback)."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastic.state import ElasticSampler, NoCommitError, TrainState
+from elastic.state.sync import broadcast_payload, plan_buckets, split_tensors
+from tests.support.gloo_group import run_in_group
+
+WORLD = 3
+SOURCE = 1
+
+
+def _build(rank: int) -> TrainState:
+    torch.manual_seed(100 + rank)  # every rank starts different
+    model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sampler = ElasticSampler(range(100), seed=rank, batch_size=4)
+    return TrainState(model=model, optimizer=opt, sampler=sampler, epoch=rank,
+                      mask=torch.tensor([True, False, bool(rank)]))
+
+
+def _fingerprint(state: TrainState) -> dict:
+    from elastic.state.stateful import snapshot
+    return snapshot({"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(),
+                     "sampler": state.sampler.state_dict(), "epoch": state.epoch,
+                     "mask": state.mask, "version": state.version})
+
+
+def _sync_on_every_rank(rank: int, world: int) -> tuple[dict, dict]:
+    assert world == WORLD
+    state = _build(rank)
+    with pytest.raises(NoCommitError):  # nobody has committed: every rank raises
+        state.sync(SOURCE)
+    if rank == SOURCE:  # only the source trains; the others keep empty Adam state
+        for _ in range(3):
+            state.optimizer.zero_grad()
+            state.model(torch.randn(8, 6)).sum().backward()
+            state.optimizer.step()
+            state.sampler.record_batch(4)
+        state.commit()
+        state.commit()
+    state.sync(SOURCE, timeout=datetime.timedelta(seconds=30))
+    mixed = {"f": torch.randn(40), "b": torch.rand(7) > 0.5, "h": torch.randn(3, 5).bfloat16(),
+             "i": torch.arange(50), "e": torch.empty(0, 3), "s": "text", "n": [1, (2, None)]}
+    got = broadcast_payload(mixed if rank == SOURCE else None, SOURCE, cap_bytes=64,
+                            timeout=datetime.timedelta(seconds=30))
+    fingerprint = _fingerprint(state)
+    dist.barrier()
+    return fingerprint, got
+
+
+def _assert_same(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}/{i}")
+    else:
+        assert a == b, where
+
+
+def test_bucket_plan_groups_by_dtype_and_respects_the_cap():
+    tensors: list[torch.Tensor] = []
+    split_tensors({"a": torch.zeros(10), "b": torch.zeros(3, dtype=torch.int64),
+                   "c": torch.zeros(30), "d": torch.zeros(2)}, tensors)
+    from elastic.state.sync import TensorSlot
+    slots = [TensorSlot(i, tuple(t.shape), t.dtype) for i, t in enumerate(tensors)]
+    buckets = plan_buckets(slots, cap_bytes=48)
+    assert [[s.index for s in b] for b in buckets] == [[0], [2], [3], [1]]
+    assert all(len({s.dtype for s in b}) == 1 for b in buckets)
+
+
+@pytest.mark.timeout(150)
+def test_sync_makes_a_receiver_with_empty_optimizer_state_equal_to_the_source(tmp_path):
+    got = run_in_group(_sync_on_every_rank, WORLD, tmp_path)
+    source, source_mixed = got[SOURCE]
+    assert source["version"] == 2 and source["optimizer"]["state"], "the source trained"
+    for rank in range(WORLD):
+        _assert_same(source, got[rank][0], f"rank {rank}")
+        _assert_same(source_mixed, got[rank][1], f"rank {rank} mixed")

@@ -1,0 +1,108 @@
+"""The layering rule of the project, read from the source: which module may import which.
+
+Every module of the installed ``elastic`` namespace belongs to one layer. Imports point down
+only; the shared vocabulary of the ``elastic`` package (errors, timeouts, settings, events,
+signals) may be imported by every layer of ``elastic`` but imports none of them. Imports of a
+bare ``state`` or ``checkpoint`` are always wrong: installed, those packages live under
+``elastic`` only, and a user's own ``state.py`` would answer such an import.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+# Source folder -> the package it installs as (pyproject.toml's package-dir).
+SOURCES = {"elastic": "elastic", "state": "elastic.state", "checkpoint": "elastic.checkpoint"}
+
+FOUNDATION = frozenset({"elastic.errors", "elastic.timeouts", "elastic.settings",
+                        "elastic.events", "elastic.signals"})
+
+# What each layer may import (besides itself, and the standard library and third parties).
+ALLOWED = {
+    "checkpoint": {"checkpoint"},
+    "state": {"state", "checkpoint"},
+    "foundation": {"foundation"},
+    "cluster": {"cluster", "foundation", "state", "checkpoint"},
+    "run_loop": {"run_loop", "cluster", "foundation", "state", "checkpoint"},
+    "launch": {"launch", "run_loop", "cluster", "foundation", "state", "checkpoint"},
+}
+
+
+def layer_of(module: str) -> str | None:
+    """The layer of an ``elastic`` module, or None for a module outside the project."""
+    if module == "elastic" or not module.startswith("elastic"):
+        return None if module != "elastic" else "launch"  # the public face re-exports all
+    if module in FOUNDATION or any(module.startswith(f + ".") for f in FOUNDATION):
+        return "foundation"
+    for prefix, layer in (("elastic.checkpoint", "checkpoint"), ("elastic.state", "state"),
+                          ("elastic.cluster", "cluster"), ("elastic.launch", "launch")):
+        if module == prefix or module.startswith(prefix + "."):
+            return layer
+    return "run_loop" if module.startswith("elastic.") else None
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One import against the rule."""
+
+    path: Path
+    line: int
+    importer: str
+    imported: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.importer} imports {self.imported} ({self.why})"
+
+
+def module_name(root: Path, path: Path) -> str:
+    """The installed module name of a source file under ``root``."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    parts[0] = SOURCES[parts[0]]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, module: str) -> list[tuple[int, str]]:
+    """Every module ``path`` imports (at any depth of the file), with its line."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names
+                      if layer_of(f"{base}.{alias.name}") != layer_of(base)]
+    return found
+
+
+def violations(root: Path) -> list[Violation]:
+    """Every import under ``root``'s source folders that breaks the layering rule."""
+    found = []
+    for folder in SOURCES:
+        for path in sorted((root / folder).rglob("*.py")):
+            module = module_name(root, path)
+            mine = layer_of(module)
+            for line, imported in imports_of(path, module):
+                top = imported.split(".")[0]
+                if top in ("state", "checkpoint"):
+                    found.append(Violation(path, line, module, imported,
+                                           f"use elastic.{imported}: a bare {top} can be "
+                                           f"shadowed by a user's file"))
+                    continue
+                theirs = layer_of(imported)
+                if theirs is None or mine is None or theirs == mine:
+                    continue
+                if theirs not in ALLOWED[mine]:
+                    found.append(Violation(path, line, module, imported,
+                                           f"the {mine} layer may not import the {theirs} layer"))
+    return found
