@@ -1,10 +1,9 @@
-"""``ElasticState``: a TrainState that runs a training function through re-formations.
+"""``ElasticState``: the user's training state, joined to the job and run through re-formations.
 
-The only module that joins every layer: the cluster (``elastic.cluster.cluster``), the state
-(``state.TrainState``) and, through the state, durable checkpoints. One recovery: the user's
-function raises (a collective failed, or a commit agreed on a change), the state rolls back to
-its last commit if needed, the cluster forms the next round, the newest commit is broadcast from
-its holder, ``on_reset`` callbacks run, and the function is called again.
+Owns the public face of the run loop: the named objects (held by a ``TrainState``, which owns
+committing and moving them), the collective ``commit`` (a snapshot plus a membership agreement,
+and a durable write when asked), the topology properties, ``on_reset`` callbacks and ``run``.
+The loop itself lives in ``elastic.recovery``; the cluster in ``elastic.cluster``.
 """
 
 from __future__ import annotations
@@ -19,29 +18,27 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from elastic.agreement import MembershipAgreement
 from elastic.cluster.cluster import Cluster
+from elastic.cluster.rendezvous import Topology
 from elastic.durable import DurableCommits
-from elastic.errors import (FencedError, LeaveInterrupt, MembershipChangedInterrupt,
-                            PeerFailureError, RendezvousClosedError)
-from elastic.events import EventLog, Stopwatch
+from elastic.events import EventLog
+from elastic.recovery import RunLoop
 from elastic.settings import WorkerSettings
 from elastic.signals import relay_signals
-from elastic.state import ElasticSampler, StateError, TrainState
+from elastic.state import TrainState
 
 log = logging.getLogger(__name__)
 
-_MAX_REFORMATIONS = 10_000
 _PROGRESS_EVERY_S = 0.5
-_COMM_ERROR_HINTS = ("connection", "gloo", "nccl", "timed out", "timeout", "peer", "socket",
-                     "broken pipe", "closed", "distbackenderror", "process group", "aborted")
+_SYNC_TIMEOUT = timedelta(minutes=5)
 
 
-class ElasticState(TrainState):
+class ElasticState:
     """Training state that survives workers leaving and joining.
+
+    Registered objects read as attributes (``state.model``) and plain values also write as
+    attributes (``state.epoch += 1``), exactly as on a ``TrainState``, which holds them.
 
     Args:
         checkpoint: an fsspec URL for durable commits (default ``ELASTIC_CHECKPOINT``).
@@ -58,6 +55,7 @@ class ElasticState(TrainState):
         self._settings = WorkerSettings.resolve(etcd=etcd, job_id=job_id,
                                                 min_workers=min_workers,
                                                 max_workers=max_workers, checkpoint=checkpoint)
+        self._train = TrainState()
         self._cluster: Cluster | None = None
         self._callbacks: list[Callable[[ElasticState], None]] = []
         self._leave_requested = threading.Event()
@@ -66,7 +64,67 @@ class ElasticState(TrainState):
             else None
         self._warned_not_durable = False
         self._progress_at = -_PROGRESS_EVERY_S
-        super().__init__(**objects)
+        for name, obj in objects.items():
+            self.register(name, obj)
+
+    # -- the registered objects, held by the TrainState --------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        # Called only when normal lookup fails: Stateful objects sit in __dict__ already.
+        train = self.__dict__.get("_train")
+        if train is not None and name in train:
+            return getattr(train, name)
+        raise AttributeError(f"ElasticState has no attribute or registered object {name!r}.")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_") or hasattr(type(self), name):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._train, name, value)  # registered plain values only; it says why not
+
+    def register(self, name: str, obj: Any) -> None:
+        """Adds a named Stateful object or plain value (see ``TrainState.register``).
+
+        Raises:
+            ValueError: the name is invalid, already registered, or an ElasticState attribute.
+            TypeError: ``obj`` is neither Stateful nor a plain value.
+        """
+        if hasattr(type(self), name):
+            raise ValueError(f"name {name!r} clashes with ElasticState.{name}; choose another name.")
+        self._train.register(name, obj)
+        if name in self._train.stateful_objects():
+            self.__dict__[name] = obj  # never replaced, so reading it is a plain attribute read
+
+    @property
+    def train_state(self) -> TrainState:
+        """The ``TrainState`` that holds, commits and moves the registered objects."""
+        return self._train
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Names of all registered objects (see ``TrainState.names``)."""
+        return self._train.names
+
+    @property
+    def version(self) -> int:
+        """Version of the current commit; 0 before the first commit."""
+        return self._train.version
+
+    @property
+    def has_commit(self) -> bool:
+        """Whether a commit exists to restore or broadcast."""
+        return self._train.has_commit
+
+    def restore(self) -> None:
+        """Rolls the live objects back to the last commit (see ``TrainState.restore``)."""
+        self._train.restore()
+
+    def sync(self, src_rank: int, timeout: timedelta | None = None) -> None:
+        """Makes every rank's commit the one of ``src_rank`` (see ``TrainState.sync``)."""
+        self._train.sync(src_rank, timeout=timeout)
+
+    def committed(self) -> dict[str, Any]:
+        """The current commit as a payload (see ``TrainState.committed``)."""
+        return self._train.committed()
 
     # -- topology ---------------------------------------------------------------------------
     @property
@@ -104,43 +162,38 @@ class ElasticState(TrainState):
         """Asks this worker to leave at its next commit (what SIGTERM/SIGINT do)."""
         self._leave_requested.set()
 
-    # -- collective agreement --------------------------------------------------------------
-    def commit(self, durable: bool = False) -> int:  # noqa: D417 (see TrainState.commit)
+    # -- the collective commit --------------------------------------------------------------
+    def commit(self, durable: bool = False) -> int:
         """Snapshots every object in host memory and agrees with all ranks on membership.
 
         Collective: every rank calls it at the same point. The agreement (two flags per rank,
         gathered by rank 0 over the round's ``AgreementChannel``) is started first and travels
-        while the snapshot is copied. If a join or
-        leave is pending, the commit is kept and ``MembershipChangedInterrupt`` hands over to
-        the run loop, which re-forms the group and calls the training function again (no work
-        is lost).
+        while the snapshot is copied. If a join or leave is pending, the commit is kept and
+        ``MembershipChangedInterrupt`` hands over to the run loop, which re-forms the group and
+        calls the training function again (no work is lost).
+
+        Args:
+            durable: also write the commit to the checkpoint URL (rank 0, in the background).
+
+        Returns:
+            The new commit version.
 
         Raises:
             MembershipChangedInterrupt: the world changes now (caught by ``run``).
+            LeaveInterrupt: this worker was asked to leave and the others know it.
             PeerFailureError: a peer failed during the agreement (caught by ``run``).
+            FencedError: this member lost its lease (caught by ``run``).
         """
         if self._cluster is not None:
             self._cluster.membership.check_not_fenced()
         agreement = self._start_agreement()
-        version = super().commit()
+        version = self._train.commit()
         if durable:
             self._commit_durably(version)
         self._report_progress(version)
         if agreement is not None:
             agreement.finish()
         return version
-
-    def _report_progress(self, version: int) -> None:
-        """Rank 0 records a ``progress`` event (with ``step`` when registered) twice a second
-        at most, for ``elastic report``'s steps/s."""
-        cluster = self._cluster
-        now = time.monotonic()
-        if cluster is None or self.rank != 0 or now - self._progress_at < _PROGRESS_EVERY_S:
-            return
-        self._progress_at = now
-        step = self._value("step")
-        fields = {"step": step} if isinstance(step, int) and not isinstance(step, bool) else {}
-        cluster.events.emit("progress", version=version, **fields)
 
     def check_membership(self) -> None:
         """The membership agreement of ``commit()`` without a snapshot.
@@ -154,12 +207,24 @@ class ElasticState(TrainState):
         if agreement is not None:
             agreement.finish()
 
-    def _start_agreement(self) -> "MembershipAgreement | None":
+    def _start_agreement(self) -> MembershipAgreement | None:
         """Starts the membership agreement; None when not in a formed group."""
         cluster = self._cluster
         if cluster is None or cluster.topology is None:
             return None
         return MembershipAgreement.start(cluster, self._leave_requested)
+
+    def _report_progress(self, version: int) -> None:
+        """Rank 0 records a ``progress`` event (with ``step`` when registered) twice a second
+        at most, for ``elastic report``'s steps/s."""
+        cluster = self._cluster
+        now = time.monotonic()
+        if cluster is None or self.rank != 0 or now - self._progress_at < _PROGRESS_EVERY_S:
+            return
+        self._progress_at = now
+        step = self._train.value_of("step")
+        fields = {"step": step} if isinstance(step, int) and not isinstance(step, bool) else {}
+        cluster.events.emit("progress", version=version, **fields)
 
     @property
     def checkpoint_error(self) -> Exception | None:
@@ -178,14 +243,14 @@ class ElasticState(TrainState):
         if self.rank != 0:
             return
         topology = self._cluster.topology if self._cluster else None
-        epoch = self._value("epoch")
+        epoch = self._train.value_of("epoch")
         metadata = {"world_size": self.world_size, "generation": topology.round if topology else 0,
                     "member": self.member_id or ""}
         if isinstance(epoch, int) and not isinstance(epoch, bool):
             metadata["epoch"] = epoch
-        self._durable.write(self.committed(), version, metadata)
+        self._durable.write(self._train.committed(), version, metadata)
 
-    # -- the run loop ----------------------------------------------------------------------
+    # -- running ----------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Joins the job and calls ``fn(state, *args, **kwargs)`` until it returns.
 
@@ -206,10 +271,12 @@ class ElasticState(TrainState):
             self._durable.on_published(self._cluster.publish_checkpoint)
         restore_signals = self._install_signal_handlers()
         gc.freeze()  # keeps the full collections after a failure cheap
+        loop = RunLoop(self._cluster, self._train, self._durable, self._leave_requested,
+                       self._on_formed, _SYNC_TIMEOUT)
         try:
-            if not self.has_commit:
-                super().commit()  # the initial state is the first rollback point
-            return self._loop(self._cluster, fn, args, kwargs)
+            if not self._train.has_commit:
+                self._train.commit()  # the initial state is the first rollback point
+            return loop.run(lambda: fn(self, *args, **kwargs))
         finally:
             restore_signals()
             if self._durable is not None:
@@ -217,116 +284,13 @@ class ElasticState(TrainState):
             self._cluster.close()
             self._cluster = None
 
-    def _loop(self, cluster: Cluster, fn: Callable[..., Any], args: tuple[Any, ...],
-              kwargs: dict[str, Any]) -> Any:
-        reason = "start"
-        for _ in range(_MAX_REFORMATIONS):
-            if self._leave_requested.is_set():
-                cluster.events.emit("leaving", version=self.version)
-                return None
-            with Stopwatch() as recovery:
-                try:
-                    self._reform(cluster, reason)
-                except RendezvousClosedError as exc:
-                    cluster.events.emit("job_finished", why=str(exc))
-                    return None
-                except LeaveInterrupt:
-                    cluster.events.emit("leaving", version=self.version)
-                    return None
-                except (RuntimeError, PeerFailureError, StateError) as exc:
-                    if not self._is_peer_failure(cluster, exc):
-                        raise
-                    cluster.events.emit("failure_detected", source="formation",
-                                        error=repr(exc)[:300])
-                    reason = "failure"
-                    continue
-            cluster.events.emit("resumed", reason=reason, recovery_s=recovery.seconds,
-                                version=self.version)
-            outcome = self._call(cluster, fn, args, kwargs)
-            if outcome is _LEFT:
-                cluster.events.emit("leaving", version=self.version)
-                return None
-            if isinstance(outcome, _Retry):
-                reason = outcome.reason
-                continue
-            cluster.finish()
-            cluster.events.emit("finished", version=self.version)
-            return outcome
-        raise PeerFailureError(
-            f"gave up after {_MAX_REFORMATIONS} re-formations: some worker keeps failing. Look "
-            "for a crash loop in the workers' logs or the 'error' events of --log-dir.")
-
-    def _call(self, cluster: Cluster, fn: Callable[..., Any], args: tuple[Any, ...],
-              kwargs: dict[str, Any]) -> Any:
-        try:
-            return fn(self, *args, **kwargs)
-        except MembershipChangedInterrupt as exc:
-            cluster.events.emit("membership_changed", why=str(exc), version=self.version)
-            return _Retry("change")
-        except LeaveInterrupt:
-            return _LEFT
-        except Exception as exc:  # user code: decide between a peer failure and a bug
-            if not self._is_peer_failure(cluster, exc):
-                cluster.events.emit("error", error=repr(exc)[:500])
-                raise
-            cluster.events.emit("failure_detected", source="collective", error=repr(exc)[:300])
-        self.restore()  # outside the handler: the traceback (and the old DDP) are freed
-        gc.collect()
-        return _Retry("failure")
-
-    @staticmethod
-    def _is_peer_failure(cluster: Cluster, exc: Exception) -> bool:
-        if isinstance(exc, (PeerFailureError, FencedError)):
-            return True
-        if cluster.group.is_released or cluster.is_fenced:
-            return True
-        if isinstance(exc, StateError) and isinstance(exc.__cause__, RuntimeError):
-            exc = exc.__cause__  # a broadcast of the state sync failed
-        text = f"{type(exc).__name__} {exc}".lower()
-        return isinstance(exc, RuntimeError) and any(h in text for h in _COMM_ERROR_HINTS)
-
-    def _reform(self, cluster: Cluster, reason: str) -> None:
-        topology = cluster.form(reason, self.version, self._leave_requested.is_set)
+    def _on_formed(self, topology: Topology) -> None:
+        """After every formation: count it and run the user's ``on_reset`` callbacks."""
         self._generation += 1
-        os.environ.update(RANK=str(topology.rank), WORLD_SIZE=str(topology.world_size),
-                          LOCAL_RANK=str(self.local_rank), MASTER_ADDR=topology.master_addr,
-                          MASTER_PORT=str(topology.master_port))
-        with Stopwatch() as synced:
-            src = self._newest_rank()
-            self.sync(src, timeout=timedelta(minutes=5))
-        for sampler in self._samplers():
-            sampler.set_topology(topology.rank, topology.world_size)
-        cluster.events.emit("state_synced", src_rank=src, version=self.version,
-                            sync_s=synced.seconds, generation=self._generation)
+        log.debug("formed round %d as rank %d of %d (generation %d)", topology.round,
+                  topology.rank, topology.world_size, self._generation)
         for callback in self._callbacks:
             callback(self)
-
-    def _newest_rank(self) -> int:
-        """All-gathers commit versions (and rank 0's newest checkpoint); returns the source.
-
-        The newest in-memory commit wins, the lowest rank among equals; a durable checkpoint
-        newer than every in-memory commit (a job started again, or a rank 0 that wrote one and
-        died) is read once, by rank 0, which then becomes the source.
-        """
-        rank = dist.get_rank()
-        durable = self._durable.latest_version() if self._durable and rank == 0 else 0
-        mine = torch.tensor([self.version, durable], dtype=torch.int64)
-        gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
-        if self._cluster is not None and self._cluster.group.backend == "nccl":
-            mine, gathered = mine.cuda(), [g.cuda() for g in gathered]
-        dist.all_gather(gathered, mine)
-        versions = [int(g[0].item()) for g in gathered]
-        newest_durable = int(gathered[0][1].item())
-        if newest_durable <= max(versions):
-            return versions.index(max(versions))
-        if rank == 0 and self._durable is not None:
-            payload = self._durable.load_latest(self.committed())
-            if payload is not None:
-                self.load_committed(payload)
-        return 0
-
-    def _samplers(self) -> list[ElasticSampler]:
-        return [obj for obj in self._stateful.values() if isinstance(obj, ElasticSampler)]
 
     def _install_signal_handlers(self) -> Callable[[], None]:
         def on_signal(signum: signal.Signals) -> None:  # on the relay thread: may take locks
@@ -334,11 +298,3 @@ class ElasticState(TrainState):
             self._leave_requested.set()
 
         return relay_signals((signal.SIGTERM, signal.SIGINT), on_signal, "elastic-signals")
-
-
-class _Retry:
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-_LEFT = object()

@@ -1,6 +1,7 @@
-"""Broadcasting a committed payload over a torch.distributed process group.
+"""Moving a committed payload over a torch.distributed process group, and choosing its source.
 
-Owns the wire format of ``TrainState.sync``: a small pickled skeleton (the payload with
+Owns the choice of the newest holder after a group forms (``newest_source``) and the wire
+format of ``TrainState.sync``: a small pickled skeleton (the payload with
 every tensor replaced by a ``TensorSlot``) sent with ``broadcast_object_list``, then the
 tensors in dtype-homogeneous byte buckets of bounded size. Receivers rebuild the payload
 from the skeleton alone, never from their own (possibly empty) structure. Knows
@@ -20,8 +21,8 @@ import torch.distributed as dist
 from elastic.state.errors import SyncError
 from elastic.state.stateful import rebuild_mapping, rebuild_sequence
 
-__all__ = ["TensorSlot", "BUCKET_BYTES", "split_tensors", "fill_tensors", "plan_buckets",
-           "broadcast_payload"]
+__all__ = ["TensorSlot", "BUCKET_BYTES", "Source", "split_tensors", "fill_tensors",
+           "plan_buckets", "broadcast_payload", "newest_source"]
 
 BUCKET_BYTES = 64 * 1024 * 1024
 
@@ -41,6 +42,48 @@ class TensorSlot:
         for dim in self.shape:
             numel *= dim
         return numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the group's state comes from after forming.
+
+    Attributes:
+        rank: the rank whose commit every rank takes.
+        from_durable: True when rank 0's newest durable checkpoint is newer than every
+            in-memory commit: rank 0 loads it first, then is the source.
+    """
+
+    rank: int
+    from_durable: bool
+
+
+def newest_source(version: int, durable_version: int = 0,
+                  group: dist.ProcessGroup | None = None) -> Source:
+    """Chooses the holder of the newest state; every rank of ``group`` gets the same answer.
+
+    Collective: all-gathers each rank's commit version (and rank 0's newest durable version).
+    The newest in-memory commit wins, the lowest rank among equals (the last collective can
+    have succeeded on one rank and failed on another, so the plan's guess is checked here).
+
+    Args:
+        version: this rank's commit version.
+        durable_version: on rank 0, the version of the newest durable checkpoint (0: none);
+            ignored on the other ranks.
+        group: the process group; None means the default group.
+
+    Raises:
+        RuntimeError: the all-gather failed (a peer is gone).
+    """
+    mine = torch.tensor([version, durable_version], dtype=torch.int64,
+                        device=_transport_device(group))
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    versions = [int(g[0].item()) for g in gathered]
+    newest_durable = int(gathered[0][1].item())
+    if newest_durable > max(versions):
+        return Source(rank=0, from_durable=True)
+    return Source(rank=versions.index(max(versions)), from_durable=False)
 
 
 def split_tensors(tree: Any, tensors: list[torch.Tensor]) -> Any:

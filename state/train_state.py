@@ -120,9 +120,17 @@ class TrainState:
         """The registered plain values by name, in registration order."""
         return {name: self.__dict__[name] for name in self._value_names}
 
-    def _value(self, name: str) -> Any:
+    def value_of(self, name: str) -> Any:
         """The registered plain value ``name``, or None when no plain value has that name."""
         return self.__dict__[name] if name in self._value_names else None
+
+    def stateful_objects(self) -> dict[str, Any]:
+        """The registered Stateful objects by name, in registration order."""
+        return dict(self._stateful)
+
+    def __contains__(self, name: object) -> bool:
+        """Whether ``name`` is registered (a Stateful object or a plain value)."""
+        return name in self._stateful or name in self._value_names
 
     def register(self, name: str, obj: Any) -> None:
         """Adds a named Stateful object or plain value.
@@ -312,8 +320,8 @@ class TrainState:
         """Reads a commit from a durable store, installs it and restores it.
 
         Args:
-            store: Any object with ``load(ref)`` returning an object with a ``state_dict``
-                attribute (the payload), a ``(payload, metadata)`` tuple or the payload.
+            store: Any object with ``load(ref)`` returning an object whose ``state_dict``
+                attribute is a payload of ``committed()`` (as ``CheckpointStore.load`` does).
             ref: Which checkpoint to load; None means the store's latest.
 
         Returns:
@@ -323,12 +331,6 @@ class TrainState:
             StateKeyError: The stored payload does not match the registered objects.
         """
         loaded = store.load(ref)
-        if hasattr(loaded, "state_dict") and not callable(loaded.state_dict):
-            payload = loaded.state_dict
-        elif isinstance(loaded, tuple):
-            payload = loaded[0]
-        else:
-            payload = loaded
-        self.load_committed(payload)
+        self.load_committed(loaded.state_dict)
         self.restore()
         return loaded

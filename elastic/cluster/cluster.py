@@ -16,7 +16,7 @@ from typing import Any
 
 from elastic.cluster.agreement_channel import AgreementChannel
 from elastic.cluster.ports import free_port
-from elastic.errors import EtcdUnavailableError, FencedError
+from elastic.errors import EtcdUnavailableError, FencedError, PeerFailureError
 from elastic.cluster.etcd_client import EtcdClient, parse_endpoints
 from elastic.cluster.etcd_store import EtcdStore
 from elastic.events import EventLog, Stopwatch
@@ -98,6 +98,12 @@ class Cluster:
     def is_fenced(self) -> bool:
         return self.membership.fenced.is_set()
 
+    def is_peer_failure(self, exc: BaseException) -> bool:
+        """Whether ``exc`` means a re-formation (a peer failed, or this member was fenced) rather
+        than a failure of the caller's own code. Decided by type and by what this worker knows:
+        its fencing, and its group's release and transport (``ProcessGroup.is_peer_failure``)."""
+        return self.is_fenced or self.group.is_peer_failure(exc)
+
     def renew_identity(self) -> None:
         """After fencing: drops the old identity for good and registers as a new member."""
         old = self.membership.member_id
@@ -138,11 +144,24 @@ class Cluster:
             self.topology = topology
             self.channel = AgreementChannel(topology.rank, topology.world_size, self.group.timeout)
             self.monitor.arm(topology, self.client)  # a member dying now aborts the forming
+            self._connect(topology)
+        self.events.emit("group_formed", backend=self.group.backend, form_s=formed.seconds)
+        return topology
+
+    def _connect(self, topology: Topology) -> None:
+        """Forms the round's group and agreement channel.
+
+        Raises:
+            PeerFailureError: a member of the round died, froze or was released while the
+                others connected (torch raises a ``RuntimeError`` or ``DistError`` then).
+        """
+        try:
             self.group.form(self._store, topology.rank, topology.world_size)
             self.channel.connect(self._store, self.settings.advertise_addr, topology.round,
                                  self.group.form_timeout)
-        self.events.emit("group_formed", backend=self.group.backend, form_s=formed.seconds)
-        return topology
+        except RuntimeError as exc:  # torch's DistError family derives from RuntimeError
+            raise PeerFailureError(f"forming the group of round {topology.round} failed: "
+                                   f"{exc}") from exc
 
     def _drop_group(self) -> None:
         self.channel.close()

@@ -23,7 +23,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastic.errors import FencedError, PeerFailureError
+
 log = logging.getLogger(__name__)
+
+_TCP_ESTABLISHED = "01"  # the connection state in /proc/net/tcp
+_CAUSE_DEPTH = 16  # how far an exception's cause chain is followed
 
 
 def resolve_backend(backend: str) -> str:
@@ -91,6 +96,52 @@ def _is_connected_tcp(fd: int, skip_ports: frozenset[int]) -> bool:
         sock.close()
 
 
+def _tcp_states() -> dict[int, str]:
+    """Returns {inode: state} of this network namespace's TCP sockets (hex states of the kernel)."""
+    states = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as rows:
+                next(rows, None)  # the header
+                for row in rows:
+                    fields = row.split()
+                    states[int(fields[9])] = fields[3]
+        except FileNotFoundError:
+            continue  # no IPv6 in this namespace
+    return states
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what it was raised from or while handling, nearest first."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain and len(chain) < _CAUSE_DEPTH:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def is_peer_failure(exc: BaseException, *, released: bool, transport_broken: bool) -> bool:
+    """Whether ``exc`` means that the group lost a peer, decided by type and by the group's state.
+
+    A peer failure is: any exception once the group was released (by the membership watch, or
+    for a re-formation); one of our own ``PeerFailureError``/``FencedError`` or torch's
+    ``DistError`` family (``DistBackendError``, ``DistNetworkError``, ``DistStoreError``) anywhere
+    in its cause chain; or any exception while the group's transport shows a lost connection
+    (gloo reports a crashed peer as a plain ``RuntimeError``, and closes that peer's socket).
+    Anything else is the caller's own failure, whatever its type or message.
+
+    Args:
+        exc: what a collective, the state sync or the user's function raised.
+        released: whether the group was released before ``exc`` was classified.
+        transport_broken: whether a connection of the group was lost (``ProcessGroup.is_broken``).
+    """
+    if released or transport_broken:
+        return True
+    return any(isinstance(cause, (PeerFailureError, FencedError, dist.DistError))
+               for cause in _causes(exc))
+
+
 class ProcessGroup:
     """The default process group of one round, formed and released in the same process.
 
@@ -112,16 +163,26 @@ class ProcessGroup:
         self._sockets: list[_SocketId] = []
         self._lock = threading.Lock()
         self._released = threading.Event()
-        self.rank = -1
-        self.world_size = 0
-
-    @property
-    def is_formed(self) -> bool:
-        return dist.is_initialized()
 
     @property
     def is_released(self) -> bool:
         return self._released.is_set()
+
+    def is_broken(self) -> bool:
+        """Whether a connection of the formed gloo group was lost (closed, reset, or half-closed
+        by the peer). gloo closes the socket of a peer it saw fail; the kernel marks one whose
+        peer process died. False for NCCL, whose failures raise typed errors."""
+        with self._lock:
+            sockets = list(self._sockets)
+        if self.backend != "gloo" or not sockets:
+            return False
+        current, states = _socket_fds(), _tcp_states()
+        return any(current.get(s.fd) != s.inode or states.get(s.inode) != _TCP_ESTABLISHED
+                   for s in sockets)
+
+    def is_peer_failure(self, exc: BaseException) -> bool:
+        """See ``is_peer_failure``: decided from this group's own state."""
+        return is_peer_failure(exc, released=self.is_released, transport_broken=self.is_broken())
 
     def form(self, store: dist.Store, rank: int, world_size: int) -> None:
         """Initialises the default group; returns once every rank has connected."""
@@ -141,7 +202,6 @@ class ProcessGroup:
                              if before.get(fd) != inode
                              and _is_connected_tcp(fd, self._skip_ports)]
             self._released.clear()
-        self.rank, self.world_size = rank, world_size
 
     def release(self, reason: str) -> None:
         """Unblocks every collective of this group now; safe from any thread, idempotent."""
@@ -179,4 +239,3 @@ class ProcessGroup:
         if dist.is_initialized():
             dist.destroy_process_group()
         self._released.clear()
-        self.rank, self.world_size = -1, 0

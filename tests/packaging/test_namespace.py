@@ -52,10 +52,10 @@ def test_a_job_runs_under_elastic_run_beside_a_users_state_and_checkpoint_module
                 state.model.weight.data += 1
                 state.step += 1
                 state.commit(durable=True)
-            return state.step
+            return {"step": state.step, "rank": state.rank}
 
         state = ElasticState(model=torch.nn.Linear(2, 1, bias=False), step=0)
-        print(json.dumps({"step": state.run(train), "rank": state.rank}))
+        print(json.dumps(state.run(train)))
     """))
     ckpt = tmp_path / "ckpt"
     done = subprocess.run(

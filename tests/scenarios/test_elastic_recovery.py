@@ -54,6 +54,20 @@ def test_survivors_finish_in_world_two_after_a_worker_is_killed(make_job):
     assert len(recoveries) == 2 and all(e["world_size"] == 2 for e in recoveries)
 
 
+def test_a_users_own_runtime_error_leaves_run_on_its_rank_and_the_others_go_on(make_job):
+    job = make_job(ARGS, {"FAULTS": "raise:1:12"})
+    job.start_together(range(2))
+    assert job.wait_exit(1) == 1, "the user's error must end the worker (no re-formation)"
+    assert job.fired("raise", 1)["world"] == 2
+    errors = [e for e in job.events() if e["event"] == "error"]
+    assert len(errors) == 1 and "file closed" in errors[0]["error"], errors
+    retried = [e for e in job.events() if e["event"] == "failure_detected"
+               and e.get("member") == errors[0].get("member")]
+    assert not retried, f"the failing rank treated its own error as a peer failure: {retried}"
+    assert job.wait_exit(0) == 0
+    check_outcome(job, [0])
+
+
 def test_a_joiner_enters_at_the_next_commit_with_rank_zero_parameters(make_job):
     job = make_job(ARGS + ["--hold-at", "8"])
     job.start_together([0, 1])

@@ -32,15 +32,17 @@ ALLOWED = {
 
 def layer_of(module: str) -> str | None:
     """The layer of an ``elastic`` module, or None for a module outside the project."""
-    if module == "elastic" or not module.startswith("elastic"):
-        return None if module != "elastic" else "launch"  # the public face re-exports all
+    if module in ("elastic", "elastic.__main__"):
+        return "launch"  # the public face and ``python -m elastic`` sit on top of everything
+    if not module.startswith("elastic."):
+        return None
     if module in FOUNDATION or any(module.startswith(f + ".") for f in FOUNDATION):
         return "foundation"
     for prefix, layer in (("elastic.checkpoint", "checkpoint"), ("elastic.state", "state"),
                           ("elastic.cluster", "cluster"), ("elastic.launch", "launch")):
         if module == prefix or module.startswith(prefix + "."):
             return layer
-    return "run_loop" if module.startswith("elastic.") else None
+    return "run_loop"
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,9 @@ def imports_of(path: Path, module: str) -> list[tuple[int, str]]:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             found.append((node.lineno, base))
-            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names
-                      if layer_of(f"{base}.{alias.name}") != layer_of(base)]
+            if base != "elastic":  # the root's names are re-exports, judged as the root
+                found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names
+                          if layer_of(f"{base}.{alias.name}") != layer_of(base)]
     return found
 
 

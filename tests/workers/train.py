@@ -4,6 +4,8 @@ Every batch's sample indices go into a committed ledger (so rolled-back batches 
 the rollback), progress goes to ``progress-{index}.jsonl``, the final parameters and ledger to
 ``result-{index}.json``. Faults fire inside the worker at a global step, once
 (``FAULTS="kill:1:30,stop:0:12,term:2:40"``: kind, worker index, step), each leaving a marker;
+``raise`` is a bug in the user's own code: a ``RuntimeError`` whose message reads like a network
+error;
 ``stop-commit`` freezes the worker right before its commit, so that the others wait for it inside
 the commit's membership agreement.
 """
@@ -67,6 +69,8 @@ def fire_faults(state: ElasticState, out: Path, index: int, at_commit: bool = Fa
             continue
         marker.write_text(json.dumps({"step": state.step, "rank": state.rank,
                                       "world": state.world_size, "t": time.time()}))
+        if kind == "raise":
+            raise RuntimeError("file closed: the user's own error (connection, socket, timeout)")
         sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP,
                "stop-commit": signal.SIGSTOP}[kind]
         os.kill(os.getpid(), sig)

@@ -1,0 +1,179 @@
+"""The run loop: call the training function, and between calls re-form the group and resync.
+
+Owns one recovery, in order: the training function raised (a peer failure, or a commit that
+agreed on a change); the cluster says which it was (``Cluster.is_peer_failure``: by type and by
+the group's own state, never by message); after a failure the state rolls back to its last
+commit; the cluster forms the next round; the newest holder of state is found and its commit
+broadcast (``elastic.state.sync``); ``on_formed`` runs; the function is called again. Anything
+else the function raises is the user's and leaves ``run`` on that rank.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from elastic.cluster.cluster import Cluster
+from elastic.cluster.rendezvous import Topology
+from elastic.durable import DurableCommits
+from elastic.errors import (FencedError, LeaveInterrupt, MembershipChangedInterrupt,
+                            PeerFailureError, RendezvousClosedError)
+from elastic.events import Stopwatch
+from elastic.state import ElasticSampler, StateError, TrainState
+from elastic.state.sync import newest_source
+
+__all__ = ["RunLoop"]
+
+MAX_REFORMATIONS = 10_000  # a bound on a crash loop, not a timeout
+
+
+class _Left:
+    """The function's outcome when this worker left the job (SIGTERM, or the job finished)."""
+
+
+class _Retry:
+    """The function's outcome when the group must re-form before it is called again."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class RunLoop:
+    """Calls a training function until it returns, re-forming the group between calls.
+
+    Args:
+        cluster: this worker's cluster (registered, no group yet).
+        train: the committed state; it holds a commit before ``run`` is called.
+        durable: the job's durable commits, or None without a checkpoint URL.
+        leave_requested: set when this worker should leave at its next commit.
+        on_formed: called with the topology after every formation, once the state is synced.
+        sync_timeout: bound on each broadcast of the state after forming.
+    """
+
+    def __init__(self, cluster: Cluster, train: TrainState, durable: DurableCommits | None,
+                 leave_requested: threading.Event, on_formed: Callable[[Topology], None],
+                 sync_timeout: timedelta) -> None:
+        self._cluster = cluster
+        self._train = train
+        self._durable = durable
+        self._leave_requested = leave_requested
+        self._on_formed = on_formed
+        self._sync_timeout = sync_timeout
+
+    def run(self, call: Callable[[], Any]) -> Any:
+        """Forms, calls ``call()``, and on a change or a peer failure forms again.
+
+        Returns:
+            What ``call`` returned, or None on a worker that left or found the job finished.
+
+        Raises:
+            RendezvousTimeoutError: fewer than min_workers for longer than the timeout.
+            EtcdUnavailableError: etcd could not be reached.
+            PeerFailureError: the group re-formed ``MAX_REFORMATIONS`` times.
+            Exception: whatever ``call`` raised that is not a peer failure.
+        """
+        events = self._cluster.events
+        reason = "start"
+        for _ in range(MAX_REFORMATIONS):
+            if self._leave_requested.is_set():
+                events.emit("leaving", version=self._train.version)
+                return None
+            with Stopwatch() as recovery:
+                formed = self._form(reason)
+            if isinstance(formed, _Left):
+                return None
+            if isinstance(formed, _Retry):
+                reason = formed.reason
+                continue
+            events.emit("resumed", reason=reason, recovery_s=recovery.seconds,
+                        version=self._train.version)
+            outcome = self._call(call)
+            if isinstance(outcome, _Left):
+                events.emit("leaving", version=self._train.version)
+                return None
+            if isinstance(outcome, _Retry):
+                reason = outcome.reason
+                continue
+            self._cluster.finish()
+            events.emit("finished", version=self._train.version)
+            return outcome
+        raise PeerFailureError(
+            f"gave up after {MAX_REFORMATIONS} re-formations: some worker keeps failing. Look "
+            "for a crash loop in the workers' logs or the 'error' events of --log-dir.")
+
+    def _form(self, reason: str) -> _Left | _Retry | None:
+        """One formation; a _Retry when a peer failed while forming, _Left when done."""
+        events = self._cluster.events
+        try:
+            self._reform(reason)
+        except RendezvousClosedError as exc:
+            events.emit("job_finished", why=str(exc))
+            return _Left()
+        except LeaveInterrupt:
+            events.emit("leaving", version=self._train.version)
+            return _Left()
+        except (PeerFailureError, FencedError) as exc:
+            events.emit("failure_detected", source="formation", error=repr(exc)[:300])
+            return _Retry("failure")
+        return None
+
+    def _call(self, call: Callable[[], Any]) -> Any:
+        """Calls the function once; a _Retry or _Left says what the loop does next."""
+        events = self._cluster.events
+        try:
+            return call()
+        except MembershipChangedInterrupt as exc:
+            events.emit("membership_changed", why=str(exc), version=self._train.version)
+            return _Retry("change")
+        except LeaveInterrupt:
+            return _Left()
+        except Exception as exc:  # the user's code: a peer failure, or the user's own failure
+            if not self._cluster.is_peer_failure(exc):
+                events.emit("error", error=repr(exc)[:500])
+                raise
+            events.emit("failure_detected", source="collective", error=repr(exc)[:300])
+        self._train.restore()  # outside the handler: the traceback (and the old DDP) are freed
+        gc.collect()
+        return _Retry("failure")
+
+    def _reform(self, reason: str) -> None:
+        """Forms the next round and makes every rank hold the newest commit.
+
+        Raises:
+            PeerFailureError: a peer failed while forming or while the state moved.
+        """
+        cluster = self._cluster
+        topology = cluster.form(reason, self._train.version, self._leave_requested.is_set)
+        os.environ.update(RANK=str(topology.rank), WORLD_SIZE=str(topology.world_size),
+                          MASTER_ADDR=topology.master_addr, MASTER_PORT=str(topology.master_port))
+        with Stopwatch() as synced:
+            try:
+                src = self._sync_newest(topology)
+            except (RuntimeError, StateError) as exc:
+                if not cluster.is_peer_failure(exc):
+                    raise
+                raise PeerFailureError(f"moving the newest state in round {topology.round} "
+                                       f"failed: {exc}") from exc
+        for sampler in self._train.stateful_objects().values():
+            if isinstance(sampler, ElasticSampler):
+                sampler.set_topology(topology.rank, topology.world_size)
+        cluster.events.emit("state_synced", src_rank=src, version=self._train.version,
+                            sync_s=synced.seconds)
+        self._on_formed(topology)
+
+    def _sync_newest(self, topology: Topology) -> int:
+        """Finds the newest holder (a durable checkpoint newer than every commit is loaded by
+        rank 0 first) and broadcasts its commit; returns the source rank."""
+        durable = self._durable
+        on_rank0 = topology.rank == 0 and durable is not None
+        source = newest_source(self._train.version, durable.latest_version() if on_rank0 else 0)
+        if source.from_durable and on_rank0:
+            payload = durable.load_latest(self._train.committed())
+            if payload is not None:
+                self._train.load_committed(payload)
+        self._train.sync(source.rank, timeout=self._sync_timeout)
+        return source.rank
