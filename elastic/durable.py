@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from elastic.checkpoint import (CheckpointError, CheckpointNotFoundError, CheckpointRef, CheckpointStore,
-                        check_compatible)
+from elastic.checkpoint import (CheckpointError, CheckpointNotFoundError, CheckpointRef,
+                                CheckpointStore, check_compatible)
 from elastic.events import EventLog
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,6 @@ class DurableCommits:
         self.url = url
         self.events = events
         self.last_error: CheckpointError | None = None
-        self.last_written: CheckpointRef | None = None
         self._published: Callable[[CheckpointRef], None] | None = None
 
     def on_published(self, callback: Callable[[CheckpointRef], None]) -> None:
@@ -67,7 +66,6 @@ class DurableCommits:
                 return
             raise exc
         ref = future.result()
-        self.last_written = ref
         if self.events:
             self.events.emit("checkpoint_written", version=version, url=ref.url,
                              blocked_s=blocked_s, write_s=time.monotonic() - started)

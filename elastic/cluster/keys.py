@@ -91,7 +91,3 @@ class JobKeys:
             return None
         head = key[len(self.rounds):].split("/", 1)[0]
         return int(head) if head.isdigit() else None
-
-    def tail(self, key: str, prefix: str) -> str:
-        """Returns what follows ``prefix`` in ``key``."""
-        return key[len(prefix):]
