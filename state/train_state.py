@@ -89,7 +89,7 @@ class TrainState:
     #
     # Every registered object lives in the instance ``__dict__`` under its name, so reading it
     # is a plain attribute read (a training loop reads ``state.step`` several times a step;
-    # going through ``__getattr__`` cost ~2 us a read). ``_stateful`` and ``_value_names``
+    # going through ``__getattr__`` costs a Python call per read). ``_stateful`` and ``_value_names``
     # say which names are registered and of which kind.
 
     def __getattr__(self, name: str) -> Any:

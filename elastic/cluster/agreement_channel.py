@@ -1,10 +1,9 @@
 """The membership agreement's transport: one TCP connection from every rank to rank 0.
 
-An agreement moves two flags per rank (is a change pending, is this rank leaving). As a gloo
-all-reduce of two integers it took ~565 us and ~385 us of CPU per process on an idle 2-core
-machine, because the work crosses three threads in each process (the caller, gloo's run loop and
-its socket loop). Here the callers' threads exchange two bytes directly: every rank sends its
-flags to rank 0, rank 0 replies with the maximum of each (~40 us, ~26 us of CPU, same machine).
+An agreement moves two flags per rank (is a change pending, is this rank leaving). The callers'
+threads exchange two bytes directly: every rank sends its flags to rank 0, rank 0 replies with
+the maximum of each. (A gloo all-reduce would cross three threads in each process; what that
+costs is in benchmarks/RESULTS.md.)
 
 One channel per round: rank 0 listens on its advertised address, on a port it publishes in the
 round's store; every other rank connects and introduces itself with the round and its rank, so a

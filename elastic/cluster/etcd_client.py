@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _TRANSIENT = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, aetcd.InternalError)
-# gRPC's default reconnect backoff adds ~15 s after an outage; these recover at once.
+# gRPC's default reconnect backoff waits long after an outage; these recover at once.
 _GRPC_OPTIONS = {
     "grpc.initial_reconnect_backoff_ms": 200,
     "grpc.min_reconnect_backoff_ms": 200,
