@@ -30,9 +30,6 @@ from elastic.state import TrainState
 
 log = logging.getLogger(__name__)
 
-_PROGRESS_EVERY_S = 0.5
-_SYNC_TIMEOUT = timedelta(minutes=5)
-
 
 class ElasticState:
     """Training state that survives workers leaving and joining.
@@ -63,7 +60,7 @@ class ElasticState:
         self._durable = DurableCommits(self._settings.checkpoint) if self._settings.checkpoint \
             else None
         self._warned_not_durable = False
-        self._progress_at = -_PROGRESS_EVERY_S
+        self._progress_at: float | None = None
         for name, obj in objects.items():
             self.register(name, obj)
 
@@ -219,7 +216,9 @@ class ElasticState:
         at most, for ``elastic report``'s steps/s."""
         cluster = self._cluster
         now = time.monotonic()
-        if cluster is None or self.rank != 0 or now - self._progress_at < _PROGRESS_EVERY_S:
+        every_s = self._settings.timeouts.progress.total_seconds()
+        if cluster is None or self.rank != 0 or (
+                self._progress_at is not None and now - self._progress_at < every_s):
             return
         self._progress_at = now
         step = self._train.value_of("step")
@@ -272,7 +271,7 @@ class ElasticState:
         restore_signals = self._install_signal_handlers()
         gc.freeze()  # keeps the full collections after a failure cheap
         loop = RunLoop(self._cluster, self._train, self._durable, self._leave_requested,
-                       self._on_formed, _SYNC_TIMEOUT)
+                       self._on_formed, self._settings.timeouts.sync)
         try:
             if not self._train.has_commit:
                 self._train.commit()  # the initial state is the first rollback point

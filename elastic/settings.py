@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from datetime import timedelta
+
+from elastic.timeouts import Timeouts
 
 
 def _env_int(name: str) -> int | None:
@@ -20,14 +21,6 @@ def _env_int(name: str) -> int | None:
         return int(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} must be an integer.") from None
-
-
-def _env_seconds(name: str, default: float) -> timedelta:
-    raw = os.environ.get(name, "").strip()
-    try:
-        return timedelta(seconds=float(raw)) if raw else timedelta(seconds=default)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} must be a number of seconds.") from None
 
 
 @dataclass(frozen=True)
@@ -42,9 +35,7 @@ class WorkerSettings:
     backend: str
     advertise_addr: str
     local_rank: int
-    lease_ttl: timedelta
-    settle: timedelta
-    rendezvous_timeout: timedelta
+    timeouts: Timeouts
     log_dir: str | None
 
     @staticmethod
@@ -67,9 +58,7 @@ class WorkerSettings:
             backend=env.get("ELASTIC_BACKEND", "auto"),
             advertise_addr=env.get("ELASTIC_ADVERTISE_ADDR", "127.0.0.1"),
             local_rank=_env_int("LOCAL_RANK") or 0,
-            lease_ttl=_env_seconds("ELASTIC_LEASE_TTL", 3.0),
-            settle=_env_seconds("ELASTIC_SETTLE", 0.5),
-            rendezvous_timeout=_env_seconds("ELASTIC_RENDEZVOUS_TIMEOUT", 300.0),
+            timeouts=Timeouts.from_env(),
             log_dir=env.get("ELASTIC_LOG_DIR") or None,
         )
         settings.validate()
@@ -81,5 +70,3 @@ class WorkerSettings:
         if self.max_workers is not None and self.max_workers < self.min_workers:
             raise ValueError(f"max_workers ({self.max_workers}) must be >= min_workers "
                              f"({self.min_workers}).")
-        if self.lease_ttl < timedelta(seconds=1):
-            raise ValueError(f"ELASTIC_LEASE_TTL ({self.lease_ttl}) must be at least 1 second.")

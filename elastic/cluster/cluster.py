@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from datetime import timedelta
 from collections.abc import Callable
 from typing import Any
 
@@ -29,8 +28,6 @@ from elastic.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
-_STORE_TIMEOUT = timedelta(seconds=60)
-
 
 class Cluster:
     """The cluster side of one worker process.
@@ -48,13 +45,14 @@ class Cluster:
         self.settings = settings
         self.events = events
         self.keys = JobKeys(settings.job_id)
-        self.client = EtcdClient(settings.etcd)
+        timeouts = settings.timeouts
+        self.client = EtcdClient(settings.etcd, retry_for=timeouts.etcd_retry,
+                                 rpc_timeout=timeouts.etcd_rpc)
         etcd_ports = frozenset(port for _, port in parse_endpoints(settings.etcd))
-        self.group = ProcessGroup(resolve_backend(settings.backend),
-                                  timeout=timedelta(minutes=30), skip_ports=etcd_ports)
-        self.config = RendezvousConfig(
-            min_workers=settings.min_workers, max_workers=settings.max_workers,
-            settle=settings.settle, timeout=settings.rendezvous_timeout)
+        self.group = ProcessGroup(resolve_backend(settings.backend), timeout=timeouts.collective,
+                                  skip_ports=etcd_ports, form_timeout=timeouts.form)
+        self.config = RendezvousConfig(min_workers=settings.min_workers,
+                                       max_workers=settings.max_workers, timeouts=timeouts)
         self.topology: Topology | None = None
         self.channel = AgreementChannel(0, 1, self.group.timeout)  # replaced at every round
         self._store: EtcdStore | None = None
@@ -64,15 +62,16 @@ class Cluster:
         self._register()
 
     def _register(self) -> None:
+        timeouts = self.settings.timeouts
         self.membership = EtcdMembership(self.client, self.keys, self.settings.advertise_addr,
-                                         self.settings.lease_ttl)
+                                         timeouts.lease_ttl, timeouts.keepalive)
         self.rendezvous = Rendezvous(self.client, self.membership, self.config)
         self.monitor = ChangeMonitor(self.keys, self.membership.member_id, self._on_broken)
         self.membership.add_listener(self.monitor.on_events)
         self.membership.on_fenced(lambda: self.release("this member was fenced"))
         self.membership.register()
         self.events.bind(member=self.membership.member_id)
-        self.events.emit("joined", lease_ttl_s=self.settings.lease_ttl.total_seconds())
+        self.events.emit("joined", lease_ttl_s=self.settings.timeouts.lease_ttl.total_seconds())
 
     def _on_broken(self, reason: str) -> None:
         self.events.emit("failure_detected", reason=reason, source="watch")
@@ -140,7 +139,8 @@ class Cluster:
                          world_size=topology.world_size)
         self.events.emit("round_formed", reason=reason, rendezvous_s=waited.seconds)
         with Stopwatch() as formed:
-            self._store = EtcdStore(self.client, topology.store_prefix, _STORE_TIMEOUT)
+            self._store = EtcdStore(self.client, topology.store_prefix,
+                                    self.settings.timeouts.store)
             self.topology = topology
             self.channel = AgreementChannel(topology.rank, topology.world_size, self.group.timeout)
             self.monitor.arm(topology, self.client)  # a member dying now aborts the forming
@@ -184,7 +184,7 @@ class Cluster:
         """Says this member returned from the training function and waits for the others."""
         if self.topology is not None:
             self.monitor.disarm()
-            self.rendezvous.finish(self.topology, timeout=timedelta(minutes=5))
+            self.rendezvous.finish(self.topology, timeout=self.settings.timeouts.finish)
 
     def close(self) -> None:
         """Destroys the group, leaves the job (revoking the lease) and closes the client."""

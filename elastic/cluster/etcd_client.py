@@ -28,6 +28,7 @@ import aetcd.utils  # noqa: E402
 import tenacity  # noqa: E402
 
 from elastic.errors import EtcdUnavailableError  # noqa: E402
+from elastic.timeouts import Timeouts  # noqa: E402
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -88,16 +89,18 @@ class EtcdClient:
 
     Args:
         urls: comma-separated client URLs of the etcd cluster.
-        retry_for: how long an operation retries transient errors before giving up.
-        rpc_timeout: the deadline of one RPC.
+        retry_for: how long an operation retries transient errors before giving up
+            (default: ``Timeouts.etcd_retry``).
+        rpc_timeout: the deadline of one RPC (default: ``Timeouts.etcd_rpc``).
     """
 
-    def __init__(self, urls: str, *, retry_for: timedelta = timedelta(seconds=10),
-                 rpc_timeout: timedelta = timedelta(seconds=3)) -> None:
+    def __init__(self, urls: str, *, retry_for: timedelta | None = None,
+                 rpc_timeout: timedelta | None = None) -> None:
+        defaults = Timeouts()
         self.urls = urls
         self._endpoints = parse_endpoints(urls)
-        self._retry_for = retry_for
-        self._rpc_timeout_s = rpc_timeout.total_seconds()
+        self._retry_for = retry_for or defaults.etcd_retry
+        self._rpc_timeout_s = (rpc_timeout or defaults.etcd_rpc).total_seconds()
         self._endpoint_index = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="elastic-etcd",

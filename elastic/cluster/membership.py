@@ -41,17 +41,22 @@ class EtcdMembership:
         advertise_addr: the address peers use to reach this worker.
         lease_ttl: the lease TTL; a frozen or cut-off member is dropped this long after its
             last keepalive.
+        keepalive: how often the lease is renewed (None: four times per lease TTL).
     """
 
     def __init__(self, client: EtcdClient, keys: JobKeys, advertise_addr: str,
-                 lease_ttl: timedelta) -> None:
-        if lease_ttl < timedelta(seconds=1):
-            raise ValueError(f"lease_ttl ({lease_ttl}) must be at least 1 second.")
+                 lease_ttl: timedelta, keepalive: timedelta | None = None) -> None:
+        if keepalive is None:
+            keepalive = lease_ttl / 4
+        if keepalive * 2 >= lease_ttl:
+            raise ValueError(f"the keepalive interval ({keepalive}) must be under half the lease "
+                             f"TTL ({lease_ttl}).")
         self._client = client
         self.keys = keys
         self.member_id = new_member_id()
         self.advertise_addr = advertise_addr
         self.lease_ttl = lease_ttl
+        self.keepalive = keepalive
         self.lease = 0
         self.fenced = threading.Event()
         self._stop = threading.Event()
@@ -96,7 +101,7 @@ class EtcdMembership:
 
     def _keep_alive(self) -> None:
         ttl_s = self.lease_ttl.total_seconds()
-        interval_s = max(0.2, ttl_s / 4)
+        interval_s = self.keepalive.total_seconds()
         last_ok = time.monotonic()
         while not self._stop.wait(interval_s):
             try:
@@ -145,4 +150,5 @@ class EtcdMembership:
                             self.member_id, exc, self.lease_ttl)
 
     def _client_timeout_s(self) -> float:
-        return self.lease_ttl.total_seconds() + 5
+        """Bounds the wait for the keepalive thread: a refresh in flight ends within a lease."""
+        return (2 * self.lease_ttl + self.keepalive).total_seconds()

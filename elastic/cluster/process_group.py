@@ -155,7 +155,7 @@ class ProcessGroup:
     """
 
     def __init__(self, backend: str, timeout: timedelta, skip_ports: frozenset[int],
-                 form_timeout: timedelta = timedelta(seconds=20)) -> None:
+                 form_timeout: timedelta) -> None:
         self.backend = backend
         self.timeout = timeout
         self.form_timeout = form_timeout

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from elastic.errors import LeaveInterrupt, RendezvousClosedError, RendezvousTimeoutError
+from elastic.timeouts import Timeouts
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership
@@ -27,13 +28,23 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RendezvousConfig:
-    """Limits of a job's rounds."""
+    """Limits of a job's rounds; the waits come from the job's ``Timeouts``."""
 
     min_workers: int = 1
     max_workers: int | None = None
-    settle: timedelta = timedelta(milliseconds=500)
-    timeout: timedelta = timedelta(minutes=5)
-    admit_timeout: timedelta = timedelta(minutes=30)
+    timeouts: Timeouts = Timeouts()
+
+    @property
+    def settle(self) -> timedelta:
+        return self.timeouts.settle
+
+    @property
+    def timeout(self) -> timedelta:
+        return self.timeouts.rendezvous
+
+    @property
+    def admit_timeout(self) -> timedelta:
+        return self.timeouts.admit
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -149,7 +160,8 @@ class Rendezvous:
             wake_in = max(0.01, self._rule.settle_s - (now - last_change)) + 0.01
             with self._changed:
                 if self._epoch == epoch:
-                    self._changed.wait(timeout=min(wake_in, 1.0))
+                    wake_s = self.config.timeouts.wake.total_seconds()
+                    self._changed.wait(timeout=min(wake_in, wake_s))
 
     def _has_done(self, n: int) -> bool:
         if n < 1:
@@ -218,5 +230,5 @@ class Rendezvous:
                 return
             with self._changed:
                 if self._epoch == epoch:
-                    self._changed.wait(timeout=1.0)
+                    self._changed.wait(timeout=self.config.timeouts.wake.total_seconds())
         log.warning("members %s did not finish within %s", waiting, timeout)

@@ -16,15 +16,33 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from elastic.errors import ElasticError
+
+if TYPE_CHECKING:
+    from elastic.timeouts import Timeouts
 
 USAGE_ERROR = 2
 _VALUE_OPTIONS = {"--etcd", "--job-id", "-n", "--nproc-per-node", "--min-workers",
                   "--max-workers", "--max-restarts", "--checkpoint", "--backend",
-                  "--advertise-addr", "--log-dir", "--lease-ttl", "--grace"}
+                  "--advertise-addr", "--log-dir", "--lease-ttl", "--grace", "--settle",
+                  "--rendezvous-timeout", "--form-timeout", "--collective-timeout"}
+# Flags that set a field of the timeout table (elastic/timeouts.py), in seconds.
+_TIMEOUT_FLAGS = {
+    "lease_ttl": "seconds without keepalive before a worker is dropped (default 3)",
+    "settle": "seconds a round waits for more joiners once it could close (default 0.5)",
+    "rendezvous_timeout": "seconds a round may wait for --min-workers (default 300)",
+    "form_timeout": "seconds forming a process group may take (default 20)",
+    "collective_timeout": "backstop on any collective, behind the failure detectors "
+                          "(default 1800)",
+    "grace": "seconds workers get to leave after Ctrl-C/SIGTERM (default 30)",
+}
+_TIMEOUT_FIELDS = {"lease_ttl": "lease_ttl", "settle": "settle",
+                   "rendezvous_timeout": "rendezvous", "form_timeout": "form",
+                   "collective_timeout": "collective", "grace": "grace"}
 
 
 class UsageError(ElasticError):
@@ -79,10 +97,8 @@ def _run_parser() -> _Parser:
     p.add_argument("--advertise-addr", default="127.0.0.1",
                    help="the address other nodes reach this node on (default 127.0.0.1)")
     p.add_argument("--log-dir", help="directory for the workers' event files (for `report`)")
-    p.add_argument("--lease-ttl", type=float, default=3.0,
-                   help="seconds without keepalive before a worker is dropped (default 3)")
-    p.add_argument("--grace", type=float, default=30.0,
-                   help="seconds workers get to leave after Ctrl-C/SIGTERM (default 30)")
+    for dest, help_text in _TIMEOUT_FLAGS.items():
+        p.add_argument("--" + dest.replace("_", "-"), type=float, dest=dest, help=help_text)
     p.add_argument("--plain", action="store_true", help="torchrun-compatible mode for plain "
                    "DDP scripts: RANK/WORLD_SIZE/MASTER_* per generation, restart on failure")
     return p
@@ -105,6 +121,18 @@ def _worker_command(rest: list[str], module: str | None) -> tuple[tuple[str, ...
     return (sys.executable, script, *rest[1:]), Path(script).name
 
 
+def _timeouts(args: argparse.Namespace) -> "Timeouts":
+    """The timeout table: defaults, then ELASTIC_* variables, then the flags given.
+
+    Raises:
+        ValueError: a value is not positive or breaks the table's order.
+    """
+    from elastic.timeouts import Timeouts  # noqa: PLC0415
+    given = {field: timedelta(seconds=getattr(args, dest))
+             for dest, field in _TIMEOUT_FIELDS.items() if getattr(args, dest) is not None}
+    return Timeouts.from_env(**given)
+
+
 def cmd_run(argv: Sequence[str]) -> int:
     """``elastic run``: see ``elastic run --help``."""
     options, rest, module = split_run_argv(argv)
@@ -118,8 +146,7 @@ def cmd_run(argv: Sequence[str]) -> int:
             max_workers=args.max_workers, max_restarts=args.max_restarts,
             checkpoint=args.checkpoint, backend=args.backend, advertise_addr=args.advertise_addr,
             log_dir=str(Path(args.log_dir).resolve()) if args.log_dir else None,
-            lease_ttl_s=args.lease_ttl, grace_s=args.grace, plain=args.plain,
-            env=dict(os.environ))
+            timeouts=_timeouts(args), plain=args.plain, env=dict(os.environ))
     except ValueError as exc:
         raise UsageError(f"elastic run: {exc}") from None
     if spec.etcd:
@@ -218,7 +245,9 @@ def cmd_etcd(argv: Sequence[str]) -> int:
     try:
         print(f"etcd listening on {server.url}  (Ctrl-C stops it)\nStart workers with:\n"
               f"    elastic run --etcd {server.url} --job-id myjob -n 2 train.py", flush=True)
-        while not stop.requested.wait(timeout=1.0):
+        from elastic.timeouts import Timeouts  # noqa: PLC0415
+        wake_s = Timeouts.from_env().wake.total_seconds()
+        while not stop.requested.wait(timeout=wake_s):
             if server.process is None or server.process.poll() is not None:
                 raise ElasticError(f"etcd exited unexpectedly; see {server.log_path}.")
         return 0

@@ -19,7 +19,6 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 from elastic.errors import EtcdUnavailableError
 from elastic.cluster.etcd_client import EtcdClient
@@ -27,6 +26,7 @@ from elastic.launch.job_config import JobConfig, claim
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership
 from elastic.signals import relay_signals
+from elastic.timeouts import Timeouts
 from elastic.launch.worker_procs import WorkerProcs, describe_exit
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,7 @@ class LaunchSpec:
         backend: "auto", "nccl" or "gloo".
         advertise_addr: the address peers reach this node's workers on.
         log_dir: where workers write their events.
-        lease_ttl_s: the workers' (and this launcher's) lease TTL.
-        grace_s: how long workers get to leave after SIGTERM.
+        timeouts: the job's timeout table (lease TTL, grace, ...), passed on to the workers.
         plain: torchrun-compatible mode.
         env: the environment workers start from (the CLI's, plus the ELASTIC_* variables).
     """
@@ -67,8 +66,7 @@ class LaunchSpec:
     backend: str = "auto"
     advertise_addr: str = "127.0.0.1"
     log_dir: str | None = None
-    lease_ttl_s: float = 3.0
-    grace_s: float = 30.0
+    timeouts: Timeouts = Timeouts()
     plain: bool = False
     env: Mapping[str, str] = field(default_factory=dict)
 
@@ -82,8 +80,6 @@ class LaunchSpec:
                              f"({self.min_workers}).")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts ({self.max_restarts}) must be >= 0.")
-        if self.lease_ttl_s < 1:
-            raise ValueError(f"--lease-ttl ({self.lease_ttl_s}) must be at least 1 second.")
 
     def job_config(self) -> JobConfig:
         return JobConfig(mode="plain" if self.plain else "elastic", target=self.target,
@@ -99,8 +95,8 @@ class LaunchSpec:
             "ELASTIC_MAX_WORKERS": "" if self.max_workers is None else str(self.max_workers),
             "ELASTIC_CHECKPOINT": self.checkpoint or "", "ELASTIC_BACKEND": self.backend,
             "ELASTIC_ADVERTISE_ADDR": self.advertise_addr, "ELASTIC_LOG_DIR": self.log_dir or "",
-            "ELASTIC_LEASE_TTL": str(self.lease_ttl_s), "LOCAL_RANK": str(local_rank),
-            "LOCAL_WORLD_SIZE": str(self.nproc),
+            "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(self.nproc),
+            **self.timeouts.as_env(),
         }
         if self.advertise_addr == "127.0.0.1" and "GLOO_SOCKET_IFNAME" not in self.env:
             env["GLOO_SOCKET_IFNAME"] = "lo"
@@ -180,21 +176,23 @@ class Launcher:
         self.client: EtcdClient | None = None
         self.membership: EtcdMembership | None = None
 
-    def connect(self, retry_for: timedelta = timedelta(seconds=5)) -> bool:
+    def connect(self) -> bool:
         """Connects to etcd, claims or checks the job's configuration and registers.
 
         Returns:
             True when this launcher started the job.
 
         Raises:
-            EtcdUnavailableError: etcd did not answer within ``retry_for``.
+            EtcdUnavailableError: etcd did not answer within the connect timeout.
             JobConfigError: the job runs with another configuration.
         """
-        self.client = EtcdClient(self.spec.etcd, retry_for=retry_for)
+        self.client = EtcdClient(self.spec.etcd, retry_for=self.spec.timeouts.connect,
+                                 rpc_timeout=self.spec.timeouts.etcd_rpc)
         first = claim(self.client, self.keys, self.spec.job_config())
         self.membership = EtcdMembership(self.client, self.keys.launchers(),
                                          self.spec.advertise_addr,
-                                         timedelta(seconds=self.spec.lease_ttl_s))
+                                         self.spec.timeouts.lease_ttl,
+                                         self.spec.timeouts.keepalive)
         self.membership.register()
         return first
 
@@ -230,7 +228,7 @@ class Launcher:
             self.procs.start(local_rank, self.spec.worker_env(local_rank))
         restarts, failed = 0, 0
         while True:
-            self.procs.changed.wait(timeout=5.0)
+            self.procs.changed.wait(timeout=self.spec.timeouts.wake.total_seconds())
             self.procs.changed.clear()
             if self.stop.requested.is_set():
                 return self._shutdown(failed)
@@ -264,7 +262,7 @@ class Launcher:
                  "`elastic run --plain`.")
 
     def _shutdown(self, failed: int) -> int:
-        grace = 0.0 if self.stop.forced.is_set() else self.spec.grace_s
+        grace = 0.0 if self.stop.forced.is_set() else self.spec.timeouts.grace.total_seconds()
         self.procs.terminate(grace, cut=self.stop.forced)
         for worker in self.procs.exited():
             if worker.returncode:

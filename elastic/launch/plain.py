@@ -15,7 +15,7 @@ import logging
 import math
 import socket
 import threading
-from datetime import timedelta
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_RESTART_GRACE_S = 3.0  # plain workers of a broken generation have nothing to save
 
 
 class PlainGenerations:
@@ -50,7 +49,7 @@ class PlainGenerations:
             min_workers=math.ceil(self.spec.min_workers / nproc),
             max_workers=None if self.spec.max_workers is None
             else max(1, self.spec.max_workers // nproc),
-            settle=timedelta(seconds=1))
+            timeouts=replace(self.spec.timeouts, settle=self.spec.timeouts.node_settle))
         self.rendezvous = Rendezvous(launcher.client, self.membership, config)
         self.news = threading.Event()
         self._lock = threading.Lock()
@@ -78,7 +77,7 @@ class PlainGenerations:
                 continue
             outcome = self._generation(topology, listener, failures)
             if outcome == "done":
-                self.rendezvous.finish(topology, timeout=timedelta(minutes=5))
+                self.rendezvous.finish(topology, timeout=self.spec.timeouts.finish)
                 return 0
             if outcome == "stopped":
                 return 1
@@ -127,9 +126,10 @@ class PlainGenerations:
         finally:
             with self._lock:
                 self._armed = None
-            stopping = self.launcher.stop
+            stopping, timeouts = self.launcher.stop, self.spec.timeouts
             procs.terminate(0.0 if stopping.forced.is_set() else
-                            self.spec.grace_s if stopping.requested.is_set() else _RESTART_GRACE_S,
+                            (timeouts.grace if stopping.requested.is_set()
+                             else timeouts.restart_grace).total_seconds(),
                             cut=stopping.forced)
             procs.exited()
             procs.forget_exited()
@@ -138,7 +138,7 @@ class PlainGenerations:
     def _watch(self) -> str:
         procs = self.launcher.procs
         while True:
-            procs.changed.wait(timeout=5.0)
+            procs.changed.wait(timeout=self.spec.timeouts.wake.total_seconds())
             procs.changed.clear()
             if self.launcher.stop.requested.is_set():
                 return "stopped"

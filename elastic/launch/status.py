@@ -8,12 +8,12 @@ under the job's ``commit`` key. It never writes.
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 from typing import Any
 
 from elastic.cluster.etcd_client import EtcdClient
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.plan import Plan
+from elastic.timeouts import Timeouts
 
 
 def _members(client: EtcdClient, keys: JobKeys) -> list[dict[str, Any]]:
@@ -98,7 +98,8 @@ def show(etcd: str, job_id: str, as_json: bool = False) -> int:
         ValueError: the URL or job id is malformed.
     """
     keys = JobKeys(job_id)
-    client = EtcdClient(etcd, retry_for=timedelta(seconds=5))
+    timeouts = Timeouts.from_env()
+    client = EtcdClient(etcd, retry_for=timeouts.connect, rpc_timeout=timeouts.etcd_rpc)
     try:
         status = collect(client, keys)
     finally:
