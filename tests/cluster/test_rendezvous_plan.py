@@ -8,6 +8,8 @@ from elastic.cluster.plan import CloseRule, JoinRequest, Plan, assign_ranks, sho
 
 RULE = CloseRule(min_workers=1, max_workers=None, settle_s=0.5)
 
+pytestmark = pytest.mark.unit
+
 
 def req(member: str, version: int = 0, reason: str = "start", revision: int = 0) -> JoinRequest:
     return JoinRequest(member, version, reason, f"addr-{member}", 1000 + revision, revision)

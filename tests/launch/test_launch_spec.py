@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from elastic.launch.launcher import LaunchSpec
+
+pytestmark = pytest.mark.unit
 
 
 def spec(nproc: int, env: dict[str, str]) -> LaunchSpec:

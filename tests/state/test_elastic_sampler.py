@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from elastic.state import ElasticSampler, StateError, StateKeyError
 from elastic.state.sampler import split_counts
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.unit]
 
 
 def _samplers(n, world, state=None, batch_hint=None, **kwargs):

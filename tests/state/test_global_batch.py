@@ -14,7 +14,7 @@ from elastic.state import (ElasticSampler, LinearLRScaling, RNGState, SeededData
                    StateError, TrainState, sample_seed)
 from elastic.state.global_batch import share_of
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.unit]
 
 
 def _ranks(n, b, world, state=None, **kwargs):

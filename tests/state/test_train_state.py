@@ -9,7 +9,7 @@ from torch import nn
 from elastic.state import ElasticSampler, NoCommitError, StateError, StateKeyError, TrainState
 from elastic.state.stateful import is_stateful, snapshot
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.unit]
 
 
 def _trained():
