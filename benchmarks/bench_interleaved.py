@@ -1,6 +1,7 @@
 """Steady state, side by side in time: two running jobs take turns on the CPU in short slices.
 
-Usage: ``.venv/bin/python benchmarks/bench_interleaved.py [--pairs 80] [--slice-s 1] [--runs 1]``.
+Usage: ``.venv/bin/python benchmarks/bench_interleaved.py [--pairs 80] [--slice-s 1] [--runs 1]
+[--out PATH]``. Prints the result; writes it as JSON only to an ``--out`` that is named.
 
 The throughput pair of ``bench_recovery.py`` runs one job after the other, and this machine's
 speed drifts by up to 20% over minutes, which two runs of the same job showed (its ``--control``).
@@ -292,7 +293,8 @@ def main() -> None:
                              "the same job of ours without commits (what the commits cost)")
     parser.add_argument("--runs", type=int, default=1,
                         help="repeat the measurement with fresh jobs; report the median ratio")
-    parser.add_argument("--json", default="", help="write the result to this file")
+    parser.add_argument("--out", "--json", type=Path, default=None,
+                        help="also write the result as JSON to this file (default: print only)")
     args = parser.parse_args()
     if args.slice_s > 2.0:
         parser.error(f"--slice-s ({args.slice_s}) must be at most 2 s: ours' workers and etcd "
@@ -319,9 +321,10 @@ def main() -> None:
     result = runs[0] if args.runs == 1 else summarize(runs)
     if args.runs > 1:
         print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
 
 
 def summarize(runs: list[dict]) -> dict:

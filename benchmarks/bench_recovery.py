@@ -1,7 +1,9 @@
 """Recovery, scale-up and steady-state throughput: elastic-trainer against torchrun, in one run.
 
-Usage: ``.venv/bin/python benchmarks/bench_recovery.py [--reps 5]``. It re-executes itself in a
-private network namespace (``unshare -n``, loopback only), because torchrun's rendezvous store
+Usage: ``.venv/bin/python benchmarks/bench_recovery.py [--reps 5] [--out PATH]``. Prints a table
+and writes the raw figures as JSON to ``--out`` (default ``runs/recovery.json``, which git
+ignores; a file under ``benchmarks/results/`` changes only when named). It re-executes itself in
+a private network namespace (``unshare -n``, loopback only), because torchrun's rendezvous store
 listens on every interface; inside the namespace the only interface is a private loopback.
 
 Measured (wall clock, from the workers' per-step progress lines):
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import statistics
@@ -236,7 +239,9 @@ def commit_cost_ms(out: Path, every: int = 10, first: int = 100) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--json", default=str(HERE / "results" / "recovery.json"))
+    parser.add_argument("--out", "--json", type=Path, default=None,
+                        help="where to write the JSON result (default: runs/recovery.json, or "
+                             "runs/throughput.json with --throughput-only; runs/ is untracked)")
     parser.add_argument("--throughput-only", action="store_true",
                         help="only the steady-state comparison, order alternating per rep")
     parser.add_argument("--batch", type=int, default=32,
@@ -253,16 +258,19 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true",
                         help="with --throughput-only: bind worker i of either side to core i")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = REPO / "runs" / ("throughput.json" if args.throughput_only else "recovery.json")
+    args.out = args.out.resolve()
     if os.environ.get("BENCH_NETNS") != "1":
         inner = f"ip link set lo up && exec {sys.executable} {Path(__file__)} " \
-                f"--reps {args.reps} --json {args.json}" \
+                f"--reps {args.reps} --out {shlex.quote(str(args.out))}" \
                 + (" --throughput-only" if args.throughput_only else "") \
                 + (" --pin" if args.pin else "") + (" --control" if args.control else "") \
                 + f" --batch {args.batch} --steps {args.steps} --commit-part {args.commit_part}"
         os.execvpe("unshare", ["unshare", "-n", "sh", "-c", inner],
                    dict(os.environ, BENCH_NETNS="1"))
     if args.throughput_only:
-        throughput_only(args.reps, Path(args.json), args.pin, args.batch, args.steps,
+        throughput_only(args.reps, args.out, args.pin, args.batch, args.steps,
                         args.control, args.commit_part)
         return
     root = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
@@ -287,9 +295,10 @@ def main() -> None:
                   flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
     report(results)
+    print(f"wrote {args.out}")
 
 
 def throughput_only(reps: int, json_path: Path, pin: bool, batch: int, steps: int,
@@ -319,6 +328,7 @@ def throughput_only(reps: int, json_path: Path, pin: bool, batch: int, steps: in
         shutil.rmtree(root, ignore_errors=True)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(results, indent=1))
+    print(f"wrote {json_path}")
     ratios = [b / a for a, b in zip(results[keys[0]], results[keys[1]])]
     print("\n| measure | median | all runs |\n|---|---|---|")
     for key, values in results.items():

@@ -1,10 +1,12 @@
 """Plots the loss curves of an uninterrupted world-2 job and an elastic 3->2->3->2 job.
 
-Runs the real jobs of tests/equivalence_scenario.py (constant global batch 12, float64, dropout
-seeded per sample, DataLoader(num_workers=2) with random augmentation) on an embedded etcd on
-127.0.0.1, then writes docs/loss_curves.png and prints the largest differences.
+Runs the real jobs of tests/support/equivalence_scenario.py (constant global batch 12, float64,
+dropout seeded per sample, DataLoader(num_workers=2) with random augmentation) on an embedded
+etcd on 127.0.0.1, prints the largest differences and writes the plot to ``--out`` (default
+``runs/loss_curves.png``, which git ignores; ``--out docs/loss_curves.png`` replaces the
+documentation's figure).
 
-    .venv/bin/python benchmarks/plot_equivalence.py [--out docs/loss_curves.png]
+    .venv/bin/python benchmarks/plot_equivalence.py [--out PATH]
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def plot(reference: dict, elastic: dict, progress: list[dict], out: Path) -> Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "loss_curves.png")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "loss_curves.png",
+                        help="where to write the PNG (default: runs/loss_curves.png)")
     out = parser.parse_args().out
     server = EmbeddedEtcd().start()
     try:

@@ -1,8 +1,9 @@
 """``elastic_worker.py``'s loop under torchrun: TrainState, ElasticSampler, ``--commit-every``.
 
 No ElasticState: it isolates the cost of the state layer (snapshot, sampler, the membership
-agreement over an ``AgreementChannel`` on torchrun's store) from the cluster layer. With ``--etcd URL`` each worker also registers an etcd
-membership (client, keepalive thread, job watch), to measure what those threads cost alone.
+agreement over an ``AgreementChannel`` on torchrun's store) from the cluster layer. With
+``--etcd URL`` each worker also registers an etcd membership (client, keepalive thread, job
+watch), to measure what those threads cost alone.
 Run it like ``torchrun_worker.py``:
 ``torchrun --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT
 torchrun_trainstate_worker.py --out DIR --steps 400`` (inside ``unshare -n``, see

@@ -1,4 +1,4 @@
-"""The issue-5 scenario, shared by tests/test_equivalence.py and benchmarks/plot_equivalence.py.
+"""The issue-5 scenario of tests/scenarios/test_equivalence.py and benchmarks/plot_equivalence.py.
 
 An uninterrupted world-2 job and an elastic job that goes 3 -> 2 (SIGKILL of worker 2 at step
 10, survivors roll back to step 8) -> 3 (worker 3 joins; the group holds at step 16 until it is
