@@ -21,7 +21,7 @@ def pin_to_core() -> None:
     """With ``BENCH_PIN=1``, binds this worker to one core: ``BENCH_CORE``, else ``LOCAL_RANK``.
 
     Pinned, both sides of a comparison get the same placement of workers and gloo threads. On
-    the 2-core machine it did not narrow the rep-to-rep spread (``benchmarks/RESULTS.md``).
+    the 2-core machine it made no measurable difference (``benchmarks/RESULTS.md``).
     """
     if os.environ.get("BENCH_PIN") != "1":
         return
