@@ -80,3 +80,97 @@ def test_rendezvous_config_rejects_contradictory_limits(spec):
 def test_assigning_ranks_to_nobody_is_an_error():
     with pytest.raises(ValueError, match="at least one"):
         assign_ranks([], [], 1, None)
+
+
+def test_a_join_request_survives_its_json_round_trip_with_the_revision_from_etcd():
+    request = JoinRequest("a", 7, "failure", "10.0.0.1", 29500, revision=3)
+    raw = request.to_json()
+    assert "revision" not in raw
+    assert JoinRequest.from_json(raw.encode(), 42) == JoinRequest("a", 7, "failure", "10.0.0.1",
+                                                                  29500, revision=42)
+
+
+def test_a_plan_with_defaults_survives_its_json_round_trip():
+    plan = Plan(round=1, ranks=["a"])
+    assert Plan.from_json(plan.to_json().encode()) == plan
+    assert plan.spares == [] and plan.versions == {} and plan.world_size == 1
+
+
+def test_a_round_closes_once_min_workers_joined_and_settled():
+    rule = CloseRule(min_workers=2, max_workers=None, settle_s=0.5)
+    assert not should_close([req("a")], {"a"}, False, 100.0, rule)
+    assert should_close([req("a"), req("b")], {"a", "b"}, False, 0.5, rule)
+
+
+def test_a_reformation_below_min_workers_does_not_close_even_after_a_failure():
+    rule = CloseRule(min_workers=3, max_workers=None, settle_s=0.5)
+    joins = [req("a", reason="failure"), req("b", reason="change")]
+    assert not should_close(joins, {"a", "b"}, True, 100.0, rule)
+
+
+def test_a_first_round_with_more_joiners_than_max_workers_closes_at_once():
+    rule = CloseRule(min_workers=1, max_workers=2, settle_s=0.5)
+    assert should_close([req("a"), req("b"), req("c")], {"a", "b", "c"}, False, 0.0, rule)
+
+
+def test_a_full_first_round_still_waits_for_a_live_member_that_has_not_asked_yet():
+    rule = CloseRule(min_workers=1, max_workers=2, settle_s=0.5)
+    assert not should_close([req("a"), req("b")], {"a", "b", "c"}, False, 100.0, rule)
+
+
+def test_the_settle_window_closes_exactly_at_its_length():
+    joins = [req("a"), req("b")]
+    assert not should_close(joins, {"a", "b"}, False, 0.4999, RULE)
+    assert should_close(joins, {"a", "b"}, False, 0.5, RULE)
+
+
+def test_a_single_failure_report_among_changes_closes_without_the_dead_after_the_settle():
+    joins = [req("a", reason="change"), req("b", reason="failure")]
+    assert not should_close(joins, {"a", "b", "dead"}, True, 0.4, RULE)
+    assert should_close(joins, {"a", "b", "dead"}, True, 0.5, RULE)
+
+
+def test_changes_without_a_failure_wait_for_every_live_member_however_long():
+    joins = [req("a", reason="change"), req("b", reason="change")]
+    assert not should_close(joins, {"a", "b", "dead"}, True, 1e6, RULE)
+
+
+def test_a_newer_version_outranks_the_previous_order():
+    plan = assign_ranks([req("a", 3), req("b", 3), req("new", 4, revision=9)], ["a", "b"], 2,
+                        None)
+    assert plan.ranks == ["new", "a", "b"]
+    assert plan.master_addr == "addr-new" and plan.master_port == 1009
+
+
+def test_a_newer_version_is_never_cut_as_a_spare():
+    plan = assign_ranks([req("a", 1), req("b", 1), req("new", 2, revision=5)], ["a", "b"], 2, 2)
+    assert plan.ranks == ["new", "a"] and plan.spares == ["b"]
+
+
+def test_spares_are_ordered_like_ranks_and_keep_their_versions():
+    requests = [req("a", 5, revision=1), req("s2", 1, revision=3), req("s1", 1, revision=2),
+                req("b", 5, revision=4)]
+    plan = assign_ranks(requests, [], 1, 2)
+    assert plan.ranks == ["a", "b"] and plan.spares == ["s1", "s2"]
+    assert plan.versions == {"a": 5, "b": 5, "s1": 1, "s2": 1}
+
+
+def test_no_max_workers_means_no_spares():
+    plan = assign_ranks([req(m, revision=i) for i, m in enumerate("abcdefgh")], [], 1, None)
+    assert plan.world_size == 8 and plan.spares == []
+
+
+def test_newcomers_rank_after_the_previous_members_in_arrival_order_whatever_their_names():
+    requests = [req("z-new", 1, revision=2), req("a-new", 1, revision=7), req("m", 1, revision=9)]
+    plan = assign_ranks(requests, ["m"], 2, None)
+    assert plan.ranks == ["m", "z-new", "a-new"]
+
+
+def test_full_ties_fall_back_to_the_member_id_so_every_member_computes_the_same_plan():
+    forward = [req("b", 1, revision=4), req("a", 1, revision=4), req("c", 1, revision=4)]
+    assert assign_ranks(forward, [], 1, None).ranks == ["a", "b", "c"]
+    assert assign_ranks(forward[::-1], [], 1, None).ranks == ["a", "b", "c"]
+
+
+def test_the_plan_carries_its_round_number():
+    assert assign_ranks([req("a")], [], 17, None).round == 17
