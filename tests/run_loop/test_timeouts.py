@@ -1,9 +1,11 @@
-"""The one timeout table: defaults, environment overrides, flags, and the order it enforces."""
+"""The one timeout table: defaults, environment overrides, flags, the order it enforces, and
+no literal timeout anywhere else in the cluster and launch layers."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import shutil
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from elastic.launch.cli import _run_parser, _timeouts, join_command
 from elastic.launch.launcher import LaunchSpec
 from elastic.settings import WorkerSettings
 from elastic.timeouts import Timeouts
+from tests.support.timeout_literals import literal_timeouts
 
 pytestmark = pytest.mark.unit
 S = timedelta(seconds=1)
@@ -183,3 +186,58 @@ def test_the_readme_lists_every_variable_in_its_timeouts_section():
     missing = [Timeouts.env_name(n) for n in NAMES if Timeouts.env_name(n) not in section]
     assert not missing, f"README's Timeouts section lacks {missing}"
 
+
+# -- no literal timeout outside the table -------------------------------------------------------
+
+PLACES = ("elastic/cluster", "elastic/launch", "elastic/signals.py")
+# The report reads finished event files: its windows are over recorded times, not waits.
+ALLOWED = frozenset({("elastic/launch/report.py", "parameter window_s defaults to a literal"),
+                     ("elastic/launch/report.py", "parameter gap_s defaults to a literal")})
+
+
+def test_the_cluster_launch_and_signal_code_has_no_literal_timeout():
+    found = literal_timeouts(REPO, PLACES, ALLOWED)
+    assert not found, "literal timeouts (take them from elastic.timeouts.Timeouts):\n" + \
+        "\n".join(map(str, found))
+
+
+@pytest.fixture
+def source_copy(tmp_path: Path) -> Path:
+    shutil.copytree(REPO / "elastic", tmp_path / "elastic",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+@pytest.mark.parametrize(("module", "planted", "what"), [
+    ("elastic/cluster/membership.py", "GRACE = timedelta(seconds=5)", "timedelta(...)"),
+    ("elastic/cluster/rendezvous.py", "def f(e):\n    e.wait(timeout=2.5)", "timeout=<literal>"),
+    ("elastic/cluster/etcd_client.py", "def f(f, t):\n    f.result(timeout=t + 5)",
+     "timeout=<literal>"),
+    ("elastic/launch/worker_procs.py", "_POLL_S = 0.1", "_POLL_S = <literal>"),
+    ("elastic/launch/launcher.py", "_JOIN_TIMEOUT = 2 * 60", "_JOIN_TIMEOUT = <literal>"),
+    ("elastic/launch/plain.py", "def f(t):\n    t.join(5)", "join(<literal>)"),
+    ("elastic/launch/status.py", "def f(timeout_s=3.0):\n    pass",
+     "parameter timeout_s defaults to a literal"),
+    ("elastic/launch/embedded_etcd.py", "import time\ntime.sleep(0.05)", "sleep(<literal>)"),
+    ("elastic/cluster/etcd_store.py", "import tenacity\nw = tenacity.wait_exponential_jitter("
+     "max=2.0)", "wait_exponential_jitter(...)"),
+    ("elastic/cluster/process_group.py", "def f(backoff_s):\n    return min(1.0, backoff_s)",
+     "min(...) bounds a duration"),
+    ("elastic/cluster/etcd_client.py", "OPTIONS = {'grpc.keepalive_time_ms': 5000}",
+     "'grpc.keepalive_time_ms': <literal>"),
+    ("elastic/signals.py", "class K:\n    join_s: float = 5.0", "join_s = <literal>"),
+])
+def test_a_planted_literal_timeout_is_reported(source_copy, module, planted, what):
+    target = source_copy / module
+    target.write_text(target.read_text() + "\n\n" + planted + "\n")
+    found = literal_timeouts(source_copy, PLACES, ALLOWED)
+    assert len(found) == 1, found
+    assert what in found[0].what and found[0].path == target
+
+
+def test_clamps_zero_and_table_values_are_not_literal_timeouts(source_copy):
+    target = source_copy / "elastic" / "cluster" / "agreement_channel.py"
+    target.write_text(target.read_text() + "\n\ndef f(e, t, left, table):\n"
+                      "    e.wait(timeout=max(left, 0.001))\n    t.join(timeout=0)\n"
+                      "    e.wait(table.wake.total_seconds())\n    x_s = 2 * table.wake\n")
+    assert literal_timeouts(source_copy, PLACES, ALLOWED) == []
