@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from types import MappingProxyType
 from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 from typing import Any
@@ -133,14 +134,14 @@ class Timeouts:
     embedded etcd (another process, with nothing to wait on)."""
 
     #: The fields ``elastic run`` takes as flags (in seconds), with their help.
-    FLAGS = {
+    FLAGS = MappingProxyType({
         "lease_ttl": "seconds without a keepalive before a worker is dropped",
         "settle": "seconds a round waits for more joiners once it could close",
         "rendezvous": "seconds a round may wait for --min-workers",
         "form": "seconds forming a round's process group may take",
         "collective": "backstop on any collective, behind the failure detectors",
         "grace": "seconds workers get to leave after Ctrl-C/SIGTERM",
-    }
+    })
 
     def __post_init__(self) -> None:
         self.validate()
