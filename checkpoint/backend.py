@@ -9,18 +9,20 @@ of the project.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import IO, Any
+from datetime import timedelta
+from typing import IO, Any, Concatenate, ParamSpec, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import known_implementations
 from tenacity import (
+    Retrying,
     before_sleep_log,
-    retry,
     retry_if_exception_type,
     stop_after_attempt,
     stop_after_delay,
@@ -35,13 +37,33 @@ logger = logging.getLogger(__name__)
 #: permission denied, a full disk) is reported at once.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
 
-io_retry = retry(
-    stop=stop_after_delay(60) | stop_after_attempt(5),
-    retry=retry_if_exception_type(TRANSIENT_ERRORS),
-    wait=wait_exponential_jitter(max=5.0, jitter=0.5),  # 1 s, 2 s, 4 s (+ up to 0.5 s)
-    before_sleep=before_sleep_log(logger, logging.WARNING),
-    reraise=True,
-)
+#: How long one storage call retries transient errors before its error is raised, unless the
+#: caller chooses (``CheckpointStore(retry_for=...)``; ``ElasticState`` passes its timeout
+#: table's ``storage_retry``). The one place this layer names it.
+DEFAULT_RETRY_FOR = timedelta(seconds=60)
+_ATTEMPTS = 5  # at most, within the deadline
+_FIRST_PAUSE_S, _LONGEST_PAUSE_S, _JITTER_S = 1.0, 5.0, 0.5  # 1 s, 2 s, 4 s (+ up to 0.5 s)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def io_retry(call: Callable[Concatenate[Storage, P], T]) -> Callable[Concatenate[Storage, P], T]:
+    """Retries ``call`` on transient errors, up to its storage's ``retry_for`` (the first
+    argument of ``call`` is the ``Storage``: ``self`` of its methods, or a function's own)."""
+    @functools.wraps(call)
+    def retried(storage: Storage, *args: P.args, **kwargs: P.kwargs) -> T:
+        retrying = Retrying(
+            stop=stop_after_delay(storage.retry_for.total_seconds())
+            | stop_after_attempt(_ATTEMPTS),
+            retry=retry_if_exception_type(TRANSIENT_ERRORS),
+            wait=wait_exponential_jitter(multiplier=_FIRST_PAUSE_S, max=_LONGEST_PAUSE_S,
+                                         jitter=_JITTER_S),
+            before_sleep=before_sleep_log(logger, logging.WARNING),
+            reraise=True,
+        )
+        return retrying(call, storage, *args, **kwargs)
+    return retried
 
 
 def _install_hint(protocol: str) -> str:
@@ -90,10 +112,16 @@ class Storage:
     Attributes:
         fs: The fsspec filesystem.
         root: The root path inside ``fs`` (no protocol, no trailing slash).
+        retry_for: How long one call retries transient errors before raising.
     """
 
     fs: Any
     root: str
+    retry_for: timedelta = DEFAULT_RETRY_FOR
+
+    def __post_init__(self) -> None:
+        if self.retry_for <= timedelta(0):
+            raise ValueError(f"retry_for ({self.retry_for}) must be positive.")
 
     @property
     def is_local(self) -> bool:

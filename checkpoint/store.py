@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from elastic.checkpoint.backend import Storage, resolve_filesystem
+from elastic.checkpoint.backend import DEFAULT_RETRY_FOR, Storage, resolve_filesystem
 from elastic.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -57,18 +57,22 @@ class CheckpointStore:
         keep: How many complete checkpoints to keep (older ones are deleted once a newer one is
             complete); ``None`` keeps all.
         storage_options: Passed to the fsspec filesystem (credentials, ``endpoint_url`` ...).
+        retry_for: How long one storage call retries transient errors (a dropped connection, a
+            timeout) before its error is raised; ``backend.DEFAULT_RETRY_FOR`` (60 s) unless
+            given.
 
     Raises:
-        ValueError: ``keep`` is not a positive int or None.
+        ValueError: ``keep`` is not a positive int or None, or ``retry_for`` is not positive.
         CheckpointBackendError: The URL's scheme is unknown or its package is not installed.
     """
 
     def __init__(self, url: str, keep: int | None = 3,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None,
+                 retry_for: timedelta = DEFAULT_RETRY_FOR) -> None:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep ({keep!r}) must be an int >= 1, or None to keep all.")
         fs, root = resolve_filesystem(url, dict(storage_options or {}))
-        self._storage = Storage(fs, root)
+        self._storage = Storage(fs, root, retry_for)
         self._url = url
         self._keep = keep
         self._lock = threading.Lock()

@@ -14,23 +14,32 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterable
+from datetime import timedelta
+
+from elastic.timeouts import Timeouts
 
 __all__ = ["relay_signals"]
 
-_JOIN_S = 5.0  # how long restoring waits for the relay thread to finish its last callback
-
 
 def relay_signals(signals: Iterable[signal.Signals], callback: Callable[[signal.Signals], None],
-                  name: str) -> Callable[[], None]:
+                  name: str, join_timeout: timedelta | None = None) -> Callable[[], None]:
     """Routes ``signals`` to ``callback``, called on a thread named ``name`` in arrival order.
 
     Only the main thread can install signal handlers; from any other thread this does nothing.
+
+    Args:
+        signals: the signals to route.
+        callback: called with each signal, on the relay thread.
+        name: the relay thread's name.
+        join_timeout: how long restoring waits for the relay thread to finish its last callback
+            (default: ``Timeouts.shutdown``).
 
     Returns:
         A function that puts the previous handlers back and ends the relay thread.
     """
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
+    join_s = (join_timeout or Timeouts().shutdown).total_seconds()
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     open_fd = [write_fd]  # emptied by restore(); read by the handler without a lock
@@ -59,6 +68,6 @@ def relay_signals(signals: Iterable[signal.Signals], callback: Callable[[signal.
         if open_fd:
             os.close(open_fd.pop())
         if thread is not threading.current_thread():
-            thread.join(timeout=_JOIN_S)
+            thread.join(timeout=join_s)
 
     return restore

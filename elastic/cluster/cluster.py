@@ -46,8 +46,7 @@ class Cluster:
         self.events = events
         self.keys = JobKeys(settings.job_id)
         timeouts = settings.timeouts
-        self.client = EtcdClient(settings.etcd, retry_for=timeouts.etcd_retry,
-                                 rpc_timeout=timeouts.etcd_rpc)
+        self.client = EtcdClient(settings.etcd, timeouts=timeouts)
         etcd_ports = frozenset(port for _, port in parse_endpoints(settings.etcd))
         self.group = ProcessGroup(resolve_backend(settings.backend), timeout=timeouts.collective,
                                   skip_ports=etcd_ports, form_timeout=timeouts.form)

@@ -34,14 +34,21 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _TRANSIENT = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, aetcd.InternalError)
-# gRPC's default reconnect backoff waits long after an outage; these recover at once.
-_GRPC_OPTIONS = {
-    "grpc.initial_reconnect_backoff_ms": 200,
-    "grpc.min_reconnect_backoff_ms": 200,
-    "grpc.max_reconnect_backoff_ms": 1000,
-    "grpc.keepalive_time_ms": 5000,
-    "grpc.keepalive_timeout_ms": 2000,
-}
+
+
+def _grpc_options(timeouts: Timeouts) -> dict[str, int]:
+    """gRPC channel options from the table. gRPC's default reconnect backoff waits long after an
+    outage (up to minutes); these recover at once, and pings find a dead connection."""
+    def ms(value: timedelta) -> int:
+        return round(value.total_seconds() * 1000)
+
+    return {
+        "grpc.initial_reconnect_backoff_ms": ms(timeouts.reconnect),
+        "grpc.min_reconnect_backoff_ms": ms(timeouts.reconnect),
+        "grpc.max_reconnect_backoff_ms": ms(timeouts.backoff_max),
+        "grpc.keepalive_time_ms": ms(timeouts.etcd_ping),
+        "grpc.keepalive_timeout_ms": ms(timeouts.etcd_ping_timeout),
+    }
 
 
 @dataclass(frozen=True)
@@ -89,18 +96,22 @@ class EtcdClient:
 
     Args:
         urls: comma-separated client URLs of the etcd cluster.
-        retry_for: how long an operation retries transient errors before giving up
-            (default: ``Timeouts.etcd_retry``).
-        rpc_timeout: the deadline of one RPC (default: ``Timeouts.etcd_rpc``).
+        timeouts: the job's table: one RPC's deadline (``etcd_rpc``), the retry deadline
+            (``etcd_retry``), the pauses between retries and reconnections, pings, and how long
+            closing waits (default: ``Timeouts()``).
+        retry_for: how long an operation retries transient errors before giving up, when not
+            ``timeouts.etcd_retry`` (a launcher gives up sooner: ``timeouts.connect``).
     """
 
-    def __init__(self, urls: str, *, retry_for: timedelta | None = None,
-                 rpc_timeout: timedelta | None = None) -> None:
-        defaults = Timeouts()
+    def __init__(self, urls: str, *, timeouts: Timeouts | None = None,
+                 retry_for: timedelta | None = None) -> None:
+        self.timeouts = timeouts or Timeouts()
         self.urls = urls
         self._endpoints = parse_endpoints(urls)
-        self._retry_for = retry_for or defaults.etcd_retry
-        self._rpc_timeout_s = (rpc_timeout or defaults.etcd_rpc).total_seconds()
+        self._retry_for = retry_for or self.timeouts.etcd_retry
+        self._rpc_timeout_s = self.timeouts.etcd_rpc.total_seconds()
+        # Beyond one RPC's deadline: how long a caller waits for the loop thread's reply.
+        self._shutdown_s = self.timeouts.shutdown.total_seconds()
         self._endpoint_index = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="elastic-etcd",
@@ -112,13 +123,13 @@ class EtcdClient:
     # -- plumbing ---------------------------------------------------------------------------
     def _submit(self, coro: Coroutine[Any, Any, T]) -> T:
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return future.result(timeout=self._rpc_timeout_s + 5)
+        return future.result(timeout=self._rpc_timeout_s + self._shutdown_s)
 
     async def _connected(self) -> aetcd.Client:
         if self._client is None:
             host, port = self._endpoints[self._endpoint_index % len(self._endpoints)]
             client = aetcd.Client(host=host, port=port, timeout=self._rpc_timeout_s,
-                                  options=_GRPC_OPTIONS)
+                                  options=_grpc_options(self.timeouts))
             await client.connect()
             self._client = client
         return self._client
@@ -143,10 +154,13 @@ class EtcdClient:
                     await self._fail_over()
                 raise
 
+        backoff_s = self.timeouts.backoff.total_seconds()
+        backoff_max_s = self.timeouts.backoff_max.total_seconds()
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_delay(self._retry_for.total_seconds()),
             retry=tenacity.retry_if_exception_type(_TRANSIENT),
-            wait=tenacity.wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.05),
+            wait=tenacity.wait_exponential_jitter(multiplier=backoff_s, max=backoff_max_s,
+                                                  jitter=backoff_s),
             before_sleep=tenacity.before_sleep_log(log, logging.DEBUG),
             reraise=True,
         )
@@ -270,7 +284,7 @@ class EtcdClient:
         def cancel() -> None:
             self._loop.call_soon_threadsafe(stopped.set)
             try:
-                task.result(timeout=self._rpc_timeout_s + 2)
+                task.result(timeout=self._shutdown_s)
             except (TimeoutError, asyncio.CancelledError):
                 task.cancel()
 
@@ -279,7 +293,9 @@ class EtcdClient:
     async def _watch_forever(self, prefix: str, revision: int,
                              callback: Callable[[list[WatchEvent]], None],
                              stopped: asyncio.Event) -> None:
-        backoff_s = 0.05
+        first_s = self.timeouts.backoff.total_seconds()
+        max_s = self.timeouts.backoff_max.total_seconds()
+        backoff_s = first_s
         while not stopped.is_set():
             try:
                 client = await self._connected()
@@ -289,7 +305,7 @@ class EtcdClient:
                     async for event in watch:
                         seen = _event(event)
                         revision = seen.revision + 1
-                        backoff_s = 0.05
+                        backoff_s = first_s
                         callback([seen])
                 finally:
                     stopper.cancel()
@@ -305,7 +321,7 @@ class EtcdClient:
                 try:
                     await asyncio.wait_for(stopped.wait(), backoff_s)
                 except asyncio.TimeoutError:
-                    backoff_s = min(1.0, backoff_s * 2)
+                    backoff_s = min(max_s, backoff_s * 2)
 
     def close(self) -> None:
         """Closes the connection and stops the loop thread."""
@@ -319,11 +335,12 @@ class EtcdClient:
                 self._client = None
 
         try:
-            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=5)
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(
+                timeout=self._shutdown_s)
         except (TimeoutError, aetcd.ClientError) as exc:
             log.debug("etcd client close: %r", exc)
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=self._shutdown_s)
 
 
 async def _cancel_when(stopped: asyncio.Event, watch: Any) -> None:

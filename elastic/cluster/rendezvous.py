@@ -157,11 +157,14 @@ class Rendezvous:
             if should_close(requests, live, previous is not None, now - last_change, self._rule):
                 self._close(n, requests, previous)
                 continue
-            wake_in = max(0.01, self._rule.settle_s - (now - last_change)) + 0.01
+            # Watch events wake the wait; else the settle deadline (when it is ahead), else the
+            # wake cap (the rendezvous and admit deadlines are checked then).
+            wake_s = self.config.timeouts.wake.total_seconds()
+            settle_left = self._rule.settle_s - (now - last_change)
             with self._changed:
                 if self._epoch == epoch:
-                    wake_s = self.config.timeouts.wake.total_seconds()
-                    self._changed.wait(timeout=min(wake_in, wake_s))
+                    self._changed.wait(timeout=min(settle_left, wake_s) if settle_left > 0
+                                       else wake_s)
 
     def _has_done(self, n: int) -> bool:
         if n < 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import shlex
 import sys
@@ -18,31 +19,17 @@ import uuid
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 from elastic.errors import ElasticError
-
-if TYPE_CHECKING:
-    from elastic.timeouts import Timeouts
+from elastic.timeouts import Timeouts  # the standard library only: keeps `--help` fast
 
 USAGE_ERROR = 2
+# The flags of the timeout table (elastic/timeouts.py), in seconds: field -> flag.
+_TIMEOUT_FLAGS = {field: str(Timeouts.flag_name(field)) for field in Timeouts.FLAGS}
 _VALUE_OPTIONS = {"--etcd", "--job-id", "-n", "--nproc-per-node", "--min-workers",
                   "--max-workers", "--max-restarts", "--checkpoint", "--backend",
-                  "--advertise-addr", "--log-dir", "--lease-ttl", "--grace", "--settle",
-                  "--rendezvous-timeout", "--form-timeout", "--collective-timeout"}
-# Flags that set a field of the timeout table (elastic/timeouts.py), in seconds.
-_TIMEOUT_FLAGS = {
-    "lease_ttl": "seconds without keepalive before a worker is dropped (default 3)",
-    "settle": "seconds a round waits for more joiners once it could close (default 0.5)",
-    "rendezvous_timeout": "seconds a round may wait for --min-workers (default 300)",
-    "form_timeout": "seconds forming a process group may take (default 20)",
-    "collective_timeout": "backstop on any collective, behind the failure detectors "
-                          "(default 1800)",
-    "grace": "seconds workers get to leave after Ctrl-C/SIGTERM (default 30)",
-}
-_TIMEOUT_FIELDS = {"lease_ttl": "lease_ttl", "settle": "settle",
-                   "rendezvous_timeout": "rendezvous", "form_timeout": "form",
-                   "collective_timeout": "collective", "grace": "grace"}
+                  "--advertise-addr", "--log-dir", *_TIMEOUT_FLAGS.values()}
 
 
 class UsageError(ElasticError):
@@ -97,8 +84,12 @@ def _run_parser() -> _Parser:
     p.add_argument("--advertise-addr", default="127.0.0.1",
                    help="the address other nodes reach this node on (default 127.0.0.1)")
     p.add_argument("--log-dir", help="directory for the workers' event files (for `report`)")
-    for dest, help_text in _TIMEOUT_FLAGS.items():
-        p.add_argument("--" + dest.replace("_", "-"), type=float, dest=dest, help=help_text)
+    defaults = Timeouts()
+    for field, flag in _TIMEOUT_FLAGS.items():
+        default_s = getattr(defaults, field).total_seconds()
+        p.add_argument(flag, type=_seconds_argument(default_s), dest=field, metavar="S",
+                       help=f"{Timeouts.FLAGS[field]} (default {default_s:g}; "
+                            f"{Timeouts.env_name(field)})")
     p.add_argument("--plain", action="store_true", help="torchrun-compatible mode for plain "
                    "DDP scripts: RANK/WORLD_SIZE/MASTER_* per generation, restart on failure")
     return p
@@ -121,15 +112,28 @@ def _worker_command(rest: list[str], module: str | None) -> tuple[tuple[str, ...
     return (sys.executable, script, *rest[1:]), Path(script).name
 
 
-def _timeouts(args: argparse.Namespace) -> "Timeouts":
+def _seconds_argument(example_s: float):  # noqa: ANN202 (an argparse type)
+    """An argparse type: a positive, finite number of seconds, as a timedelta."""
+    def parse(raw: str) -> timedelta:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(
+                f"must be a positive number of seconds, e.g. {example_s:g} (got {raw!r})")
+        return timedelta(seconds=value)
+    return parse
+
+
+def _timeouts(args: argparse.Namespace) -> Timeouts:
     """The timeout table: defaults, then ELASTIC_* variables, then the flags given.
 
     Raises:
-        ValueError: a value is not positive or breaks the table's order.
+        ValueError: a variable is malformed, or a value breaks the table's order.
     """
-    from elastic.timeouts import Timeouts  # noqa: PLC0415
-    given = {field: timedelta(seconds=getattr(args, dest))
-             for dest, field in _TIMEOUT_FIELDS.items() if getattr(args, dest) is not None}
+    given = {field: getattr(args, field) for field in _TIMEOUT_FLAGS
+             if getattr(args, field) is not None}
     return Timeouts.from_env(**given)
 
 
@@ -157,7 +161,7 @@ def cmd_run(argv: Sequence[str]) -> int:
             raise UsageError(f"elastic run: {exc}") from None
         return _launch(spec, embedded=False)
     from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: PLC0415
-    server = EmbeddedEtcd().start()
+    server = EmbeddedEtcd(timeouts=spec.timeouts).start()
     try:
         return _launch(_with_etcd(spec, server.url), embedded=True)
     finally:
@@ -187,6 +191,10 @@ def join_command(spec) -> str:  # noqa: ANN001 (LaunchSpec is imported lazily)
         parts += ["--backend", spec.backend]
     if spec.log_dir:
         parts += ["--log-dir", spec.log_dir]
+    defaults = Timeouts()
+    for field, flag in _TIMEOUT_FLAGS.items():  # the same budget on every node
+        if getattr(spec.timeouts, field) != getattr(defaults, field):
+            parts += [flag, f"{getattr(spec.timeouts, field).total_seconds():g}"]
     return shlex.join(parts + list(spec.command[1:]))
 
 
@@ -217,7 +225,7 @@ def cmd_status(argv: Sequence[str]) -> int:
     args = p.parse_args(argv)
     from elastic.launch.status import show  # noqa: PLC0415
     try:
-        return show(args.etcd, args.job_id, as_json=args.json)
+        return show(args.etcd, args.job_id, Timeouts.from_env(), as_json=args.json)
     except ValueError as exc:
         raise UsageError(f"elastic status: {exc}") from None
 
@@ -237,16 +245,19 @@ def cmd_etcd(argv: Sequence[str]) -> int:
     p = _Parser(prog="elastic etcd", description="Run a local etcd on 127.0.0.1.")
     p.add_argument("--data-dir", help="keep etcd's data here (default: a temporary directory)")
     args = p.parse_args(argv)
+    try:
+        timeouts = Timeouts.from_env()
+    except ValueError as exc:
+        raise UsageError(f"elastic etcd: {exc}") from None
     from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: PLC0415
     from elastic.launch.launcher import StopSignal  # noqa: PLC0415
-    stop = StopSignal(threading.Event(), "stopping etcd")
+    stop = StopSignal(threading.Event(), "stopping etcd", shutdown=timeouts.shutdown)
     restore = stop.install()
-    server = EmbeddedEtcd(args.data_dir).start()
+    server = EmbeddedEtcd(args.data_dir, timeouts=timeouts).start()
     try:
         print(f"etcd listening on {server.url}  (Ctrl-C stops it)\nStart workers with:\n"
               f"    elastic run --etcd {server.url} --job-id myjob -n 2 train.py", flush=True)
-        from elastic.timeouts import Timeouts  # noqa: PLC0415
-        wake_s = Timeouts.from_env().wake.total_seconds()
+        wake_s = timeouts.wake.total_seconds()
         while not stop.requested.wait(timeout=wake_s):
             if server.process is None or server.process.poll() is not None:
                 raise ElasticError(f"etcd exited unexpectedly; see {server.log_path}.")

@@ -24,11 +24,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from datetime import timedelta
 from pathlib import Path
 
 from elastic.cluster.ports import free_port
 from elastic.errors import EtcdUnavailableError
+from elastic.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
@@ -71,7 +71,9 @@ class EmbeddedEtcd:
 
     Args:
         data_dir: where etcd keeps its data; a temporary directory (removed on stop) if None.
-        start_timeout: how long to wait for the server to become healthy.
+        timeouts: how long the server may take to become healthy (``etcd_start``), the pause
+            between health requests (``poll``) and each one's timeout (``wake``), and how long
+            stopping waits after SIGTERM and SIGKILL (``shutdown``); default ``Timeouts()``.
         attempts: how many port pairs to try when a port turns out to be taken.
         niceness: how much lower than ours the server's CPU priority is (0: the same).
         go_max_procs: the server's ``GOMAXPROCS`` (None: Go's default, one per core); a
@@ -79,7 +81,7 @@ class EmbeddedEtcd:
     """
 
     def __init__(self, data_dir: str | None = None, *,
-                 start_timeout: timedelta = timedelta(seconds=20), attempts: int = 5,
+                 timeouts: Timeouts | None = None, attempts: int = 5,
                  niceness: int = 10, go_max_procs: int | None = 1) -> None:
         if attempts < 1:
             raise ValueError(f"attempts ({attempts}) must be >= 1.")
@@ -91,7 +93,7 @@ class EmbeddedEtcd:
         self._go_max_procs = go_max_procs
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="elastic-etcd-")
-        self._start_timeout = start_timeout
+        self._timeouts = timeouts or Timeouts()
         self._attempts = attempts
         self.process: subprocess.Popen[bytes] | None = None
         self.client_port = 0
@@ -170,19 +172,23 @@ class EmbeddedEtcd:
                     continue  # that thread ended meanwhile
 
     def _wait_healthy(self) -> bool:
-        deadline = time.monotonic() + self._start_timeout.total_seconds()
+        deadline = time.monotonic() + self._timeouts.etcd_start.total_seconds()
+        probe_s = self._timeouts.wake.total_seconds()
         while time.monotonic() < deadline:
             assert self.process is not None
             if self.process.poll() is not None:
                 return False
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as reply:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=probe_s) as reply:
                     if json.loads(reply.read()).get("health") == "true":
                         return True
             except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
                 pass
-            # Poll interval of a health probe (no event to wait on from another process).
-            time.sleep(0.05)
+            # Nothing to wait on but the server's exit: pause on that until the next probe.
+            try:
+                self.process.wait(timeout=self._timeouts.poll.total_seconds())
+            except subprocess.TimeoutExpired:
+                continue
         return False
 
     def stop(self) -> None:
@@ -218,11 +224,12 @@ class EmbeddedEtcd:
             return
         os.kill(process.pid, signal.SIGCONT)
         process.terminate()
+        shutdown_s = self._timeouts.shutdown.total_seconds()
         try:
-            process.wait(timeout=5)
+            process.wait(timeout=shutdown_s)
         except subprocess.TimeoutExpired:
             process.kill()
-            process.wait(timeout=5)
+            process.wait(timeout=shutdown_s)
 
     def __enter__(self) -> "EmbeddedEtcd":
         return self.start()

@@ -19,6 +19,7 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from elastic.errors import EtcdUnavailableError
 from elastic.cluster.etcd_client import EtcdClient
@@ -114,12 +115,21 @@ class LaunchSpec:
 
 class StopSignal:
     """SIGINT/SIGTERM handling of the launcher: the first asks for a graceful stop, a second
-    one for an immediate kill. ``wake`` is set on either, so that waits end at once."""
+    one for an immediate kill. ``wake`` is set on either, so that waits end at once.
+
+    Args:
+        wake: the Event to set on a signal.
+        message: what the launcher says it does on a signal.
+        shutdown: how long restoring the handlers waits for the relay thread
+            (default: ``Timeouts.shutdown``).
+    """
 
     def __init__(self, wake: threading.Event,
-                 message: str = "asking the workers to leave (again to kill them now)") -> None:
+                 message: str = "asking the workers to leave (again to kill them now)",
+                 shutdown: timedelta | None = None) -> None:
         self.wake = wake
         self.message = message
+        self.shutdown = shutdown
         self.requested = threading.Event()
         self.forced = threading.Event()
 
@@ -129,7 +139,8 @@ class StopSignal:
         The handlers run on a relay thread (``elastic.signals``): setting ``wake`` inside a
         real signal handler deadlocks when the main thread is in the middle of waiting on it.
         """
-        return relay_signals((signal.SIGINT, signal.SIGTERM), self._on_signal, "elastic-signals")
+        return relay_signals((signal.SIGINT, signal.SIGTERM), self._on_signal, "elastic-signals",
+                             self.shutdown)
 
     def _on_signal(self, signum: signal.Signals) -> None:
         if self.requested.is_set():
@@ -171,8 +182,8 @@ class Launcher:
     def __init__(self, spec: LaunchSpec) -> None:
         self.spec = spec
         self.keys = JobKeys(spec.job_id)
-        self.procs = WorkerProcs(spec.command, spec.env)
-        self.stop = StopSignal(self.procs.changed)
+        self.procs = WorkerProcs(spec.command, spec.env, spec.timeouts.reap)
+        self.stop = StopSignal(self.procs.changed, shutdown=spec.timeouts.shutdown)
         self.client: EtcdClient | None = None
         self.membership: EtcdMembership | None = None
 
@@ -186,8 +197,8 @@ class Launcher:
             EtcdUnavailableError: etcd did not answer within the connect timeout.
             JobConfigError: the job runs with another configuration.
         """
-        self.client = EtcdClient(self.spec.etcd, retry_for=self.spec.timeouts.connect,
-                                 rpc_timeout=self.spec.timeouts.etcd_rpc)
+        self.client = EtcdClient(self.spec.etcd, timeouts=self.spec.timeouts,
+                                 retry_for=self.spec.timeouts.connect)
         first = claim(self.client, self.keys, self.spec.job_config())
         self.membership = EtcdMembership(self.client, self.keys.launchers(),
                                          self.spec.advertise_addr,
@@ -262,7 +273,7 @@ class Launcher:
                  "`elastic run --plain`.")
 
     def _shutdown(self, failed: int) -> int:
-        grace = 0.0 if self.stop.forced.is_set() else self.spec.timeouts.grace.total_seconds()
+        grace = timedelta() if self.stop.forced.is_set() else self.spec.timeouts.grace
         self.procs.terminate(grace, cut=self.stop.forced)
         for worker in self.procs.exited():
             if worker.returncode:

@@ -16,6 +16,7 @@ import math
 import socket
 import threading
 from dataclasses import replace
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     from elastic.launch.launcher import Launcher
 
 log = logging.getLogger(__name__)
-
 
 
 class PlainGenerations:
@@ -127,9 +127,9 @@ class PlainGenerations:
             with self._lock:
                 self._armed = None
             stopping, timeouts = self.launcher.stop, self.spec.timeouts
-            procs.terminate(0.0 if stopping.forced.is_set() else
-                            (timeouts.grace if stopping.requested.is_set()
-                             else timeouts.restart_grace).total_seconds(),
+            procs.terminate(timedelta() if stopping.forced.is_set() else
+                            timeouts.grace if stopping.requested.is_set()
+                            else timeouts.restart_grace,
                             cut=stopping.forced)
             procs.exited()
             procs.forget_exited()

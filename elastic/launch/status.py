@@ -90,16 +90,17 @@ def render(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def show(etcd: str, job_id: str, as_json: bool = False) -> int:
+def show(etcd: str, job_id: str, timeouts: Timeouts, as_json: bool = False) -> int:
     """Prints the status of ``job_id``; returns 0 (1 when the job is unknown).
+
+    etcd requests are retried for ``timeouts.connect``.
 
     Raises:
         EtcdUnavailableError: etcd could not be reached.
         ValueError: the URL or job id is malformed.
     """
     keys = JobKeys(job_id)
-    timeouts = Timeouts.from_env()
-    client = EtcdClient(etcd, retry_for=timeouts.connect, rpc_timeout=timeouts.etcd_rpc)
+    client = EtcdClient(etcd, timeouts=timeouts, retry_for=timeouts.connect)
     try:
         status = collect(client, keys)
     finally:

@@ -16,9 +16,9 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 log = logging.getLogger(__name__)
-_TERMINATE_POLL_S = 0.05  # how often the grace wait looks at the workers
 
 
 @dataclass
@@ -50,13 +50,16 @@ class WorkerProcs:
     Args:
         command: the worker command line (``python script.py args`` or ``python -m mod args``).
         env: the environment every worker starts from.
+        reap: how long a worker killed with SIGKILL gets to be reaped before it is reported as
+            a survivor (``Timeouts.reap``).
     """
 
-    def __init__(self, command: Sequence[str], env: Mapping[str, str]) -> None:
+    def __init__(self, command: Sequence[str], env: Mapping[str, str], reap: timedelta) -> None:
         if not command:
             raise ValueError("The worker command is empty.")
         self.command = list(command)
         self.env = dict(env)
+        self.reap = reap
         self.changed = threading.Event()
         self.workers: list[Worker] = []
         self._lock = threading.Lock()
@@ -90,22 +93,28 @@ class WorkerProcs:
                 worker.handled = True
         return fresh
 
-    def terminate(self, grace_s: float, cut: threading.Event | None = None) -> None:
-        """Sends SIGTERM to every running worker, waits up to ``grace_s``, then kills the rest.
+    def terminate(self, grace: timedelta, cut: threading.Event | None = None) -> None:
+        """Sends SIGTERM to every running worker, waits up to ``grace``, then kills the rest.
 
         SIGTERM goes to the worker alone (an ElasticState worker commits and leaves at its next
         commit; its DataLoader workers must not die first); SIGKILL goes to its process group.
-        ``cut`` (a second Ctrl-C) ends the wait at once.
+        ``cut`` (a second Ctrl-C) ends the wait at once; whoever sets it also sets ``changed``
+        (the launcher's ``StopSignal`` does), which is what the wait wakes on, with each exit.
         """
         for worker in self.running():
             _signal(worker.pid, signal.SIGTERM)
         cut = cut or threading.Event()
-        deadline = time.monotonic() + grace_s
-        while self.running() and not cut.is_set() and time.monotonic() < deadline:
-            cut.wait(min(_TERMINATE_POLL_S, max(0.0, deadline - time.monotonic())))
+        deadline = time.monotonic() + grace.total_seconds()
+        while True:
+            self.changed.clear()  # before looking: an exit from now on wakes the wait below
+            left = deadline - time.monotonic()
+            if not self.running() or cut.is_set() or left <= 0:
+                break
+            self.changed.wait(left)
         for worker in self.running():
             log.warning("worker pid=%d did not leave %s; killing it", worker.pid,
-                        "(asked again)" if cut.is_set() else f"within {grace_s:.0f} s")
+                        "(asked again)" if cut.is_set()
+                        else f"within {grace.total_seconds():g} s")
         self.kill()
 
     def kill(self) -> None:
@@ -118,9 +127,10 @@ class WorkerProcs:
             except (ProcessLookupError, PermissionError):
                 pass
             try:
-                worker.proc.wait(timeout=10)
+                worker.proc.wait(timeout=self.reap.total_seconds())
             except subprocess.TimeoutExpired:
-                log.error("worker pid=%d survived SIGKILL for 10 s", worker.pid)
+                log.error("worker pid=%d survived SIGKILL for %g s", worker.pid,
+                          self.reap.total_seconds())
 
     def forget_exited(self) -> None:
         """Drops finished workers (before a new generation of plain workers)."""

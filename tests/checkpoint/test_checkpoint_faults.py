@@ -63,6 +63,24 @@ def test_transient_connection_error_is_retried_and_the_save_completes(faulty_fs,
     assert torch.equal(CheckpointStore(URL).load(ref).state_dict["w"], big_state(1.0)["w"])
 
 
+def test_the_retry_deadline_given_to_the_store_bounds_the_retries(faulty_fs, caplog) -> None:
+    faulty_fs.plan.fail_after_bytes = 10
+    faulty_fs.plan.failures = 1000  # the storage never heals
+    faulty_fs.plan.error = lambda: ConnectionResetError(104, "injected: connection reset")
+    store = CheckpointStore(URL, retry_for=timedelta(seconds=0.1))
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint"), \
+            pytest.raises(CheckpointWriteError):
+        store.save(1, big_state(1.0))
+    # One try, the first pause (1 s), one more try: then the 0.1 s deadline has passed (the
+    # default deadline would allow five tries, four pauses).
+    assert caplog.text.count("Retrying") == 1
+
+
+def test_a_retry_deadline_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="retry_for"):
+        CheckpointStore("memory://deadline", retry_for=timedelta(0))
+
+
 def test_async_save_returns_before_the_write_finishes(faulty_fs) -> None:
     faulty_fs.plan.gate = threading.Event()
     store = CheckpointStore(URL)

@@ -39,12 +39,33 @@ def one_clear_line(text: str, *needles: str) -> None:
     (["run"], ["no script given"]),
     (["frobnicate"], ["unknown command 'frobnicate'"]),
     (["status", "--job-id", "x"], ["--etcd"]),
+    (["run", "--lease-ttl", "-1", WORKER],
+     ["argument --lease-ttl: must be a positive number of seconds, e.g. 3 (got '-1')"]),
+    (["run", "--settle", "soon", WORKER], ["argument --settle", "(got 'soon')"]),
+    (["run", "--form-timeout", "0", WORKER], ["argument --form-timeout", "positive"]),
+    (["run", "--collective-timeout", "nan", WORKER], ["argument --collective-timeout"]),
+    (["run", "--rendezvous-timeout", "inf", WORKER], ["argument --rendezvous-timeout"]),
+    (["run", "--grace=-5", WORKER], ["argument --grace", "(got '-5')"]),
+    (["run", "--lease-ttl", "0.5", WORKER], ["--lease-ttl (0.5 s) must be at least 1 s"]),
+    (["run", "--settle", "400", WORKER],
+     ["--settle (400 s) must be shorter than", "--rendezvous-timeout (300 s)",
+      "lower ELASTIC_SETTLE or raise ELASTIC_RENDEZVOUS_TIMEOUT"]),
+    (["run", "--form-timeout", "30", "--collective-timeout", "20", WORKER],
+     ["--form-timeout (30 s) must be shorter than", "--collective-timeout (20 s)"]),
 ])
 def test_bad_command_lines_get_one_line_and_exit_two(capsys, args, needles):
     # In process (argument checks start nothing); the subprocess path is tested below.
     assert main(args) == 2
     captured = capsys.readouterr()
     one_clear_line(captured.out + captured.err, *needles)
+
+
+def test_a_malformed_timeout_variable_gets_one_line_naming_it(capsys, monkeypatch):
+    monkeypatch.setenv("ELASTIC_FORM_TIMEOUT", "soon")
+    assert main(["run", WORKER]) == 2
+    captured = capsys.readouterr()
+    one_clear_line(captured.out + captured.err, "ELASTIC_FORM_TIMEOUT='soon' must be a number "
+                   "of seconds, e.g. ELASTIC_FORM_TIMEOUT=20.")
 
 
 def test_the_console_entry_point_rejects_an_unknown_flag_in_one_line(cli):
