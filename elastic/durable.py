@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -30,13 +31,16 @@ class DurableCommits:
         url: any fsspec URL (local path, file://, s3://, memory://, ...).
         events: where writes and failures are recorded.
         keep: how many complete checkpoints to keep.
+        retry_for: how long a failing storage operation is retried (the store's default if None).
 
     Raises:
         CheckpointBackendError: the URL's scheme is unknown or its fsspec package is missing.
     """
 
-    def __init__(self, url: str, events: EventLog | None = None, keep: int = 3) -> None:
-        self.store = CheckpointStore(url, keep=keep)
+    def __init__(self, url: str, events: EventLog | None = None, keep: int = 3,
+                 retry_for: timedelta | None = None) -> None:
+        self.store = CheckpointStore(url, keep=keep, retry_for=retry_for) if retry_for \
+            else CheckpointStore(url, keep=keep)
         self.url = url
         self.events = events
         self.last_error: CheckpointError | None = None

@@ -57,8 +57,9 @@ class ElasticState:
         self._callbacks: list[Callable[[ElasticState], None]] = []
         self._leave_requested = threading.Event()
         self._generation = 0
-        self._durable = DurableCommits(self._settings.checkpoint) if self._settings.checkpoint \
-            else None
+        self._durable = DurableCommits(
+            self._settings.checkpoint, retry_for=self._settings.timeouts.storage_retry) \
+            if self._settings.checkpoint else None
         self._warned_not_durable = False
         self._progress_at: float | None = None
         for name, obj in objects.items():
@@ -296,4 +297,5 @@ class ElasticState:
             log.info("signal %s: leaving at the next commit", signum.name)
             self._leave_requested.set()
 
-        return relay_signals((signal.SIGTERM, signal.SIGINT), on_signal, "elastic-signals")
+        return relay_signals((signal.SIGTERM, signal.SIGINT), on_signal, "elastic-signals",
+                             join_timeout=self._settings.timeouts.shutdown)

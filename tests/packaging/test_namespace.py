@@ -60,7 +60,8 @@ def test_a_job_runs_under_elastic_run_beside_a_users_state_and_checkpoint_module
     ckpt = tmp_path / "ckpt"
     done = subprocess.run(
         [sys.executable, "-m", "elastic", "run", "--etcd", etcd.url, "--job-id",
-         f"shadow-{tmp_path.name}", "-n", "2", "--checkpoint", str(ckpt), str(script)],
+         f"shadow-{tmp_path.name}", "-n", "2", "--min-workers", "2", "--checkpoint", str(ckpt),
+         str(script)],
         cwd=tmp_path, env=loopback_env(), capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(line[line.index("{"):]) for line in done.stdout.splitlines()
