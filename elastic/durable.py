@@ -19,6 +19,7 @@ import torch
 
 from elastic.checkpoint import (CheckpointError, CheckpointNotFoundError, CheckpointRef,
                                 CheckpointStore, check_compatible)
+from elastic.checkpoint.backend import DEFAULT_RETRY_FOR
 from elastic.events import EventLog
 
 log = logging.getLogger(__name__)
@@ -31,16 +32,15 @@ class DurableCommits:
         url: any fsspec URL (local path, file://, s3://, memory://, ...).
         events: where writes and failures are recorded.
         keep: how many complete checkpoints to keep.
-        retry_for: how long a failing storage operation is retried (the store's default if None).
+        retry_for: how long a failing storage operation is retried.
 
     Raises:
         CheckpointBackendError: the URL's scheme is unknown or its fsspec package is missing.
     """
 
     def __init__(self, url: str, events: EventLog | None = None, keep: int = 3,
-                 retry_for: timedelta | None = None) -> None:
-        self.store = CheckpointStore(url, keep=keep, retry_for=retry_for) if retry_for \
-            else CheckpointStore(url, keep=keep)
+                 retry_for: timedelta = DEFAULT_RETRY_FOR) -> None:
+        self.store = CheckpointStore(url, keep=keep, retry_for=retry_for)
         self.url = url
         self.events = events
         self.last_error: CheckpointError | None = None

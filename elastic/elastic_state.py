@@ -52,7 +52,7 @@ class ElasticState:
         self._settings = WorkerSettings.resolve(etcd=etcd, job_id=job_id,
                                                 min_workers=min_workers,
                                                 max_workers=max_workers, checkpoint=checkpoint)
-        self._train = TrainState()
+        self._train = TrainState.stored_in(self.__dict__)  # registered names are attributes
         self._cluster: Cluster | None = None
         self._callbacks: list[Callable[[ElasticState], None]] = []
         self._leave_requested = threading.Event()
@@ -62,15 +62,13 @@ class ElasticState:
             if self._settings.checkpoint else None
         self._warned_not_durable = False
         self._progress_at: float | None = None
+        self._progress_every_s = self._settings.timeouts.progress.total_seconds()
         for name, obj in objects.items():
             self.register(name, obj)
 
     # -- the registered objects, held by the TrainState --------------------------------------
     def __getattr__(self, name: str) -> Any:
-        # Called only when normal lookup fails: Stateful objects sit in __dict__ already.
-        train = self.__dict__.get("_train")
-        if train is not None and name in train:
-            return getattr(train, name)
+        # Called only when normal lookup fails: registered objects sit in __dict__.
         raise AttributeError(f"ElasticState has no attribute or registered object {name!r}.")
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -89,8 +87,6 @@ class ElasticState:
         if hasattr(type(self), name):
             raise ValueError(f"name {name!r} clashes with ElasticState.{name}; choose another name.")
         self._train.register(name, obj)
-        if name in self._train.stateful_objects():
-            self.__dict__[name] = obj  # never replaced, so reading it is a plain attribute read
 
     @property
     def train_state(self) -> TrainState:
@@ -217,9 +213,8 @@ class ElasticState:
         at most, for ``elastic report``'s steps/s."""
         cluster = self._cluster
         now = time.monotonic()
-        every_s = self._settings.timeouts.progress.total_seconds()
         if cluster is None or self.rank != 0 or (
-                self._progress_at is not None and now - self._progress_at < every_s):
+                self._progress_at is not None and now - self._progress_at < self._progress_every_s):
             return
         self._progress_at = now
         step = self._train.value_of("step")

@@ -78,8 +78,9 @@ class TrainState:
     """
 
     def __init__(self, **objects: Any) -> None:
+        self._storage: dict[str, Any] | None = None  # None: this instance's own __dict__
         self._stateful: dict[str, Any] = {}
-        self._value_names: dict[str, None] = {}  # an ordered set; the values sit in __dict__
+        self._value_names: dict[str, None] = {}  # an ordered set; the values sit in storage
         self._commit: dict[str, Any] | None = None
         self._version = 0
         for name, obj in objects.items():
@@ -87,19 +88,40 @@ class TrainState:
 
     # -- the attribute routing: the one place plain values become attributes ---------------
     #
-    # Every registered object lives in the instance ``__dict__`` under its name, so reading it
-    # is a plain attribute read (a training loop reads ``state.step`` several times a step;
-    # going through ``__getattr__`` costs a Python call per read). ``_stateful`` and ``_value_names``
-    # say which names are registered and of which kind.
+    # Every registered object lives in the instance ``__dict__`` under its name (or in the
+    # ``__dict__`` of the object it is ``stored_in``), so reading it is a plain attribute read
+    # (a training loop reads ``state.step`` several times a step; going through ``__getattr__``
+    # costs a failed lookup and a Python call per read). ``_stateful`` and ``_value_names`` say
+    # which names are registered and of which kind.
+
+    @classmethod
+    def stored_in(cls, storage: dict[str, Any]) -> "TrainState":
+        """An empty TrainState whose registered objects live in ``storage``.
+
+        ``storage`` is the ``__dict__`` of the object that holds this state (``ElasticState``),
+        so that the registered names read as that object's own plain attributes.
+        """
+        state = cls()
+        state._storage = storage
+        return state
+
+    def _objects(self) -> dict[str, Any]:
+        """Where the registered objects live, by name."""
+        storage = self.__dict__["_storage"]
+        return self.__dict__ if storage is None else storage
 
     def __getattr__(self, name: str) -> Any:
-        # Called only when normal lookup fails: the name is not registered.
+        # Called only when normal lookup fails: the name is not registered here, or it lives
+        # in another object's storage.
+        own = self.__dict__
+        if name in own.get("_stateful", ()) or name in own.get("_value_names", ()):
+            return self._objects()[name]
         raise AttributeError(f"{type(self).__name__} has no attribute or registered object {name!r}.")
 
     def __setattr__(self, name: str, value: Any) -> None:
         registry = self.__dict__
         if name in registry.get("_value_names", ()):
-            registry[name] = value
+            self._objects()[name] = value
         elif name.startswith("_") or isinstance(getattr(type(self), name, None), property):
             object.__setattr__(self, name, value)
         elif name in registry.get("_stateful", ()):
@@ -118,11 +140,12 @@ class TrainState:
 
     def _plain_values(self) -> dict[str, Any]:
         """The registered plain values by name, in registration order."""
-        return {name: self.__dict__[name] for name in self._value_names}
+        objects = self._objects()
+        return {name: objects[name] for name in self._value_names}
 
     def value_of(self, name: str) -> Any:
         """The registered plain value ``name``, or None when no plain value has that name."""
-        return self.__dict__[name] if name in self._value_names else None
+        return self._objects()[name] if name in self._value_names else None
 
     def stateful_objects(self) -> dict[str, Any]:
         """The registered Stateful objects by name, in registration order."""
@@ -157,7 +180,7 @@ class TrainState:
         else:
             _check_plain(name, obj)
             self._value_names = {**self._value_names, name: None}
-        self.__dict__[name] = obj
+        self._objects()[name] = obj
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -216,8 +239,9 @@ class TrainState:
         self._check_names(self._commit)
         for name, obj in self._stateful.items():
             obj.load_state_dict(snapshot(self._commit[name]))
+        objects = self._objects()
         for name in self._value_names:
-            self.__dict__[name] = _restore_value(self._commit[name], self.__dict__[name])
+            objects[name] = _restore_value(self._commit[name], objects[name])
 
     def committed(self) -> dict[str, Any]:
         """Returns the current commit as ``{"version": int, "objects": {name: state}}``.

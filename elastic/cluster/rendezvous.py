@@ -34,18 +34,6 @@ class RendezvousConfig:
     max_workers: int | None = None
     timeouts: Timeouts = Timeouts()
 
-    @property
-    def settle(self) -> timedelta:
-        return self.timeouts.settle
-
-    @property
-    def timeout(self) -> timedelta:
-        return self.timeouts.rendezvous
-
-    @property
-    def admit_timeout(self) -> timedelta:
-        return self.timeouts.admit
-
     def __post_init__(self) -> None:
         if self.min_workers < 1:
             raise ValueError(f"min_workers ({self.min_workers}) must be >= 1.")
@@ -84,7 +72,7 @@ class Rendezvous:
         self._keys: JobKeys = membership.keys
         self.config = config
         self._rule = CloseRule(config.min_workers, config.max_workers,
-                               config.settle.total_seconds())
+                               config.timeouts.settle.total_seconds())
         self._changed = threading.Condition()
         self._epoch = 0
         membership.add_listener(self._on_events)
@@ -185,15 +173,15 @@ class Rendezvous:
             short_since = None
         elif short_since is None:
             short_since = now
-        timeout_s = self.config.timeout.total_seconds()
+        timeout_s = self.config.timeouts.rendezvous.total_seconds()
         if short_since is not None and now - short_since > timeout_s:
             raise RendezvousTimeoutError(
                 f"Round {n}: only {len(requests)} of min_workers={self.config.min_workers} "
                 f"worker(s) joined within {timeout_s:.0f} s. Start more workers, or lower "
                 "--min-workers / ELASTIC_MIN_WORKERS.")
-        if now - started > self.config.admit_timeout.total_seconds():
+        if now - started > self.config.timeouts.admit.total_seconds():
             raise RendezvousTimeoutError(
-                f"Round {n} did not form within {self.config.admit_timeout}: the running members "
+                f"Round {n} did not form within {self.config.timeouts.admit}: the running members "
                 "admit new workers only at state.commit() or state.check_membership().")
         return short_since
 
