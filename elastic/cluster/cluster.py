@@ -24,6 +24,7 @@ from elastic.cluster.membership import EtcdMembership
 from elastic.cluster.monitor import ChangeMonitor
 from elastic.cluster.process_group import ProcessGroup, resolve_backend
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
+from elastic.cluster.round_links import RoundLinks
 from elastic.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,7 @@ class Cluster:
         self.config = RendezvousConfig(min_workers=settings.min_workers,
                                        max_workers=settings.max_workers, timeouts=timeouts)
         self.topology: Topology | None = None
-        self.channel = AgreementChannel(0, 1, self.group.timeout)  # replaced at every round
-        self._store: EtcdStore | None = None
+        self.links = RoundLinks(self.group, AgreementChannel(0, 1, self.group.timeout))
         self.membership: EtcdMembership
         self.rendezvous: Rendezvous
         self.monitor: ChangeMonitor
@@ -77,16 +77,13 @@ class Cluster:
         self.release(reason)
 
     def release(self, reason: str) -> None:
-        """Unblocks every collective and agreement of the round now; safe from any thread.
+        """Unblocks every collective and agreement of the round now; safe from any thread."""
+        self.links.release(reason)
 
-        The channel and the store first: releasing them only shuts sockets down and wakes
-        waiters, while releasing an NCCL group aborts communicators and can take a while.
-        """
-        self.channel.release(reason)
-        store = self._store
-        if store is not None:
-            store.abort(reason)  # a group still forming stops waiting for the member
-        self.group.release(reason)
+    @property
+    def channel(self) -> AgreementChannel:
+        """The agreement channel of the current round."""
+        return self.links.channel  # type: ignore[return-value]
 
     @property
     def member_id(self) -> str:
@@ -138,16 +135,16 @@ class Cluster:
                          world_size=topology.world_size)
         self.events.emit("round_formed", reason=reason, rendezvous_s=waited.seconds)
         with Stopwatch() as formed:
-            self._store = EtcdStore(self.client, topology.store_prefix,
-                                    self.settings.timeouts.store)
+            store = EtcdStore(self.client, topology.store_prefix, self.settings.timeouts.store)
+            self.links.open(store, AgreementChannel(topology.rank, topology.world_size,
+                                                    self.group.timeout))
             self.topology = topology
-            self.channel = AgreementChannel(topology.rank, topology.world_size, self.group.timeout)
             self.monitor.arm(topology, self.client)  # a member dying now aborts the forming
-            self._connect(topology)
+            self._connect(topology, store)
         self.events.emit("group_formed", backend=self.group.backend, form_s=formed.seconds)
         return topology
 
-    def _connect(self, topology: Topology) -> None:
+    def _connect(self, topology: Topology, store: EtcdStore) -> None:
         """Forms the round's group and agreement channel.
 
         Raises:
@@ -155,20 +152,16 @@ class Cluster:
                 others connected (torch raises a ``RuntimeError`` or ``DistError`` then).
         """
         try:
-            self.group.form(self._store, topology.rank, topology.world_size)
-            self.channel.connect(self._store, self.settings.advertise_addr, topology.round,
+            self.group.form(store, topology.rank, topology.world_size)
+            self.channel.connect(store, self.settings.advertise_addr, topology.round,
                                  self.group.form_timeout)
         except RuntimeError as exc:  # torch's DistError family derives from RuntimeError
             raise PeerFailureError(f"forming the group of round {topology.round} failed: "
                                    f"{exc}") from exc
 
     def _drop_group(self) -> None:
-        self.channel.close()
-        self.group.destroy()
+        self.links.drop()
         self.topology = None
-        if self._store is not None:
-            self._store.close()
-            self._store = None
 
     def publish_checkpoint(self, ref: Any) -> None:
         """Records the newest durable checkpoint in etcd (for ``elastic status``)."""

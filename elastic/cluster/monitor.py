@@ -43,7 +43,12 @@ class ChangeMonitor:
         self._broken = False
 
     def arm(self, topology: Topology, client: EtcdClient) -> None:
-        """Starts tracking a newly formed round; picks up joins that arrived while it formed."""
+        """Starts tracking a newly formed round.
+
+        Events that came while disarmed were dropped, so it reads what they would have said:
+        the next round's joins, and which members of the round are already gone (a member that
+        died between the plan and now would otherwise go unnoticed until the form timeout).
+        """
         with self._lock:
             self._round = topology.round
             self._members = frozenset(topology.members)
@@ -51,8 +56,13 @@ class ChangeMonitor:
             self._broken = False
             self.pending.clear()
             self.reason = ""
+        live, _ = client.get_prefix(self._keys.members)
+        live_keys = {kv.key for kv in live}
+        missed = [WatchEvent("delete", self._keys.member(m), b"", 0)
+                  for m in sorted(topology.members) if self._keys.member(m) not in live_keys]
         joins, _ = client.get_prefix(self._keys.joins(topology.round + 1))
-        self.on_events([WatchEvent("put", kv.key, kv.value, kv.mod_revision) for kv in joins])
+        missed += [WatchEvent("put", kv.key, kv.value, kv.mod_revision) for kv in joins]
+        self.on_events(missed)
 
     def disarm(self) -> None:
         """Stops tracking (during a re-formation nothing may release the group being formed)."""

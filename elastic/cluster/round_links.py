@@ -1,0 +1,69 @@
+"""What ties the members of one round together, and the order in which it is let go.
+
+A round is held together by three things: its agreement channel, its etcd-backed store and its
+process group. ``RoundLinks`` owns them for one worker and owns the two orders that matter:
+
+- ``release(reason)``, from any thread: wakes everything blocked on the round. The channel and
+  the store go first because releasing them only shuts sockets down and wakes waiters, while
+  releasing an NCCL group aborts communicators and can take a while; a group still forming is
+  waiting on the store, so aborting the store is what frees it.
+- ``drop()``, from the training thread once released: closes the channel, destroys the group,
+  then closes the store the group was formed on.
+
+It does not decide when to release (the change monitor and the run loop do) nor how to form.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Channel(Protocol):
+    def release(self, reason: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class Store(Protocol):
+    def abort(self, reason: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class Group(Protocol):
+    def release(self, reason: str) -> None: ...
+    def destroy(self) -> None: ...
+
+
+class RoundLinks:
+    """The channel, store and group of this worker's current round.
+
+    Args:
+        group: the worker's process group (kept across rounds; formed anew in each).
+        channel: the channel to hold before the first round (an unconnected one).
+    """
+
+    def __init__(self, group: Group, channel: Channel) -> None:
+        self.group = group
+        self.channel = channel
+        self.store: Store | None = None
+
+    def open(self, store: Store, channel: Channel) -> None:
+        """Takes the next round's store and channel; the previous round must have been dropped."""
+        assert self.store is None, "drop() the previous round before opening the next"
+        self.store = store
+        self.channel = channel
+
+    def release(self, reason: str) -> None:
+        """Unblocks every collective, agreement and group formation of the round now."""
+        self.channel.release(reason)
+        store = self.store  # read once: the training thread may drop it meanwhile
+        if store is not None:
+            store.abort(reason)
+        self.group.release(reason)
+
+    def drop(self) -> None:
+        """Closes the round's channel, destroys its group and closes its store."""
+        self.channel.close()
+        self.group.destroy()
+        store, self.store = self.store, None
+        if store is not None:
+            store.close()

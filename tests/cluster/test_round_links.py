@@ -1,0 +1,86 @@
+"""The order in which a round's channel, store and group are released and dropped (no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.cluster.round_links import RoundLinks
+
+pytestmark = pytest.mark.unit
+
+
+class Part:
+    """A channel, store or group that writes each call it gets into a shared log."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name = name
+        self.log = log
+
+    def release(self, reason: str) -> None:
+        self.log.append(f"{self.name}.release({reason})")
+
+    def abort(self, reason: str) -> None:
+        self.log.append(f"{self.name}.abort({reason})")
+
+    def close(self) -> None:
+        self.log.append(f"{self.name}.close")
+
+    def destroy(self) -> None:
+        self.log.append(f"{self.name}.destroy")
+
+
+@pytest.fixture
+def log() -> list[str]:
+    return []
+
+
+def opened(log: list[str]) -> RoundLinks:
+    links = RoundLinks(Part("group", log), Part("idle_channel", log))
+    links.open(Part("store", log), Part("channel", log))
+    return links
+
+
+def test_release_wakes_the_channel_then_the_store_then_the_group(log):
+    opened(log).release("m1 left")
+
+    assert log == ["channel.release(m1 left)", "store.abort(m1 left)", "group.release(m1 left)"]
+
+
+def test_release_before_any_round_releases_the_channel_and_the_group(log):
+    RoundLinks(Part("group", log), Part("idle_channel", log)).release("fenced")
+
+    assert log == ["idle_channel.release(fenced)", "group.release(fenced)"]
+
+
+def test_drop_closes_the_channel_destroys_the_group_and_only_then_closes_its_store(log):
+    opened(log).drop()
+
+    assert log == ["channel.close", "group.destroy", "store.close"]
+
+
+def test_a_release_after_drop_never_touches_the_dropped_store(log):
+    links = opened(log)
+    links.drop()
+    log.clear()
+
+    links.release("late watch event")
+
+    assert log == ["channel.release(late watch event)", "group.release(late watch event)"]
+
+
+def test_the_next_round_releases_its_own_store_not_the_previous_one(log):
+    links = opened(log)
+    links.drop()
+    links.open(Part("store2", log), Part("channel2", log))
+    log.clear()
+
+    links.release("m2 left")
+
+    assert log == ["channel2.release(m2 left)", "store2.abort(m2 left)", "group.release(m2 left)"]
+
+
+def test_opening_a_round_before_dropping_the_last_is_refused(log):
+    links = opened(log)
+
+    with pytest.raises(AssertionError, match="drop"):
+        links.open(Part("store2", log), Part("channel2", log))
