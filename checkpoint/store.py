@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -98,8 +98,8 @@ class CheckpointStore:
 
     # -- writing -----------------------------------------------------------------------------
 
-    def save(self, step: int, state_dict: Any,
-             metadata: Mapping[str, Any] | None = None) -> CheckpointRef:
+    def save(self, step: int, state_dict: Any, metadata: Mapping[str, Any] | None = None,
+             before_publish: Callable[[], None] | None = None) -> CheckpointRef:
         """Writes a checkpoint and returns once it is complete (payload, then manifest).
 
         Waits for an in-flight ``save_async`` first. CPU tensors are written in place, so do not
@@ -110,6 +110,8 @@ class CheckpointStore:
             state_dict: Nested dicts/lists/tuples of tensors and plain values.
             metadata: JSON-able values; ``epoch``, ``world_size`` and ``generation`` (ints) are
                 also recorded as manifest fields, ``generation`` fences older writers.
+            before_publish: called right before the manifest is written (after the payload);
+                it raises ``CheckpointFencedError`` when this writer may no longer publish.
 
         Returns:
             The new checkpoint.
@@ -125,10 +127,10 @@ class CheckpointStore:
             self._check_open()
             self._wait_in_flight(None)
             payload = to_host(state_dict)
-            return self._write(step, payload, meta)
+            return self._write(step, payload, meta, before_publish)
 
-    def save_async(self, step: int, state_dict: Any,
-                   metadata: Mapping[str, Any] | None = None) -> Future[CheckpointRef]:
+    def save_async(self, step: int, state_dict: Any, metadata: Mapping[str, Any] | None = None,
+                   before_publish: Callable[[], None] | None = None) -> Future[CheckpointRef]:
         """Snapshots ``state_dict`` to host memory now and writes it in the background.
 
         At most one write is in flight: this first waits for the previous one. When it returns,
@@ -138,6 +140,7 @@ class CheckpointStore:
             step: As for :meth:`save`.
             state_dict: As for :meth:`save`.
             metadata: As for :meth:`save`.
+            before_publish: As for :meth:`save`; called on the writer thread.
 
         Returns:
             A future resolving to the new checkpoint, or raising what :meth:`save` raises.
@@ -153,7 +156,8 @@ class CheckpointStore:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
             snapshot = self._staging.snapshot(state_dict)
-            self._in_flight = self._executor.submit(self._write, step, snapshot, meta)
+            self._in_flight = self._executor.submit(self._write, step, snapshot, meta,
+                                                  before_publish)
             return self._in_flight
 
     def wait(self, timeout: timedelta | None = None) -> bool:
@@ -192,7 +196,8 @@ class CheckpointStore:
         if self._in_flight is not None:
             wait_futures([self._in_flight], timeout_s)
 
-    def _write(self, step: int, payload: Any, meta: dict[str, Any]) -> CheckpointRef:
+    def _write(self, step: int, payload: Any, meta: dict[str, Any],
+               before_publish: Callable[[], None] | None) -> CheckpointRef:
         scan = self._scan()
         if any(ref.step == step for ref in scan.valid):
             raise CheckpointError(
@@ -204,7 +209,7 @@ class CheckpointStore:
         try:
             if step in scan.invalid:
                 self._discard(step_dir)  # leftover of a torn write
-            manifest = self._write_files(step, step_dir, payload, meta)
+            manifest = self._write_files(step, step_dir, payload, meta, before_publish)
         finally:
             self._writing_step = None
         logger.info("checkpoint step %d written to %s", step, self._dir_url(step))
@@ -214,8 +219,8 @@ class CheckpointStore:
             logger.warning("retention after step %d failed: %s", step, exc)
         return CheckpointRef(step, self._dir_url(step), manifest)
 
-    def _write_files(self, step: int, step_dir: str, payload: Any,
-                     meta: dict[str, Any]) -> Manifest:
+    def _write_files(self, step: int, step_dir: str, payload: Any, meta: dict[str, Any],
+                     before_publish: Callable[[], None] | None) -> Manifest:
         try:
             entry = write_payload(self._storage, f"{step_dir}/{PAYLOAD_NAME}", payload)
             manifest = Manifest(step=step, epoch=meta.get("epoch"),
@@ -224,6 +229,8 @@ class CheckpointStore:
                                 files={PAYLOAD_NAME: entry})
             if manifest.generation is not None:  # re-check: a newer one may have published
                 self._check_fence(self._scan(), manifest.generation, step)
+            if before_publish is not None:
+                before_publish()
             self._storage.write_bytes(f"{step_dir}/{MANIFEST_NAME}", manifest.to_json())
             self._storage.sync_dir(step_dir)
             self._storage.sync_dir(self._storage.root)

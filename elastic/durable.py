@@ -2,8 +2,15 @@
 
 Owns the job's ``CheckpointStore``. Writes are asynchronous (the snapshot is taken before
 ``write`` returns; at most one is in flight); a failed write is reported (event, warning,
-``last_error``) and training goes on with the previous checkpoint intact. The fencing generation
-is the round number, so a member of an old round can never publish over a newer one.
+``last_error``) and training goes on with the previous checkpoint intact.
+
+Fencing: every manifest carries a generation, and the store refuses a writer older than the
+newest generation it holds. The generation is ``epoch * ROUNDS_PER_EPOCH + round``. Round numbers
+only grow inside one etcd; the *fencing epoch* is claimed in etcd once per job and etcd (one
+above every epoch the checkpoint URL holds), so a resume on a fresh etcd, a new job id or an etcd
+that lost its data still writes a higher generation than everything before it. Right before a
+manifest is written the writer confirms its lease with etcd, so a rank 0 frozen past its lease
+never publishes after the job moved on.
 """
 
 from __future__ import annotations
@@ -17,12 +24,26 @@ from typing import Any
 
 import torch
 
-from elastic.checkpoint import (CheckpointError, CheckpointNotFoundError, CheckpointRef,
-                                CheckpointStore, check_compatible)
+from elastic.checkpoint import (CheckpointError, CheckpointFencedError, CheckpointNotFoundError,
+                                CheckpointRef, CheckpointStore, check_compatible)
 from elastic.checkpoint.backend import DEFAULT_RETRY_FOR
+from elastic.errors import EtcdUnavailableError
 from elastic.events import EventLog
 
 log = logging.getLogger(__name__)
+
+ROUNDS_PER_EPOCH = 1 << 32
+
+
+def fencing_generation(epoch: int, round_: int) -> int:
+    """The fencing token of ``round_`` in fencing epoch ``epoch``."""
+    return epoch * ROUNDS_PER_EPOCH + round_
+
+
+def next_epoch(refs: list[CheckpointRef]) -> int:
+    """One above the newest fencing epoch among ``refs`` (1 when none has one)."""
+    return 1 + max((r.generation // ROUNDS_PER_EPOCH for r in refs if r.generation is not None),
+                   default=0)
 
 
 class DurableCommits:
@@ -43,8 +64,47 @@ class DurableCommits:
         self.store = CheckpointStore(url, keep=keep, retry_for=retry_for)
         self.url = url
         self.events = events
-        self.last_error: CheckpointError | None = None
+        self.last_error: Exception | None = None
         self._published: Callable[[CheckpointRef], None] | None = None
+        self.generation: int | None = None
+        self._round = 0
+        self._claim_epoch: Callable[[int], int] | None = None
+        self._confirm_lease: Callable[[], bool] | None = None
+
+    def arm(self, round_: int, claim_epoch: Callable[[int], int],
+            confirm_lease: Callable[[], bool], floor: int | None) -> None:
+        """Takes the fencing token of a newly formed round, on the rank that writes.
+
+        Args:
+            round_: the round's number.
+            claim_epoch: returns the job's fencing epoch, claiming the given floor if none.
+            confirm_lease: asks etcd whether this member's lease is still alive.
+            floor: ``next_epoch`` of the store, when it was just listed; None claims it at
+                the first write instead.
+        """
+        self._round = round_
+        self._claim_epoch = claim_epoch
+        self._confirm_lease = confirm_lease
+        self.generation = None
+        if floor is not None:
+            self.generation = fencing_generation(claim_epoch(floor), round_)
+
+    def _token(self) -> int | None:
+        """The round's fencing generation (claimed now if the formation could not list the
+        store); None outside a job (never armed), where there is nobody to fence."""
+        if self._claim_epoch is None:
+            return None
+        if self.generation is None:
+            floor = next_epoch(self.store.list())
+            self.generation = fencing_generation(self._claim_epoch(floor), self._round)
+        return self.generation
+
+    def _before_publish(self) -> None:
+        """Refuses to publish once this member's lease is gone (a frozen rank 0 woke up)."""
+        if self._confirm_lease is not None and not self._confirm_lease():
+            raise CheckpointFencedError(
+                "this member's lease expired before its checkpoint was published: it is no "
+                "longer rank 0 of the job, so the checkpoint was discarded.")
 
     def on_published(self, callback: Callable[[CheckpointRef], None]) -> None:
         """Calls ``callback(ref)`` (on the writer thread) after each completed write."""
@@ -54,8 +114,11 @@ class DurableCommits:
         """Starts writing ``payload`` as checkpoint ``version``; returns once it is snapshotted."""
         started = time.monotonic()
         try:
-            future = self.store.save_async(version, payload, metadata)
-        except CheckpointError as exc:
+            token = self._token()
+            if token is not None:
+                metadata = {**metadata, "generation": token}
+            future = self.store.save_async(version, payload, metadata, self._before_publish)
+        except (CheckpointError, EtcdUnavailableError) as exc:
             self._failed(version, exc)
             return
         blocked_s = time.monotonic() - started
@@ -64,11 +127,9 @@ class DurableCommits:
     def _done(self, future: Future[CheckpointRef], version: int, started: float,
               blocked_s: float) -> None:
         exc = future.exception()
-        if exc is not None:
-            if isinstance(exc, CheckpointError):
-                self._failed(version, exc)
-                return
-            raise exc
+        if exc is not None:  # of any type: a writer-thread error must never go unrecorded
+            self._failed(version, exc)
+            return
         ref = future.result()
         if self.events:
             self.events.emit("checkpoint_written", version=version, url=ref.url,
@@ -76,17 +137,22 @@ class DurableCommits:
         if self._published is not None:
             self._published(ref)
 
-    def _failed(self, version: int, exc: CheckpointError) -> None:
+    def _failed(self, version: int, exc: Exception) -> None:
         self.last_error = exc
         log.warning("durable commit of version %d failed (training goes on; the previous "
-                    "checkpoint stays valid): %s", version, exc)
+                    "checkpoint stays valid): %s: %s", version, type(exc).__name__, exc)
         if self.events:
             self.events.emit("checkpoint_failed", version=version, error=str(exc)[:300])
 
-    def latest_version(self) -> int:
-        """The version of the newest complete checkpoint, 0 when there is none."""
-        ref = self.store.latest()
-        return ref.step if ref else 0
+    def survey(self) -> tuple[int, int]:
+        """Lists the store once: the newest complete checkpoint's version (0: none) and the
+        fencing epoch a fresh etcd must claim (``next_epoch``).
+
+        Raises:
+            CheckpointError: the storage failed while listing.
+        """
+        refs = self.store.list()
+        return (refs[-1].step if refs else 0), next_epoch(refs)
 
     def load_latest(self, live: Mapping[str, Any]) -> Mapping[str, Any] | None:
         """Reads the newest checkpoint that verifies (older ones if newer are corrupt).

@@ -237,10 +237,9 @@ class ElasticState:
             return
         if self.rank != 0:
             return
-        topology = self._cluster.topology if self._cluster else None
         epoch = self._train.value_of("epoch")
-        metadata = {"world_size": self.world_size, "generation": topology.round if topology else 0,
-                    "member": self.member_id or ""}
+        metadata: dict[str, Any] = {"world_size": self.world_size,
+                                    "member": self.member_id or ""}
         if isinstance(epoch, int) and not isinstance(epoch, bool):
             metadata["epoch"] = epoch
         self._durable.write(self._train.committed(), version, metadata)

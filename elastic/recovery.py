@@ -11,12 +11,14 @@ else the function raises is the user's and leaves ``run`` on that rank.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from elastic.checkpoint import CheckpointError
 from elastic.cluster.cluster import Cluster
 from elastic.cluster.rendezvous import Topology
 from elastic.durable import DurableCommits
@@ -25,6 +27,8 @@ from elastic.errors import (FencedError, LeaveInterrupt, MembershipChangedInterr
 from elastic.events import Stopwatch
 from elastic.state import ElasticSampler, StateError, TrainState
 from elastic.state.sync import newest_source
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RunLoop"]
 
@@ -170,10 +174,26 @@ class RunLoop:
         rank 0 first) and broadcasts its commit; returns the source rank."""
         durable = self._durable
         on_rank0 = topology.rank == 0 and durable is not None
-        source = newest_source(self._train.version, durable.latest_version() if on_rank0 else 0)
+        durable_version = self._arm_durable(topology) if on_rank0 else 0
+        source = newest_source(self._train.version, durable_version)
         if source.from_durable and on_rank0:
             payload = durable.load_latest(self._train.committed())
             if payload is not None:
                 self._train.load_committed(payload)
         self._train.sync(source.rank, timeout=self._sync_timeout)
         return source.rank
+
+    def _arm_durable(self, topology: Topology) -> int:
+        """On rank 0: lists the checkpoint URL once, takes the round's fencing token, and
+        returns the newest durable version (0 when the listing failed: the job goes on from
+        memory and the token is claimed at the first durable write)."""
+        durable, cluster = self._durable, self._cluster
+        assert durable is not None
+        try:
+            version, floor = durable.survey()
+        except CheckpointError as exc:
+            log.warning("could not list %s while forming round %d (%s); going on from the "
+                        "commits in memory", durable.url, topology.round, exc)
+            version, floor = 0, None
+        durable.arm(topology.round, cluster.fencing_epoch, cluster.confirm_lease, floor)
+        return version

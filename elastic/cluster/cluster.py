@@ -163,6 +163,35 @@ class Cluster:
         self.links.drop()
         self.topology = None
 
+    def confirm_lease(self) -> bool:
+        """Asks etcd now whether this member's lease is alive (False once it is gone; True
+        while etcd cannot be reached, when only the fencing generation can refuse a writer)."""
+        return self.membership.confirm_lease()
+
+    def fencing_epoch(self, floor: int) -> int:
+        """The job's fencing epoch in this etcd: claimed once as ``floor`` (create-if-absent),
+        then the same for every member and every round for as long as the etcd keeps its data.
+
+        Args:
+            floor: the epoch to claim when this etcd holds none yet (one above every epoch the
+                checkpoint URL has seen, so a fresh etcd or a new job id never goes backwards).
+
+        Raises:
+            EtcdUnavailableError: etcd stayed unreachable past the retry deadline.
+        """
+        existing = self.client.get(self.keys.fence)
+        if existing is None:
+            if self.client.create(self.keys.fence, str(floor)):
+                return floor
+            existing = self.client.get(self.keys.fence)  # another member created it first
+        text = existing.value.decode(errors="replace") if existing is not None else ""
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+        log.warning("the fencing epoch at %s was missing or malformed (%r); claiming %d",
+                    self.keys.fence, text[:40], floor)
+        self.client.put(self.keys.fence, str(floor))
+        return floor
+
     def publish_checkpoint(self, ref: Any) -> None:
         """Records the newest durable checkpoint in etcd (for ``elastic status``)."""
         record = {"version": ref.step, "url": ref.url, "epoch": ref.epoch, "t": time.time(),

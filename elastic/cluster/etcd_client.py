@@ -141,8 +141,11 @@ class EtcdClient:
         if client is not None:
             await client.close()
 
-    def _call(self, op: Callable[[aetcd.Client], Coroutine[Any, Any, T]], what: str) -> T:
-        """Runs one idempotent operation with bounded retries of transient errors."""
+    def _call(self, op: Callable[[aetcd.Client], Coroutine[Any, Any, T]], what: str,
+              retry_for: timedelta | None = None) -> T:
+        """Runs one idempotent operation with bounded retries of transient errors (for
+        ``retry_for``, default the client's retry deadline)."""
+        retry_for = retry_for or self._retry_for
         if self._closed:
             raise EtcdUnavailableError(f"The etcd client for {self.urls} is closed.")
 
@@ -157,7 +160,7 @@ class EtcdClient:
         backoff_s = self.timeouts.backoff.total_seconds()
         backoff_max_s = self.timeouts.backoff_max.total_seconds()
         retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_delay(self._retry_for.total_seconds()),
+            stop=tenacity.stop_after_delay(retry_for.total_seconds()),
             retry=tenacity.retry_if_exception_type(_TRANSIENT),
             wait=tenacity.wait_exponential_jitter(multiplier=backoff_s, max=backoff_max_s,
                                                   jitter=backoff_s),
@@ -169,7 +172,7 @@ class EtcdClient:
         except _TRANSIENT as exc:
             raise EtcdUnavailableError(
                 f"etcd at {self.urls} did not answer {what} for "
-                f"{self._retry_for.total_seconds():.0f} s ({type(exc).__name__}: {exc}). "
+                f"{retry_for.total_seconds():.0f} s ({type(exc).__name__}: {exc}). "
                 "Check that etcd runs and that --etcd / ELASTIC_ETCD names its client URL."
             ) from exc
 
@@ -260,9 +263,14 @@ class EtcdClient:
         lease = self._call(lambda c: c.lease(seconds), "lease grant")
         return lease.id
 
-    def refresh(self, lease: int) -> int:
-        """Keeps a lease alive once; returns its remaining TTL in seconds, <= 0 when it is gone."""
-        reply = self._call(lambda c: c.refresh_lease(lease), "lease keepalive")
+    def refresh(self, lease: int, retry_for: timedelta | None = None) -> int:
+        """Keeps a lease alive once; returns its remaining TTL in seconds, <= 0 when it is gone.
+
+        Args:
+            lease: the lease id.
+            retry_for: how long to retry transient errors (default: the client's deadline).
+        """
+        reply = self._call(lambda c: c.refresh_lease(lease), "lease keepalive", retry_for)
         return 0 if reply is None else int(reply.TTL)
 
     def revoke(self, lease: int) -> None:

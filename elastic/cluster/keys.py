@@ -10,6 +10,7 @@ Layout under ``/elastic/{job_id}/``:
 - ``rounds/{n}/store/``: the torch.distributed store of round ``n`` (fresh per round).
 - ``commit``: the newest commit version and the newest durable checkpoint, for ``elastic status``.
 - ``config``: the job's configuration, written by the first launcher.
+- ``fence``: the job's fencing epoch for durable commits, created once by compare-and-swap.
 
 The launchers of a job (``elastic run``) register under a sibling job, ``{job_id}.launchers``
 (``JobKeys.launchers``), with the same layout: its ``members/`` are the live launchers and its
@@ -80,6 +81,10 @@ class JobKeys:
     @property
     def config(self) -> str:
         return f"{self.prefix}config"
+
+    @property
+    def fence(self) -> str:
+        return f"{self.prefix}fence"
 
     def launchers(self) -> "JobKeys":
         """The keys of this job's launchers (their membership and ``--plain`` generations)."""

@@ -126,6 +126,21 @@ class EtcdMembership:
         for callback in self._fence_listeners:
             callback()
 
+    def confirm_lease(self) -> bool:
+        """Renews the lease once, now: False when it is gone (and this member is fenced then),
+        True when it is alive or etcd cannot be reached to say."""
+        if self.fenced.is_set():
+            return False
+        try:
+            remaining = self._client.refresh(self.lease, retry_for=self.keepalive)
+        except EtcdUnavailableError as exc:
+            log.warning("could not confirm the lease of %s (%s)", self.member_id, exc)
+            return True
+        if remaining <= 0:
+            self._fence("its lease expired (found while confirming it)")
+            return False
+        return True
+
     def check_not_fenced(self) -> None:
         """Raises:
             FencedError: the lease is gone; this identity must not act any more.

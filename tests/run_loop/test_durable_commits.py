@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 
 import pytest
 import torch
 
-from elastic.checkpoint import CheckpointIncompatibleError, CheckpointWriteError
-from elastic.durable import DurableCommits
+from elastic.checkpoint import (CheckpointFencedError, CheckpointIncompatibleError,
+                                CheckpointStore, CheckpointWriteError)
+from elastic.cluster.etcd_client import EtcdClient
+from elastic.cluster.keys import JobKeys
+from elastic.cluster.membership import EtcdMembership
+from elastic.durable import DurableCommits, fencing_generation, next_epoch
 from elastic.events import EventLog
 
 URL = "faultmem://run"
@@ -30,10 +35,10 @@ def test_a_storage_error_is_reported_and_the_next_durable_commit_still_lands(fau
     durable.store.wait()
     assert faulty_fs.plan.fired == 1
     assert isinstance(durable.last_error, CheckpointWriteError)
-    assert durable.latest_version() == 1  # the previous checkpoint is still the newest valid
+    assert durable.survey()[0] == 1  # the previous checkpoint is still the newest valid
     durable.write(payload(3.0), 3, {"epoch": 3, "generation": 1})
     durable.close()
-    assert durable.latest_version() == 3
+    assert durable.survey()[0] == 3
     kinds = [json.loads(line)["event"] for line in events.path.read_text().splitlines()]
     assert kinds == ["checkpoint_written", "checkpoint_failed", "checkpoint_written"]
 
@@ -50,3 +55,74 @@ def test_resuming_reads_the_newest_valid_checkpoint_and_checks_model_shapes(faul
     assert "'model'" in str(info.value) and "(64, 1024)" in str(info.value)
     assert "(3, 3)" in str(info.value)
     durable.close()
+
+
+def test_fencing_generations_of_a_later_epoch_outrank_every_round_of_an_earlier_one():
+    assert fencing_generation(2, 1) > fencing_generation(1, 10_000_000)
+    assert fencing_generation(1, 4) > fencing_generation(1, 3)
+
+
+def test_a_fresh_etcd_claims_one_epoch_above_what_the_checkpoint_url_holds(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    assert next_epoch(store.list()) == 1
+    store.save(1, {"w": torch.zeros(2)}, {"generation": 12})  # a round-only token (epoch 0)
+    assert next_epoch(store.list()) == 1
+    store.save(2, {"w": torch.zeros(2)}, {"generation": fencing_generation(3, 7)})
+    assert next_epoch(store.list()) == 4
+
+
+def test_after_a_resume_that_counts_rounds_from_one_the_next_durable_commit_lands(tmp_path):
+    url = str(tmp_path / "ckpt")
+    before = DurableCommits(url)
+    before.arm(12, claim_epoch=lambda floor: floor, confirm_lease=lambda: True, floor=1)
+    before.write(payload(1.0), 1, {"epoch": 1})
+    before.close()
+    resumed = DurableCommits(url)  # a fresh etcd: round 1 again, the epoch claimed anew
+    resumed.arm(1, claim_epoch=lambda floor: floor, confirm_lease=lambda: True,
+                floor=resumed.survey()[1])
+    resumed.write(payload(2.0), 2, {"epoch": 2})
+    resumed.close()
+    assert resumed.last_error is None
+    assert resumed.survey()[0] == 2
+
+
+def test_a_writer_whose_lease_expired_before_publishing_never_publishes(tmp_path):
+    events = EventLog(str(tmp_path), "w")
+    durable = DurableCommits(str(tmp_path / "ckpt"), events)
+    lease_alive = [True]
+    durable.arm(3, claim_epoch=lambda floor: floor, confirm_lease=lambda: lease_alive[0],
+                floor=1)
+    durable.write(payload(1.0), 1, {"epoch": 1})
+    durable.store.wait()
+    lease_alive[0] = False  # frozen past its lease at the next commit(durable=True)
+    durable.write(payload(2.0), 2, {"epoch": 2})
+    durable.close()
+    assert isinstance(durable.last_error, CheckpointFencedError)
+    assert [ref.step for ref in durable.store.list()] == [1]
+
+
+def test_a_confirmation_asks_etcd_so_a_revoked_lease_refuses_at_once(etcd):
+    client = EtcdClient(etcd.url)
+    membership = EtcdMembership(client, JobKeys("confirm-test"), "127.0.0.1",
+                                timedelta(seconds=30))
+    membership.register()
+    try:
+        assert membership.confirm_lease()
+        client.revoke(membership.lease)  # what a frozen member finds when it wakes
+        assert not membership.confirm_lease()
+        assert membership.fenced.is_set()
+    finally:
+        membership.leave()
+        client.close()
+
+
+def test_an_error_of_any_type_on_the_writer_thread_is_recorded(tmp_path):
+    durable = DurableCommits(str(tmp_path / "ckpt"))
+
+    def broken_lease_check() -> bool:
+        raise KeyError("not a CheckpointError")
+
+    durable.arm(1, claim_epoch=lambda floor: floor, confirm_lease=broken_lease_check, floor=1)
+    durable.write(payload(1.0), 1, {"epoch": 1})
+    durable.close()
+    assert isinstance(durable.last_error, KeyError)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 from elastic.checkpoint import CheckpointStore
+from tests.support.harness import Job
 from tests.support.resume_scenario import model_params, resume, run_until_checkpoint
 
 
@@ -46,3 +48,35 @@ def test_durable_commits_are_written_by_rank_zero_only_and_recorded_as_events(ma
     assert len(written) == 2 and all(e["rank"] == 0 for e in written)
     assert all(e["blocked_s"] < e["write_s"] for e in written)
     assert [r.epoch for r in CheckpointStore(url).list()] == [1, 2]
+
+
+def test_durable_commits_still_land_after_a_resume_on_a_fresh_etcd_that_counts_rounds_from_one(
+        make_job, private_etcd, tmp_path):
+    url = str(tmp_path / "ckpt")
+    env = {"ELASTIC_CHECKPOINT": url}
+    store = CheckpointStore(url)
+    args = ["--epochs", "20", "--samples", "480", "--batch", "8", "--step-ms", "100"]
+    first = make_job(args, env)
+    for index in range(3):  # one join at a time: rounds 1, 2 and 3
+        first.start(index)
+        first.wait_until(lambda: any(p.get("world") == index + 1 for p in first.progress(0)),
+                         90, f"a world of {index + 1}")
+    first.wait_until(lambda: any(ref.world_size == 3 for ref in store.list()), 120,
+                     "a durable commit of round 3")
+    for index in range(3):
+        first.signal(index, signal.SIGKILL)
+        first.wait_exit(index)
+    before = store.latest().step
+
+    resumed = Job(private_etcd.url, tmp_path / "resumed", "resumed", args + ["--step-ms", "5"],
+                  env)
+    try:
+        resumed.start_together(range(2))
+        for index in range(2):
+            assert resumed.wait_exit(index) == 0, resumed.tails()
+        events = resumed.events()
+    finally:
+        resumed.kill_all()
+    failed = [e["error"] for e in events if e["event"] == "checkpoint_failed"]
+    assert failed == [], "durable commits were refused after the resume"
+    assert store.latest().step > before
