@@ -177,10 +177,11 @@ class EtcdClient:
             ) from exc
 
     # -- key-value ----------------------------------------------------------------------------
-    def put(self, key: str, value: bytes | str, lease: int | None = None) -> int:
+    def put(self, key: str | bytes, value: bytes | str, lease: int | None = None) -> int:
         """Writes a key; returns the revision of the write."""
         data = value.encode() if isinstance(value, str) else value
-        result = self._call(lambda c: c.put(key.encode(), data, lease=lease), f"put {key}")
+        raw = key.encode() if isinstance(key, str) else key
+        result = self._call(lambda c: c.put(raw, data, lease=lease), f"put {key!r}")
         return result.header.revision
 
     def get(self, key: str) -> KeyValue | None:
@@ -192,7 +193,7 @@ class EtcdClient:
         """Reads every key under ``prefix``; returns them (sorted by key) and the revision read."""
         result = self._call(lambda c: c.get_prefix(prefix.encode(), sort_order="ascend"),
                             f"get {prefix}*")
-        return [_kv(aetcd.KeyValue(kv)) for kv in result.kvs], result.header.revision
+        return _utf8_keys(result.kvs), result.header.revision
 
     def delete(self, key: str) -> bool:
         """Deletes one key; returns whether it existed."""
@@ -301,6 +302,9 @@ class EtcdClient:
     async def _watch_forever(self, prefix: str, revision: int,
                              callback: Callable[[list[WatchEvent]], None],
                              stopped: asyncio.Event) -> None:
+        """Delivers events until ``stopped``; never ends on its own: a broken watch is
+        re-opened from the last revision seen, a key that is not UTF-8 is skipped, and a
+        callback's exception is logged and the next event delivered."""
         first_s = self.timeouts.backoff.total_seconds()
         max_s = self.timeouts.backoff_max.total_seconds()
         backoff_s = first_s
@@ -311,10 +315,9 @@ class EtcdClient:
                 stopper = asyncio.ensure_future(_cancel_when(stopped, watch))
                 try:
                     async for event in watch:
-                        seen = _event(event)
-                        revision = seen.revision + 1
+                        revision = event.kv.mod_revision + 1
                         backoff_s = first_s
-                        callback([seen])
+                        _deliver(event, callback)
                 finally:
                     stopper.cancel()
             except aetcd.ClientError as exc:
@@ -326,10 +329,15 @@ class EtcdClient:
                     revision = exc.compacted_revision
                 if isinstance(exc, _TRANSIENT) and len(self._endpoints) > 1:
                     await self._fail_over()
-                try:
-                    await asyncio.wait_for(stopped.wait(), backoff_s)
-                except asyncio.TimeoutError:
-                    backoff_s = min(max_s, backoff_s * 2)
+            except Exception as exc:  # noqa: BLE001 (the watch must outlive any surprise)
+                if stopped.is_set():
+                    return
+                log.warning("watch on %s failed unexpectedly (%s: %s); re-watching from "
+                            "revision %d", prefix, type(exc).__name__, exc, revision)
+            try:
+                await asyncio.wait_for(stopped.wait(), backoff_s)
+            except asyncio.TimeoutError:
+                backoff_s = min(max_s, backoff_s * 2)
 
     def close(self) -> None:
         """Closes the connection and stops the loop thread."""
@@ -361,10 +369,38 @@ def _kv(kv: Any) -> KeyValue:
                     create_revision=kv.create_revision, lease=kv.lease)
 
 
+def _utf8_keys(kvs: Any) -> list[KeyValue]:
+    """The keys of a range read, without those that are not UTF-8 (each skipped with a
+    warning: nothing of ours writes them)."""
+    read = []
+    for raw in kvs:
+        try:
+            read.append(_kv(aetcd.KeyValue(raw)))
+        except UnicodeDecodeError:
+            log.warning("skipping etcd key %r: not UTF-8 (nothing of ours writes it)",
+                        bytes(raw.key)[:80])
+    return read
+
+
 def _event(event: Any) -> WatchEvent:
     kind = "put" if str(event.kind).endswith("PUT") else "delete"
     return WatchEvent(kind=kind, key=event.kv.key.decode(), value=bytes(event.kv.value),
                       revision=event.kv.mod_revision)
+
+
+def _deliver(event: Any, callback: Callable[[list[WatchEvent]], None]) -> None:
+    """Hands one event to a watch's callback; nothing either does can end the watch."""
+    try:
+        seen = _event(event)
+    except UnicodeDecodeError:
+        log.warning("skipping etcd key %r: not UTF-8 (nothing of ours writes it)",
+                    bytes(event.kv.key)[:80])
+        return
+    try:
+        callback([seen])
+    except Exception as exc:  # noqa: BLE001 (a listener's bug must not blind the member)
+        log.warning("a listener failed on %s %s (%s: %s); the watch goes on", seen.kind,
+                    seen.key, type(exc).__name__, exc)
 
 
 def _ranges_without(prefix: bytes, key: bytes) -> list[tuple[bytes, bytes]]:

@@ -92,12 +92,12 @@ class EtcdMembership:
         return revision
 
     def _dispatch(self, events: list[WatchEvent]) -> None:
-        for listener in self._listeners:
-            listener(events)
         if not self.fenced.is_set() and any(
                 e.kind == "delete" and e.key == self.keys.member(self.member_id) for e in events):
             if not self._stop.is_set():
                 self._fence("its member key was deleted")
+        for listener in self._listeners:
+            listener(events)
 
     def _keep_alive(self) -> None:
         ttl_s = self.lease_ttl.total_seconds()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.keys import JobKeys
-from elastic.cluster.plan import JoinRequest
+from elastic.cluster.plan import JoinRequest, valid_joins
 from elastic.cluster.rendezvous import Topology
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,8 @@ class ChangeMonitor:
             if event.key.startswith(self._keys.dones(self._round)):
                 self._done.add(event.key.rsplit("/", 1)[1])
             elif n > self._round and event.key.startswith(self._keys.joins(n)):
-                return self._on_join(JoinRequest.from_json(event.value, event.revision))
+                joins = valid_joins([(event.key, event.value, event.revision)])
+                return self._on_join(joins[0]) if joins else None
             return None
         if event.kind == "delete" and event.key.startswith(self._keys.members):
             member = event.key[len(self._keys.members):]

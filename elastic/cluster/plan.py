@@ -6,7 +6,15 @@ Kept apart from ``rendezvous.py`` so that it is tested without etcd.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import logging
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+REASONS = ("start", "change", "failure", "spare")
+_MAX_VERSION = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -31,8 +39,46 @@ class JoinRequest:
         return json.dumps(data)
 
     @staticmethod
-    def from_json(raw: bytes, revision: int) -> "JoinRequest":
-        return JoinRequest(revision=revision, **json.loads(raw))
+    def from_json(raw: bytes, revision: int, member_id: str | None = None) -> "JoinRequest":
+        """Reads a join record, checking every field's type and range.
+
+        Args:
+            raw: the value read from etcd.
+            revision: its create revision.
+            member_id: the member its key names, which the record must name too.
+
+        Raises:
+            ValueError: the record is not one a member writes.
+        """
+        try:
+            data: Any = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"not JSON ({exc})") from None
+        expected = {f.name for f in fields(JoinRequest)} - {"revision"}
+        if not isinstance(data, dict) or set(data) != expected:
+            raise ValueError(f"fields are not {sorted(expected)}")
+        if not isinstance(data["member_id"], str) or not data["member_id"] or (
+                member_id is not None and data["member_id"] != member_id):
+            raise ValueError("member_id does not match the key")
+        for name, top in (("version", _MAX_VERSION), ("port", 65535)):
+            value = data[name]
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
+                raise ValueError(f"{name} is not an integer in [0, {top}]")
+        if data["reason"] not in REASONS or not isinstance(data["addr"], str):
+            raise ValueError("reason or addr is malformed")
+        return JoinRequest(revision=revision, **data)
+
+
+def valid_joins(records: Iterable[tuple[str, bytes, int]]) -> list[JoinRequest]:
+    """The well-formed join records among ``(key, value, revision)``; each malformed one is
+    skipped with one warning naming its key."""
+    requests = []
+    for key, raw, revision in records:
+        try:
+            requests.append(JoinRequest.from_json(raw, revision, key.rsplit("/", 1)[-1]))
+        except ValueError as exc:
+            log.warning("skipping the malformed join record %s: %s", key, exc)
+    return requests
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from elastic.timeouts import Timeouts
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership
-from elastic.cluster.plan import CloseRule, JoinRequest, Plan, assign_ranks, should_close
+from elastic.cluster.plan import (CloseRule, JoinRequest, Plan, assign_ranks, should_close,
+                                  valid_joins)
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class Rendezvous:
             plan = self.read_plan(n)
             if plan is not None:
                 return plan
-            if self._has_done(n - 1):
+            if self._has_done(n - 1, previous):
                 raise RendezvousClosedError(f"The job finished in round {n - 1}; nothing to join.")
             requests, live = self._read_round(n)
             now = time.monotonic()
@@ -154,16 +155,19 @@ class Rendezvous:
                     self._changed.wait(timeout=min(settle_left, wake_s) if settle_left > 0
                                        else wake_s)
 
-    def _has_done(self, n: int) -> bool:
-        if n < 1:
+    def _has_done(self, n: int, plan: Plan | None) -> bool:
+        """Whether a member of round ``n`` returned from the training function (the job is
+        finished); a done key of anyone outside the round's plan is ignored."""
+        if n < 1 or plan is None:
             return False
         kvs, _ = self._client.get_prefix(self._keys.dones(n))
-        return bool(kvs)
+        done = {kv.key[len(self._keys.dones(n)):] for kv in kvs}
+        return bool(done & set(plan.ranks))
 
     def _read_round(self, n: int) -> tuple[list[JoinRequest], set[str]]:
         joins, _ = self._client.get_prefix(self._keys.joins(n))
         members, _ = self._client.get_prefix(self._keys.members)
-        requests = [JoinRequest.from_json(kv.value, kv.create_revision) for kv in joins]
+        requests = valid_joins((kv.key, kv.value, kv.create_revision) for kv in joins)
         live = {kv.key[len(self._keys.members):] for kv in members}
         return requests, live
 

@@ -248,3 +248,29 @@ def test_embedded_etcd_options_out_of_range_are_refused_with_the_range():
         EmbeddedEtcd(niceness=20)
     with pytest.raises(ValueError, match=r"go_max_procs \(0\) must be >= 1"):
         EmbeddedEtcd(go_max_procs=0)
+
+
+def test_a_watch_outlives_a_listener_that_raises_and_keys_that_are_not_utf8(client):
+    _, revision = client.get_prefix("/t/hostile/")
+    seen: list[str] = []
+    last = threading.Event()
+
+    def on_events(events: list[WatchEvent]) -> None:
+        for event in events:
+            seen.append(event.key)
+            if event.key.endswith("boom"):
+                raise ValueError("a listener's own bug")
+            if event.key.endswith("last"):
+                last.set()
+
+    cancel = client.watch_prefix("/t/hostile/", revision + 1, on_events)
+    try:
+        client.put("/t/hostile/boom", "1")
+        client.put(b"/t/hostile/\xff\xfe", "2")
+        client.put("/t/hostile/last", "3")
+        assert last.wait(timeout=10)
+        assert seen == ["/t/hostile/boom", "/t/hostile/last"]
+        assert [kv.key for kv in client.get_prefix("/t/hostile/")[0]] == [
+            "/t/hostile/boom", "/t/hostile/last"]
+    finally:
+        cancel()
