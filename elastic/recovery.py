@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -22,11 +23,12 @@ from elastic.checkpoint import CheckpointError
 from elastic.cluster.cluster import Cluster
 from elastic.cluster.rendezvous import Topology
 from elastic.durable import DurableCommits
-from elastic.errors import (FencedError, LeaveInterrupt, MembershipChangedInterrupt,
-                            PeerFailureError, RendezvousClosedError)
-from elastic.events import Stopwatch
+from elastic.errors import (EtcdUnavailableError, FencedError, LeaveInterrupt,
+                            MembershipChangedInterrupt, PeerFailureError, RendezvousClosedError)
+from elastic.events import EventLog, Stopwatch
 from elastic.state import ElasticSampler, StateError, TrainState
 from elastic.state.sync import newest_source
+from elastic.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,53 @@ class _Retry:
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
+
+
+class EtcdOutage:
+    """How long etcd has been unreachable to this worker when it needed etcd, against the
+    outage budget (``Timeouts.etcd_outage``): one log line when it starts, one when it ends.
+
+    Args:
+        timeouts: the table (the budget, and the pause between two attempts).
+        events: where the outage is recorded.
+        interrupted: ends a pause early (a request to leave).
+    """
+
+    def __init__(self, timeouts: Timeouts, events: EventLog,
+                 interrupted: threading.Event) -> None:
+        self._budget = timeouts.etcd_outage
+        self._pause_s = timeouts.backoff_max.total_seconds()
+        self._events = events
+        self._since: float | None = None
+        self._interrupted = interrupted
+
+    def note(self, exc: EtcdUnavailableError, doing: str) -> None:
+        """Records a failed attempt and pauses before the next one.
+
+        Raises:
+            EtcdUnavailableError: etcd has been unreachable for longer than the budget.
+        """
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+            log.warning("etcd is unreachable while %s; waiting for it for up to %.0f s "
+                        "(--etcd-outage)", doing, self._budget.total_seconds())
+            self._events.emit("etcd_unreachable", doing=doing, error=str(exc)[:300])
+        elif now - self._since > self._budget.total_seconds():
+            raise EtcdUnavailableError(
+                f"etcd stayed unreachable for {now - self._since:.0f} s while {doing}, longer "
+                f"than the outage budget ({self._budget.total_seconds():.0f} s). Bring etcd "
+                "back (the job resumes from its last durable commit), or raise --etcd-outage."
+            ) from exc
+        self._interrupted.wait(self._pause_s)
+
+    def over(self) -> None:
+        """Records that etcd answered again."""
+        if self._since is not None:
+            waited_s = time.monotonic() - self._since
+            log.warning("etcd answers again after %.0f s", waited_s)
+            self._events.emit("etcd_reachable", waited_s=waited_s)
+            self._since = None
 
 
 class RunLoop:
@@ -67,6 +116,7 @@ class RunLoop:
         self._leave_requested = leave_requested
         self._on_formed = on_formed
         self._sync_timeout = sync_timeout
+        self._outage = EtcdOutage(cluster.settings.timeouts, cluster.events, leave_requested)
 
     def run(self, call: Callable[[], Any]) -> Any:
         """Forms, calls ``call()``, and on a change or a peer failure forms again.
@@ -102,7 +152,7 @@ class RunLoop:
             if isinstance(outcome, _Retry):
                 reason = outcome.reason
                 continue
-            self._cluster.finish()
+            self._finish()
             events.emit("finished", version=self._train.version)
             return outcome
         raise PeerFailureError(
@@ -110,10 +160,15 @@ class RunLoop:
             "for a crash loop in the workers' logs or the 'error' events of --log-dir.")
 
     def _form(self, reason: str) -> _Left | _Retry | None:
-        """One formation; a _Retry when a peer failed while forming, _Left when done."""
+        """One formation; a _Retry when a peer failed while forming or etcd could not be
+        reached (within the outage budget), _Left when done."""
         events = self._cluster.events
         try:
             self._reform(reason)
+            self._outage.over()
+        except EtcdUnavailableError as exc:
+            self._outage.note(exc, f"forming the round after a {reason}")
+            return _Retry(reason)
         except RendezvousClosedError as exc:
             events.emit("job_finished", why=str(exc))
             return _Left()
@@ -124,6 +179,15 @@ class RunLoop:
             events.emit("failure_detected", source="formation", error=repr(exc)[:300])
             return _Retry("failure")
         return None
+
+    def _finish(self) -> None:
+        """Says this member is done and waits for the others, through an etcd outage."""
+        while True:
+            try:
+                self._cluster.finish()
+                return
+            except EtcdUnavailableError as exc:
+                self._outage.note(exc, "recording that this worker finished")
 
     def _call(self, call: Callable[[], Any]) -> Any:
         """Calls the function once; a _Retry or _Left says what the loop does next."""

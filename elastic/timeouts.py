@@ -33,8 +33,8 @@ class Timeouts:
     """Every timeout and interval of a worker and its launcher; see each field.
 
     The order it enforces (``validate``): 2 x keepalive < lease_ttl; settle and node_settle <
-    rendezvous; form < collective; sync <= collective; etcd_rpc <= etcd_retry; backoff and
-    reconnect <= backoff_max. A frozen or cut-off worker is dropped within lease_ttl (+ settle
+    rendezvous; form < collective; sync <= collective; etcd_rpc <= etcd_retry <= etcd_outage;
+    backoff and reconnect <= backoff_max. A frozen or cut-off worker is dropped within lease_ttl (+ settle
     before its survivors' round closes, + form while they connect).
     """
 
@@ -87,6 +87,10 @@ class Timeouts:
     etcd_retry: timedelta = _entry(10)
     """Default 10 s (``ELASTIC_ETCD_RETRY``): how long a worker retries an etcd request before
     ``EtcdUnavailableError``."""
+    etcd_outage: timedelta = _entry(600)
+    """Default 600 s (``ELASTIC_ETCD_OUTAGE``, ``--etcd-outage``): how long workers that must
+    form a new round wait for an unreachable etcd before they give up. Training with the world
+    unchanged never needs etcd and goes on through an outage of any length."""
     connect: timedelta = _entry(5, "ELASTIC_CONNECT_TIMEOUT")
     """Default 5 s (``ELASTIC_CONNECT_TIMEOUT``): how long ``elastic run`` and ``elastic status``
     retry an etcd request before they give up with one line."""
@@ -141,6 +145,7 @@ class Timeouts:
         "form": "seconds forming a round's process group may take",
         "collective": "backstop on any collective, behind the failure detectors",
         "grace": "seconds workers get to leave after Ctrl-C/SIGTERM",
+        "etcd_outage": "seconds workers wait for an unreachable etcd to form a new round",
     })
 
     def __post_init__(self) -> None:
@@ -212,6 +217,7 @@ class Timeouts:
         self._check("form", "collective")
         self._check("sync", "collective", or_equal=True)
         self._check("etcd_rpc", "etcd_retry", or_equal=True)
+        self._check("etcd_retry", "etcd_outage", or_equal=True)
         self._check("backoff", "backoff_max", or_equal=True)
         self._check("reconnect", "backoff_max", or_equal=True)
 

@@ -119,13 +119,14 @@ class Cluster:
         self.release(f"re-forming ({reason})")
         self._drop_group()
         while True:
-            if self.is_fenced:
+            if self.is_fenced or not self.membership.is_registered:
                 self.renew_identity()
                 reason = "start"
             with Stopwatch() as waited:
                 try:
                     topology = self.rendezvous.join(reason, version, free_port(), cancelled)
-                except FencedError:
+                except FencedError as exc:
+                    self.membership.fence(str(exc))  # a write found the lease gone
                     continue
             if topology is not None:
                 break

@@ -24,10 +24,11 @@ from urllib.parse import urlsplit
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import aetcd  # noqa: E402
+import grpc  # noqa: E402
 import aetcd.utils  # noqa: E402
 import tenacity  # noqa: E402
 
-from elastic.errors import EtcdUnavailableError  # noqa: E402
+from elastic.errors import EtcdUnavailableError, FencedError  # noqa: E402
 from elastic.timeouts import Timeouts  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -122,8 +123,19 @@ class EtcdClient:
 
     # -- plumbing ---------------------------------------------------------------------------
     def _submit(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs ``coro`` on the loop thread and waits for it, within one RPC's deadline.
+
+        Raises:
+            aetcd.ConnectionTimeoutError: no reply in time (the attempt is cancelled), so that
+                a stuck loop is retried and mapped like any other transient error.
+        """
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return future.result(timeout=self._rpc_timeout_s + self._shutdown_s)
+        try:
+            return future.result(timeout=self._rpc_timeout_s + self._shutdown_s)
+        except TimeoutError as exc:
+            future.cancel()
+            raise aetcd.ConnectionTimeoutError(f"no reply within {self._rpc_timeout_s:g} s "
+                                               "(+ the client thread's hand-over)") from exc
 
     async def _connected(self) -> aetcd.Client:
         if self._client is None:
@@ -172,9 +184,14 @@ class EtcdClient:
         except _TRANSIENT as exc:
             raise EtcdUnavailableError(
                 f"etcd at {self.urls} did not answer {what} for "
-                f"{retry_for.total_seconds():.0f} s ({type(exc).__name__}: {exc}). "
+                f"{retry_for.total_seconds():g} s ({type(exc).__name__}: {exc}). "
                 "Check that etcd runs and that --etcd / ELASTIC_ETCD names its client URL."
             ) from exc
+        except aetcd.ClientError as exc:
+            if _status(exc) == grpc.StatusCode.NOT_FOUND:  # etcd's only NOT_FOUND: a lease
+                raise FencedError(f"{what}: the lease is gone ({exc}); its owner must "
+                                  "register again as a new member.") from exc
+            raise
 
     # -- key-value ----------------------------------------------------------------------------
     def put(self, key: str | bytes, value: bytes | str, lease: int | None = None) -> int:
@@ -367,6 +384,12 @@ async def _cancel_when(stopped: asyncio.Event, watch: Any) -> None:
 def _kv(kv: Any) -> KeyValue:
     return KeyValue(key=kv.key.decode(), value=bytes(kv.value), mod_revision=kv.mod_revision,
                     create_revision=kv.create_revision, lease=kv.lease)
+
+
+def _status(exc: aetcd.ClientError) -> Any:
+    """The gRPC status code behind an aetcd error, if any."""
+    cause = exc.__cause__
+    return cause.code() if isinstance(cause, grpc.RpcError) and hasattr(cause, "code") else None
 
 
 def _utf8_keys(kvs: Any) -> list[KeyValue]:

@@ -58,6 +58,7 @@ class EtcdMembership:
         self.lease_ttl = lease_ttl
         self.keepalive = keepalive
         self.lease = 0
+        self.is_registered = False  # set once the lease, member key and watch exist
         self.fenced = threading.Event()
         self._stop = threading.Event()
         self._listeners: list[Listener] = []
@@ -86,6 +87,7 @@ class EtcdMembership:
                                     lease=self.lease)
         self._cancel_watch = self._client.watch_prefix(self.keys.prefix, revision + 1,
                                                        self._dispatch)
+        self.is_registered = True
         self._keepalive = threading.Thread(target=self._keep_alive, name="elastic-keepalive",
                                            daemon=True)
         self._keepalive.start()
@@ -95,30 +97,37 @@ class EtcdMembership:
         if not self.fenced.is_set() and any(
                 e.kind == "delete" and e.key == self.keys.member(self.member_id) for e in events):
             if not self._stop.is_set():
-                self._fence("its member key was deleted")
+                self.fence("its member key was deleted")
         for listener in self._listeners:
             listener(events)
 
     def _keep_alive(self) -> None:
-        ttl_s = self.lease_ttl.total_seconds()
+        """Renews the lease until ``leave()``. An unreachable etcd fences nobody: training with
+        the world unchanged never needs etcd, and etcd keeps leases across its restarts; the
+        member is fenced only when etcd answers that the lease is gone."""
         interval_s = self.keepalive.total_seconds()
-        last_ok = time.monotonic()
+        unreachable_since: float | None = None
         while not self._stop.wait(interval_s):
             try:
-                remaining = self._client.refresh(self.lease)
+                remaining = self._client.refresh(self.lease, retry_for=self.keepalive)
             except EtcdUnavailableError as exc:
-                if time.monotonic() - last_ok > ttl_s:
-                    self._fence(f"etcd unreachable for longer than the lease TTL ({exc})")
-                    return
+                if unreachable_since is None:
+                    unreachable_since = time.monotonic()
+                    log.warning("etcd is unreachable (%s); training goes on, and the lease of "
+                                "%s is renewed once it answers", exc, self.member_id)
                 continue
             if self._stop.is_set():
                 return  # our own leave() revoked it
             if remaining <= 0:
-                self._fence("its lease expired (the process was frozen or cut off)")
+                self.fence("its lease expired (the process was frozen or cut off)")
                 return
-            last_ok = time.monotonic()
+            if unreachable_since is not None:
+                log.warning("etcd answers again after %.0f s; the lease of %s is alive",
+                            time.monotonic() - unreachable_since, self.member_id)
+                unreachable_since = None
 
-    def _fence(self, why: str) -> None:
+    def fence(self, why: str) -> None:
+        """Marks this identity as fenced for good (once) and tells the listeners."""
         if self.fenced.is_set():
             return
         log.warning("member %s is fenced: %s", self.member_id, why)
@@ -137,7 +146,7 @@ class EtcdMembership:
             log.warning("could not confirm the lease of %s (%s)", self.member_id, exc)
             return True
         if remaining <= 0:
-            self._fence("its lease expired (found while confirming it)")
+            self.fence("its lease expired (found while confirming it)")
             return False
         return True
 

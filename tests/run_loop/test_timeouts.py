@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULTS_S = {
     "lease_ttl": 3, "keepalive": 0.75, "settle": 0.5, "node_settle": 1, "rendezvous": 300,
     "admit": 1800, "form": 20, "store": 60, "collective": 1800, "sync": 300, "finish": 300,
-    "progress": 0.5, "storage_retry": 60, "etcd_rpc": 3, "etcd_retry": 10, "connect": 5,
+    "progress": 0.5, "storage_retry": 60, "etcd_rpc": 3, "etcd_retry": 10, "etcd_outage": 600, "connect": 5,
     "backoff": 0.05, "backoff_max": 1, "reconnect": 0.2, "etcd_ping": 5, "etcd_ping_timeout": 2,
     "etcd_start": 20, "grace": 30, "restart_grace": 3, "shutdown": 5, "reap": 10, "wake": 1,
     "poll": 0.05,
@@ -33,7 +33,7 @@ DEFAULTS_S = {
 # (shorter, longer, may they be equal): the hierarchy, as README.md states it.
 ORDER = [("keepalive", "lease_ttl", False), ("settle", "rendezvous", False),
          ("node_settle", "rendezvous", False), ("form", "collective", False),
-         ("sync", "collective", True), ("etcd_rpc", "etcd_retry", True),
+         ("sync", "collective", True), ("etcd_rpc", "etcd_retry", True), ("etcd_retry", "etcd_outage", True),
          ("backoff", "backoff_max", True), ("reconnect", "backoff_max", True)]
 SHORT_SIDE = {short for short, _, _ in ORDER}
 NAMES = [f.name for f in dataclasses.fields(Timeouts)]
@@ -157,7 +157,8 @@ def test_a_derived_table_is_validated_too():
 def test_the_flags_of_elastic_run_set_their_fields_on_top_of_the_environment(monkeypatch):
     assert {n: Timeouts.flag_name(n) for n in Timeouts.FLAGS} == {
         "lease_ttl": "--lease-ttl", "settle": "--settle", "rendezvous": "--rendezvous-timeout",
-        "form": "--form-timeout", "collective": "--collective-timeout", "grace": "--grace"}
+        "form": "--form-timeout", "collective": "--collective-timeout", "grace": "--grace",
+        "etcd_outage": "--etcd-outage"}
     monkeypatch.setenv("ELASTIC_FORM_TIMEOUT", "40")
     monkeypatch.setenv("ELASTIC_SETTLE", "0.2")
     args = _run_parser().parse_args(["--lease-ttl", "8", "--form-timeout", "30",

@@ -116,7 +116,7 @@ def main() -> None:
                 s.step += 1
                 progress.write(json.dumps({"step": s.step, "epoch": s.epoch, "rank": s.rank,
                                            "world": s.world_size, "gen": s.generation,
-                                           "loss": loss.item()}) + "\n")
+                                           "loss": loss.item(), "t": time.time()}) + "\n")
                 fire_faults(s, out, index)
                 compute_for(args.step_ms)
                 if s.sampler.batches_done % args.commit_every == 0:

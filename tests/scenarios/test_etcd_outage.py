@@ -1,0 +1,102 @@
+"""etcd outages: training goes on without etcd; re-forming waits for it within a budget."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elastic.launch.embedded_etcd import EmbeddedEtcd
+from tests.scenarios.test_elastic_recovery import EPOCHS, SAMPLES, check_outcome
+from tests.support.harness import Job
+
+OUTAGE_S = 60
+# Long enough that training spans the outage: about 80 s of steps in a world of 3.
+LONG_ARGS = ["--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--batch", "8",
+             "--commit-every", "4", "--step-ms", "500"]
+SHORT_ARGS = LONG_ARGS[:-1] + ["100"]
+
+
+@pytest.fixture
+def outage_job(private_etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator:
+    """Makes a Job on the test's own etcd; its processes are killed at the end."""
+    jobs: list[Job] = []
+
+    def make(args: list[str]) -> Job:
+        job = Job(private_etcd.url, tmp_path / f"job{len(jobs)}", f"outage-{len(jobs)}", args,
+                  {"ELASTIC_LEASE_TTL": "2"})
+        jobs.append(job)
+        return job
+
+    try:
+        yield make
+    finally:
+        for job in jobs:
+            job.kill_all()
+
+
+def steps_after(job: Job, t: float) -> int:
+    return sum(1 for p in job.progress(0) if "loss" in p and p["t"] > t)
+
+
+def training_in_world(job: Job, world: int) -> bool:
+    return any(p.get("world") == world and "loss" in p for p in job.progress(0))
+
+
+def test_training_goes_on_through_a_minute_long_etcd_freeze(outage_job, private_etcd):
+    job = outage_job(LONG_ARGS)
+    job.start_together(range(3))
+    job.wait_until(lambda: training_in_world(job, 3), 60, "a world of 3 training")
+    private_etcd.pause()
+    frozen_at = time.time()
+    try:
+        job.wait_until(lambda: time.time() - frozen_at > OUTAGE_S, OUTAGE_S + 10,
+                       f"{OUTAGE_S} s of frozen etcd")
+        trained = steps_after(job, frozen_at)
+    finally:
+        private_etcd.resume()
+    # 2 steps/s unhindered; a stalled job would make none (the bound allows a loaded machine).
+    assert trained > OUTAGE_S / 2, f"only {trained} steps while etcd was frozen"
+    for i in range(3):
+        assert job.wait_exit(i, timeout=180) == 0, job.tails()
+    check_outcome(job, [0, 1, 2])
+
+
+def test_training_goes_on_while_etcd_is_killed_and_restarted_on_its_data(outage_job,
+                                                                        private_etcd):
+    job = outage_job(SHORT_ARGS)
+    job.start_together(range(3))
+    job.wait_until(lambda: training_in_world(job, 3), 60, "a world of 3 training")
+    private_etcd.process.kill()  # SIGKILL: no goodbye to anyone
+    private_etcd.process.wait(timeout=10)
+    killed_at = time.time()
+    job.wait_until(lambda: steps_after(job, killed_at) > 20, 60, "training without etcd")
+    private_etcd.restart()
+    for i in range(3):
+        assert job.wait_exit(i, timeout=180) == 0, job.tails()
+    check_outcome(job, [0, 1, 2])
+    fenced = [e for e in job.events() if e["event"] == "reregistered"]
+    assert not fenced, "etcd keeps leases across a restart: nobody should have re-registered"
+
+
+def test_survivors_of_a_worker_killed_while_etcd_is_down_re_form_once_it_returns(
+        outage_job, private_etcd):
+    job = outage_job(SHORT_ARGS)
+    job.start_together(range(3))
+    job.wait_until(lambda: training_in_world(job, 3), 60, "a world of 3 training")
+    private_etcd.pause()
+    try:
+        job.signal(2, signal.SIGKILL)
+        killed_at = time.time()
+        job.wait_until(lambda: any(e["event"] == "etcd_unreachable" and e["t"] > killed_at
+                                   for e in job.events()), 60,
+                       "the survivors to wait for etcd")
+    finally:
+        private_etcd.resume()
+    job.wait_until(lambda: training_in_world(job, 2), 90, "the survivors to train in world 2")
+    for i in range(2):
+        assert job.wait_exit(i, timeout=180) == 0, job.tails()
+    check_outcome(job, [0, 1])
