@@ -40,14 +40,13 @@ def private_etcd() -> Iterator[EmbeddedEtcd]:
         server.stop()
 
 
-@pytest.fixture
-def make_job(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator:
-    """Makes Jobs on the session etcd; every process they started is killed at the end."""
+def _jobs(etcd_url: str, tmp_path: Path, prefix: str) -> Iterator:
+    """Makes Jobs on ``etcd_url``; every process they started is killed at the end."""
     jobs: list[Job] = []
 
     def make(args: list[str] | None = None, env: dict[str, str] | None = None, **kw) -> Job:
-        job = Job(etcd.url, tmp_path / f"job{len(jobs)}", f"test-{os.getpid()}-{next(_job_ids)}",
-                  args, env, **kw)
+        job = Job(etcd_url, tmp_path / f"{prefix}{len(jobs)}",
+                  f"test-{os.getpid()}-{next(_job_ids)}", args, env, **kw)
         jobs.append(job)
         return job
 
@@ -56,3 +55,15 @@ def make_job(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator:
     finally:
         for job in jobs:
             job.kill_all()
+
+
+@pytest.fixture
+def make_job(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator:
+    """Makes Jobs on the session etcd; every process they started is killed at the end."""
+    yield from _jobs(etcd.url, tmp_path, "job")
+
+
+@pytest.fixture
+def make_private_job(private_etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator:
+    """Makes Jobs on the test's own etcd (``private_etcd``), for tests that stop or lose it."""
+    yield from _jobs(private_etcd.url, tmp_path, "private-job")

@@ -6,7 +6,6 @@ import signal
 from pathlib import Path
 
 from elastic.checkpoint import CheckpointStore
-from tests.support.harness import Job
 from tests.support.resume_scenario import model_params, resume, run_until_checkpoint
 
 
@@ -51,7 +50,7 @@ def test_durable_commits_are_written_by_rank_zero_only_and_recorded_as_events(ma
 
 
 def test_durable_commits_still_land_after_a_resume_on_a_fresh_etcd_that_counts_rounds_from_one(
-        make_job, private_etcd, tmp_path):
+        make_job, make_private_job, tmp_path):
     url = str(tmp_path / "ckpt")
     env = {"ELASTIC_CHECKPOINT": url}
     store = CheckpointStore(url)
@@ -68,15 +67,11 @@ def test_durable_commits_still_land_after_a_resume_on_a_fresh_etcd_that_counts_r
         first.wait_exit(index)
     before = store.latest().step
 
-    resumed = Job(private_etcd.url, tmp_path / "resumed", "resumed", args + ["--step-ms", "5"],
-                  env)
-    try:
-        resumed.start_together(range(2))
-        for index in range(2):
-            assert resumed.wait_exit(index) == 0, resumed.tails()
-        events = resumed.events()
-    finally:
-        resumed.kill_all()
+    resumed = make_private_job(args + ["--step-ms", "5"], env)
+    resumed.start_together(range(2))
+    for index in range(2):
+        assert resumed.wait_exit(index) == 0, resumed.tails()
+    events = resumed.events()
     failed = [e["error"] for e in events if e["event"] == "checkpoint_failed"]
     assert failed == [], "durable commits were refused after the resume"
     assert store.latest().step > before

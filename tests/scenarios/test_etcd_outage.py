@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
-
-from elastic.launch.embedded_etcd import EmbeddedEtcd
 from tests.scenarios.test_elastic_recovery import EPOCHS, SAMPLES, check_outcome
 from tests.support.harness import Job
 
@@ -18,24 +13,7 @@ OUTAGE_S = 60
 LONG_ARGS = ["--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--batch", "8",
              "--commit-every", "4", "--step-ms", "500"]
 SHORT_ARGS = LONG_ARGS[:-1] + ["100"]
-
-
-@pytest.fixture
-def outage_job(private_etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator:
-    """Makes a Job on the test's own etcd; its processes are killed at the end."""
-    jobs: list[Job] = []
-
-    def make(args: list[str]) -> Job:
-        job = Job(private_etcd.url, tmp_path / f"job{len(jobs)}", f"outage-{len(jobs)}", args,
-                  {"ELASTIC_LEASE_TTL": "2"})
-        jobs.append(job)
-        return job
-
-    try:
-        yield make
-    finally:
-        for job in jobs:
-            job.kill_all()
+ENV = {"ELASTIC_LEASE_TTL": "2"}
 
 
 def steps_after(job: Job, t: float) -> int:
@@ -46,8 +24,8 @@ def training_in_world(job: Job, world: int) -> bool:
     return any(p.get("world") == world and "loss" in p for p in job.progress(0))
 
 
-def test_training_goes_on_through_a_minute_long_etcd_freeze(outage_job, private_etcd):
-    job = outage_job(LONG_ARGS)
+def test_training_goes_on_through_a_minute_long_etcd_freeze(make_private_job, private_etcd):
+    job = make_private_job(LONG_ARGS, ENV)
     job.start_together(range(3))
     job.wait_until(lambda: training_in_world(job, 3), 60, "a world of 3 training")
     private_etcd.pause()
@@ -65,9 +43,9 @@ def test_training_goes_on_through_a_minute_long_etcd_freeze(outage_job, private_
     check_outcome(job, [0, 1, 2])
 
 
-def test_training_goes_on_while_etcd_is_killed_and_restarted_on_its_data(outage_job,
+def test_training_goes_on_while_etcd_is_killed_and_restarted_on_its_data(make_private_job,
                                                                         private_etcd):
-    job = outage_job(SHORT_ARGS)
+    job = make_private_job(SHORT_ARGS, ENV)
     job.start_together(range(3))
     job.wait_until(lambda: training_in_world(job, 3), 60, "a world of 3 training")
     private_etcd.process.kill()  # SIGKILL: no goodbye to anyone
@@ -83,8 +61,8 @@ def test_training_goes_on_while_etcd_is_killed_and_restarted_on_its_data(outage_
 
 
 def test_survivors_of_a_worker_killed_while_etcd_is_down_re_form_once_it_returns(
-        outage_job, private_etcd):
-    job = outage_job(SHORT_ARGS)
+        make_private_job, private_etcd):
+    job = make_private_job(SHORT_ARGS, ENV)
     job.start_together(range(3))
     job.wait_until(lambda: training_in_world(job, 3), 60, "a world of 3 training")
     private_etcd.pause()
