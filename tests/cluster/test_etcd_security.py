@@ -9,7 +9,6 @@ at once (a refusal does not pass by retrying).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,31 +18,13 @@ from elastic.cluster.etcd_client import EtcdClient, uses_tls
 from elastic.cluster.keys import JobKeys
 from elastic.errors import EtcdAccessError
 from elastic.settings import EtcdSecurity
-from tests.support.tls_etcd import Pki, SecureEtcd, make_pki
+from tests.support.tls_etcd import JOB_A, JOB_B, JOB_USERS, ROOT_PASSWORD, Pki, SecureEtcd
 
 pytestmark = pytest.mark.timeout(120)
-JOB_A, JOB_B = "job-a", "job-b"
-PASSWORDS = {"alice": "alice-secret", "bob": "bob-secret"}
+PASSWORDS = dict(JOB_USERS.values())
 # A refusal is not retried: it must come long before the retry deadline.
 RETRY_FOR = timedelta(seconds=20)
 PROMPT_S = 5.0
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture(scope="module")
-def secure_etcd(pki: Pki) -> Iterator[SecureEtcd]:
-    server = SecureEtcd(pki).start()
-    try:
-        server.enable_auth()
-        server.add_job_user(JOB_A, "alice", PASSWORDS["alice"])
-        server.add_job_user(JOB_B, "bob", PASSWORDS["bob"])
-        yield server
-    finally:
-        server.stop()
 
 
 def tls(pki: Pki, **changes: str) -> dict[str, str]:
@@ -55,7 +36,8 @@ def as_user(pki: Pki, user: str, **changes: str) -> EtcdSecurity:
     return EtcdSecurity(**tls(pki, **changes), user=user, password=PASSWORDS[user])
 
 
-def refusal(server: SecureEtcd, security: EtcdSecurity, key: str = "/elastic/job-a/x") -> str:
+def refusal(server: SecureEtcd, security: EtcdSecurity,
+            key: str = f"/elastic/{JOB_A}/x") -> str:
     """Writes ``key`` and returns the refusal's message; asserts it came at once."""
     client = EtcdClient(server.url, security=security, retry_for=RETRY_FOR)
     started = time.monotonic()
@@ -133,12 +115,12 @@ def test_an_auth_token_etcd_no_longer_accepts_is_replaced_without_the_caller_not
         secure_etcd, pki):
     client = EtcdClient(secure_etcd.url, security=as_user(pki, "alice"))
     try:
-        client.put("/elastic/job-a/token", "before")
+        client.put(f"/elastic/{JOB_A}/token", "before")
         # Turning authentication off and on again invalidates every token etcd handed out.
-        secure_etcd.etcdctl("auth", "disable", user="root:root-secret")
-        secure_etcd.etcdctl("auth", "enable", user="root:root-secret")
-        client.put("/elastic/job-a/token", "after")
-        assert client.get("/elastic/job-a/token").value == b"after"
+        secure_etcd.etcdctl("auth", "disable", user=f"root:{ROOT_PASSWORD}")
+        secure_etcd.etcdctl("auth", "enable", user=f"root:{ROOT_PASSWORD}")
+        client.put(f"/elastic/{JOB_A}/token", "after")
+        assert client.get(f"/elastic/{JOB_A}/token").value == b"after"
     finally:
         client.close()
 

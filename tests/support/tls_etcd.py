@@ -26,6 +26,9 @@ from elastic.launch.embedded_etcd import EmbeddedEtcd
 
 ROOT_PASSWORD = "root-secret"
 DAY = datetime.timedelta(days=1)
+# The jobs of the tests' secure etcd, each with its user and password.
+JOB_A, JOB_B = "secure-a", "secure-b"
+JOB_USERS = {JOB_A: ("alice", "alice-secret"), JOB_B: ("bob", "bob-secret")}
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,14 @@ def make_pki(directory: Path) -> Pki:
     return Pki(ca=_write(directory, "ca", ca)[0], server_cert=server[0], server_key=server[1],
                client_cert=client[0], client_key=client[1], expired_cert=expired[0],
                expired_key=expired[1], other_ca=_write(directory, "other-ca", other_ca)[0])
+
+
+def user_env(pki: Pki, job_id: str) -> dict[str, str]:
+    """The ELASTIC_ETCD_* variables of a worker holding ``job_id``'s user."""
+    user, password = JOB_USERS[job_id]
+    return {"ELASTIC_ETCD_CACERT": str(pki.ca), "ELASTIC_ETCD_CERT": str(pki.client_cert),
+            "ELASTIC_ETCD_KEY": str(pki.client_key), "ELASTIC_ETCD_USER": user,
+            "ELASTIC_ETCD_PASSWORD": password}
 
 
 class SecureEtcd(EmbeddedEtcd):
