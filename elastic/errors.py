@@ -15,6 +15,13 @@ class EtcdUnavailableError(ElasticError):
     """etcd could not be reached within the retry deadline."""
 
 
+class EtcdAccessError(ElasticError):
+    """etcd refused this client: a certificate, the credentials, or a permission is wrong.
+
+    Not retried (it would not pass by waiting); the message names the setting to fix.
+    """
+
+
 class FencedError(ElasticError):
     """This member's lease is gone: it must not act under its old identity."""
 

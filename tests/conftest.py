@@ -3,6 +3,7 @@ and a fault-injecting filesystem."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from elastic.launch.embedded_etcd import EmbeddedEtcd
 from tests.support.faulty_fs import faulty_fs  # noqa: F401 (a fixture)
 from tests.support.harness import Job
 from tests.support.s3_server import s3_server, s3_url  # noqa: F401 (fixtures)
+from tests.support.tls_etcd import JOB_A, JOB_USERS, Pki, SecureEtcd, make_pki, user_env
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -40,13 +42,16 @@ def private_etcd() -> Iterator[EmbeddedEtcd]:
         server.stop()
 
 
-def _jobs(etcd_url: str, tmp_path: Path, prefix: str) -> Iterator:
-    """Makes Jobs on ``etcd_url``; every process they started is killed at the end."""
+@contextlib.contextmanager
+def _jobs(url: str, tmp_path: Path, base_env: dict[str, str], folder: str = "job") -> Iterator:
+    """Makes Jobs on the etcd at ``url``; every process they started is killed at the end."""
     jobs: list[Job] = []
 
-    def make(args: list[str] | None = None, env: dict[str, str] | None = None, **kw) -> Job:
-        job = Job(etcd_url, tmp_path / f"{prefix}{len(jobs)}",
-                  f"test-{os.getpid()}-{next(_job_ids)}", args, env, **kw)
+    def make(args: list[str] | None = None, env: dict[str, str] | None = None,
+             job_id: str | None = None, **kw) -> Job:
+        job = Job(url, tmp_path / f"{folder}{len(jobs)}",
+                  job_id or f"test-{os.getpid()}-{next(_job_ids)}", args,
+                  {**base_env, **(env or {})}, **kw)
         jobs.append(job)
         return job
 
@@ -60,10 +65,40 @@ def _jobs(etcd_url: str, tmp_path: Path, prefix: str) -> Iterator:
 @pytest.fixture
 def make_job(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator:
     """Makes Jobs on the session etcd; every process they started is killed at the end."""
-    yield from _jobs(etcd.url, tmp_path, "job")
+    with _jobs(etcd.url, tmp_path, {}) as make:
+        yield make
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """A CA, server and client certificates (one expired), and an unrelated CA."""
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="session")
+def secure_etcd(pki: Pki) -> Iterator[SecureEtcd]:
+    """A real etcd with TLS, client certificates required and auth on: a root user, and one
+    user per job of ``JOB_USERS`` whose role covers that job's prefixes only."""
+    server = SecureEtcd(pki).start()
+    try:
+        server.enable_auth()
+        for job_id, (user, password) in JOB_USERS.items():
+            server.add_job_user(job_id, user, password)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def secure_job(secure_etcd: SecureEtcd, pki: Pki, tmp_path: Path) -> Iterator:
+    """Makes Jobs on the TLS and auth etcd, whose workers hold the credentials of ``JOB_A``'s
+    user (``job_id=`` picks the job)."""
+    with _jobs(secure_etcd.url, tmp_path, user_env(pki, JOB_A)) as make:
+        yield make
 
 
 @pytest.fixture
 def make_private_job(private_etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator:
     """Makes Jobs on the test's own etcd (``private_etcd``), for tests that stop or lose it."""
-    yield from _jobs(private_etcd.url, tmp_path, "private-job")
+    with _jobs(private_etcd.url, tmp_path, {}, folder="private-job") as make:
+        yield make

@@ -20,6 +20,7 @@ from elastic.cluster.etcd_client import EtcdClient, parse_endpoints
 from elastic.cluster.etcd_store import EtcdStore
 from elastic.events import EventLog, Stopwatch
 from elastic.cluster.keys import JobKeys
+from elastic.cluster.lease_file import append_lease
 from elastic.cluster.membership import EtcdMembership
 from elastic.cluster.monitor import ChangeMonitor
 from elastic.cluster.process_group import ProcessGroup, resolve_backend
@@ -47,10 +48,12 @@ class Cluster:
         self.events = events
         self.keys = JobKeys(settings.job_id)
         timeouts = settings.timeouts
-        self.client = EtcdClient(settings.etcd, timeouts=timeouts)
+        self.client = EtcdClient(settings.etcd, timeouts=timeouts,
+                                 security=settings.etcd_security)
         etcd_ports = frozenset(port for _, port in parse_endpoints(settings.etcd))
         self.group = ProcessGroup(resolve_backend(settings.backend), timeout=timeouts.collective,
-                                  skip_ports=etcd_ports, form_timeout=timeouts.form)
+                                  skip_ports=etcd_ports, form_timeout=timeouts.form,
+                                  advertise_addr=settings.advertise_addr)
         self.config = RendezvousConfig(min_workers=settings.min_workers,
                                        max_workers=settings.max_workers, timeouts=timeouts)
         self.topology: Topology | None = None
@@ -62,8 +65,11 @@ class Cluster:
 
     def _register(self) -> None:
         timeouts = self.settings.timeouts
-        self.membership = EtcdMembership(self.client, self.keys, self.settings.advertise_addr,
-                                         timeouts.lease_ttl, timeouts.keepalive)
+        lease_file = self.settings.lease_file
+        self.membership = EtcdMembership(
+            self.client, self.keys, self.settings.advertise_addr, timeouts.lease_ttl,
+            timeouts.keepalive,
+            on_lease=None if lease_file is None else lambda lease: append_lease(lease_file, lease))
         self.rendezvous = Rendezvous(self.client, self.membership, self.config)
         self.monitor = ChangeMonitor(self.keys, self.membership.member_id, self._on_broken)
         self.membership.add_listener(self.monitor.on_events)

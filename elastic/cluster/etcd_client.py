@@ -4,6 +4,10 @@ It owns an event loop in one background thread and offers a small synchronous AP
 values are ``str``/``bytes``, leases are ints, watches call back from the loop thread. Transient
 errors are retried with tenacity against a deadline, then become ``EtcdUnavailableError`` naming
 the URLs. It must not know about jobs, rounds or torch.
+
+The connection itself (TLS, the user's token) is built in ``etcd_channel``. A token etcd no
+longer accepts is fetched again; a refusal (bad certificate, wrong password, no permission) is
+not retried: it becomes ``EtcdAccessError``, one sentence with the fix.
 """
 
 from __future__ import annotations
@@ -16,40 +20,34 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 # gRPC's fork handlers only log "Other threads are currently calling into gRPC, skipping fork()
 # handlers" at every DataLoader worker fork (our loop thread is always in gRPC); forked children
 # never use this client. Set before grpc is imported; an explicit user setting wins.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# gRPC logs every failed TLS handshake at INFO on stderr; the refusal is reported as
+# EtcdAccessError, one line, instead.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import aetcd  # noqa: E402
-import grpc  # noqa: E402
+import aetcd.exceptions  # noqa: E402
 import aetcd.utils  # noqa: E402
+import grpc  # noqa: E402
 import tenacity  # noqa: E402
 
-from elastic.errors import EtcdUnavailableError, FencedError  # noqa: E402
+from elastic.cluster.etcd_channel import (  # noqa: E402
+    Client, grpc_options, parse_endpoints, refusal, status_of, uses_tls)
+from elastic.cluster.etcd_tls import channel_credentials, tls_problem  # noqa: E402
+from elastic.errors import EtcdAccessError, EtcdUnavailableError, FencedError  # noqa: E402
+from elastic.settings import EtcdSecurity  # noqa: E402
 from elastic.timeouts import Timeouts  # noqa: E402
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _TRANSIENT = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, aetcd.InternalError)
-
-
-def _grpc_options(timeouts: Timeouts) -> dict[str, int]:
-    """gRPC channel options from the table. gRPC's default reconnect backoff waits long after an
-    outage (up to minutes); these recover at once, and pings find a dead connection."""
-    def ms(value: timedelta) -> int:
-        return round(value.total_seconds() * 1000)
-
-    return {
-        "grpc.initial_reconnect_backoff_ms": ms(timeouts.reconnect),
-        "grpc.min_reconnect_backoff_ms": ms(timeouts.reconnect),
-        "grpc.max_reconnect_backoff_ms": ms(timeouts.backoff_max),
-        "grpc.keepalive_time_ms": ms(timeouts.etcd_ping),
-        "grpc.keepalive_timeout_ms": ms(timeouts.etcd_ping_timeout),
-    }
+# Retried after fetching a new token: etcd expired or forgot the one we hold.
+_RETRIED = (*_TRANSIENT, aetcd.exceptions.UnauthenticatedError)
 
 
 @dataclass(frozen=True)
@@ -73,25 +71,6 @@ class WatchEvent:
     revision: int
 
 
-def parse_endpoints(urls: str) -> list[tuple[str, int]]:
-    """Parses ``http://host:port[,http://host:port...]`` into (host, port) pairs.
-
-    Raises:
-        ValueError: a URL has no host or port.
-    """
-    endpoints = []
-    for url in (u.strip() for u in urls.split(",")):
-        if not url:
-            continue
-        parts = urlsplit(url if "://" in url else f"http://{url}")
-        if not parts.hostname or not parts.port:
-            raise ValueError(f"etcd URL {url!r} needs a host and a port, e.g. http://127.0.0.1:2379.")
-        endpoints.append((parts.hostname, parts.port))
-    if not endpoints:
-        raise ValueError("No etcd URL given: pass --etcd http://HOST:PORT or set ELASTIC_ETCD.")
-    return endpoints
-
-
 class EtcdClient:
     """A synchronous etcd v3 client over aetcd, with bounded retries and endpoint fail-over.
 
@@ -102,13 +81,23 @@ class EtcdClient:
             closing waits (default: ``Timeouts()``).
         retry_for: how long an operation retries transient errors before giving up, when not
             ``timeouts.etcd_retry`` (a launcher gives up sooner: ``timeouts.connect``).
+        security: TLS files and etcd user (default: none; ``https://`` URLs still use TLS,
+            verified against the system's CA store).
+
+    Raises:
+        ValueError: malformed URLs, or TLS files for ``http://`` URLs.
     """
 
     def __init__(self, urls: str, *, timeouts: Timeouts | None = None,
-                 retry_for: timedelta | None = None) -> None:
+                 retry_for: timedelta | None = None,
+                 security: EtcdSecurity | None = None) -> None:
         self.timeouts = timeouts or Timeouts()
         self.urls = urls
         self._endpoints = parse_endpoints(urls)
+        self.security = security or EtcdSecurity()
+        self.security.validate()
+        self._credentials = (channel_credentials(self.security)
+                             if uses_tls(urls, self.security) else None)
         self._retry_for = retry_for or self.timeouts.etcd_retry
         self._rpc_timeout_s = self.timeouts.etcd_rpc.total_seconds()
         # Beyond one RPC's deadline: how long a caller waits for the loop thread's reply.
@@ -119,6 +108,7 @@ class EtcdClient:
                                         daemon=True)
         self._thread.start()
         self._client: aetcd.Client | None = None
+        self._connecting: asyncio.Lock | None = None  # made on the loop thread, on first use
         self._closed = False
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -138,20 +128,30 @@ class EtcdClient:
                                                "(+ the client thread's hand-over)") from exc
 
     async def _connected(self) -> aetcd.Client:
-        if self._client is None:
-            host, port = self._endpoints[self._endpoint_index % len(self._endpoints)]
-            client = aetcd.Client(host=host, port=port, timeout=self._rpc_timeout_s,
-                                  options=_grpc_options(self.timeouts))
-            await client.connect()
-            self._client = client
-        return self._client
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:  # one connection (and one token) for every caller
+            if self._client is None:
+                client = Client(*self._endpoint(), credentials=self._credentials,
+                                security=self.security, timeout=self._rpc_timeout_s,
+                                options=grpc_options(self.timeouts))
+                await client.connect()
+                self._client = client
+            return self._client
+
+    def _endpoint(self) -> tuple[str, int]:
+        return self._endpoints[self._endpoint_index % len(self._endpoints)]
+
+    async def _reconnect(self) -> None:
+        """Drops the current connection; the next call connects (and authenticates) again."""
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
 
     async def _fail_over(self) -> None:
         """Drops the current connection and moves to the next endpoint."""
-        client, self._client = self._client, None
         self._endpoint_index += 1
-        if client is not None:
-            await client.close()
+        await self._reconnect()
 
     def _call(self, op: Callable[[aetcd.Client], Coroutine[Any, Any, T]], what: str,
               retry_for: timedelta | None = None) -> T:
@@ -164,23 +164,43 @@ class EtcdClient:
         async def attempt() -> T:
             try:
                 return await op(await self._connected())
+            except aetcd.exceptions.UnauthenticatedError:
+                await self._reconnect()  # the token expired: authenticate again
+                raise
             except _TRANSIENT:
                 if len(self._endpoints) > 1:
                     await self._fail_over()
                 raise
 
+        def once() -> T:
+            try:
+                return self._submit(attempt())
+            except _TRANSIENT:
+                self._check_tls()
+                raise
+            except aetcd.ClientError as exc:
+                refused = refusal(exc, what, self.urls, self.security)
+                if refused is None:
+                    raise
+                raise refused from exc
+
         backoff_s = self.timeouts.backoff.total_seconds()
         backoff_max_s = self.timeouts.backoff_max.total_seconds()
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_delay(retry_for.total_seconds()),
-            retry=tenacity.retry_if_exception_type(_TRANSIENT),
+            retry=tenacity.retry_if_exception_type(_RETRIED),
             wait=tenacity.wait_exponential_jitter(multiplier=backoff_s, max=backoff_max_s,
                                                   jitter=backoff_s),
             before_sleep=tenacity.before_sleep_log(log, logging.DEBUG),
             reraise=True,
         )
         try:
-            return retrying(lambda: self._submit(attempt()))
+            return retrying(once)
+        except aetcd.exceptions.UnauthenticatedError as exc:
+            raise EtcdAccessError(
+                f"etcd at {self.urls} kept refusing the auth token of user "
+                f"{self.security.user!r} for {what} ({exc}): check that authentication is "
+                "enabled as expected and that the user still exists.") from exc
         except _TRANSIENT as exc:
             raise EtcdUnavailableError(
                 f"etcd at {self.urls} did not answer {what} for "
@@ -188,10 +208,22 @@ class EtcdClient:
                 "Check that etcd runs and that --etcd / ELASTIC_ETCD names its client URL."
             ) from exc
         except aetcd.ClientError as exc:
-            if _status(exc) == grpc.StatusCode.NOT_FOUND:  # etcd's only NOT_FOUND: a lease
+            if status_of(exc) == grpc.StatusCode.NOT_FOUND:  # etcd's only NOT_FOUND: a lease
                 raise FencedError(f"{what}: the lease is gone ({exc}); its owner must "
                                   "register again as a new member.") from exc
             raise
+
+    def _check_tls(self) -> None:
+        """After a failed connection over TLS: raises if the certificates are the reason.
+
+        Raises:
+            EtcdAccessError: the server or this client's certificate was refused.
+        """
+        if self._credentials is None:
+            return
+        problem = tls_problem(*self._endpoint(), self.security, self._rpc_timeout_s)
+        if problem is not None:
+            raise EtcdAccessError(problem)
 
     # -- key-value ----------------------------------------------------------------------------
     def put(self, key: str | bytes, value: bytes | str, lease: int | None = None) -> int:
@@ -291,9 +323,22 @@ class EtcdClient:
         reply = self._call(lambda c: c.refresh_lease(lease), "lease keepalive", retry_for)
         return 0 if reply is None else int(reply.TTL)
 
-    def revoke(self, lease: int) -> None:
-        """Revokes a lease, deleting every key bound to it."""
-        self._call(lambda c: c.revoke_lease(lease), "lease revoke")
+    def revoke(self, lease: int) -> bool:
+        """Revokes a lease, deleting every key bound to it.
+
+        Returns:
+            False when the lease did not exist (any more).
+        """
+        async def revoke(c: aetcd.Client) -> bool:
+            try:
+                await c.revoke_lease(lease)
+            except aetcd.ClientError as exc:
+                if status_of(exc) == grpc.StatusCode.NOT_FOUND:
+                    return False
+                raise
+            return True
+
+        return self._call(revoke, "lease revoke")
 
     # -- watches ------------------------------------------------------------------------------
     def watch_prefix(self, prefix: str, start_revision: int,
@@ -384,12 +429,6 @@ async def _cancel_when(stopped: asyncio.Event, watch: Any) -> None:
 def _kv(kv: Any) -> KeyValue:
     return KeyValue(key=kv.key.decode(), value=bytes(kv.value), mod_revision=kv.mod_revision,
                     create_revision=kv.create_revision, lease=kv.lease)
-
-
-def _status(exc: aetcd.ClientError) -> Any:
-    """The gRPC status code behind an aetcd error, if any."""
-    cause = exc.__cause__
-    return cause.code() if isinstance(cause, grpc.RpcError) and hasattr(cause, "code") else None
 
 
 def _utf8_keys(kvs: Any) -> list[KeyValue]:

@@ -19,9 +19,30 @@ rounds are the generations of ``--plain`` (torchrun-compatible) jobs.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 ROOT = "/elastic"
+MAX_JOB_ID = 64
+LAUNCHERS_SUFFIX = ".launchers"
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_job_id(job_id: str) -> str:
+    """Returns ``job_id`` if it is fit to become a key prefix (and an etcd role's name).
+
+    Raises:
+        ValueError: empty, longer than ``MAX_JOB_ID``, or other characters than letters,
+            digits, ``.``, ``_`` and ``-`` (starting with a letter or digit).
+    """
+    if len(job_id) > MAX_JOB_ID:
+        raise ValueError(f"job id {job_id[:MAX_JOB_ID]!r}... is {len(job_id)} characters long; "
+                         f"use at most {MAX_JOB_ID}.")
+    if not _JOB_ID.fullmatch(job_id):
+        raise ValueError(f"job id {job_id!r} must start with a letter or digit and hold only "
+                         "letters, digits, '.', '_' and '-' (it becomes the etcd prefix "
+                         f"{ROOT}/ID/).")
+    return job_id
 
 
 @dataclass(frozen=True)
@@ -31,8 +52,7 @@ class JobKeys:
     job_id: str
 
     def __post_init__(self) -> None:
-        if not self.job_id or "/" in self.job_id:
-            raise ValueError(f"job id {self.job_id!r} must be non-empty and contain no '/'.")
+        check_job_id(self.job_id.removesuffix(LAUNCHERS_SUFFIX) or self.job_id)
 
     @property
     def prefix(self) -> str:
@@ -88,7 +108,7 @@ class JobKeys:
 
     def launchers(self) -> "JobKeys":
         """The keys of this job's launchers (their membership and ``--plain`` generations)."""
-        return JobKeys(f"{self.job_id}.launchers")
+        return JobKeys(f"{self.job_id}{LAUNCHERS_SUFFIX}")
 
     def round_of(self, key: str) -> int | None:
         """Returns the round number in a ``rounds/{n}/...`` key, or None for other keys."""

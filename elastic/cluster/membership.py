@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 
-from elastic.errors import EtcdUnavailableError, FencedError
+from elastic.errors import EtcdAccessError, EtcdUnavailableError, FencedError
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.keys import JobKeys
 
@@ -42,10 +42,13 @@ class EtcdMembership:
         lease_ttl: the lease TTL; a frozen or cut-off member is dropped this long after its
             last keepalive.
         keepalive: how often the lease is renewed (None: four times per lease TTL).
+        on_lease: called with every lease granted, before a key is bound to it (the worker
+            reports it to its launcher: ``elastic.cluster.lease_file``).
     """
 
     def __init__(self, client: EtcdClient, keys: JobKeys, advertise_addr: str,
-                 lease_ttl: timedelta, keepalive: timedelta | None = None) -> None:
+                 lease_ttl: timedelta, keepalive: timedelta | None = None,
+                 on_lease: Callable[[int], None] | None = None) -> None:
         if keepalive is None:
             keepalive = lease_ttl / 4
         if keepalive * 2 >= lease_ttl:
@@ -59,6 +62,7 @@ class EtcdMembership:
         self.keepalive = keepalive
         self.lease = 0
         self.is_registered = False  # set once the lease, member key and watch exist
+        self._on_lease = on_lease
         self.fenced = threading.Event()
         self._stop = threading.Event()
         self._listeners: list[Listener] = []
@@ -81,6 +85,8 @@ class EtcdMembership:
             The etcd revision of the registration; the watch starts right after it.
         """
         self.lease = self._client.grant(self.lease_ttl)
+        if self._on_lease is not None:
+            self._on_lease(self.lease)
         info = {"host": socket.gethostname(), "pid": os.getpid(), "addr": self.advertise_addr,
                 "lease": self.lease, "since": time.time()}
         revision = self._client.put(self.keys.member(self.member_id), json.dumps(info),
@@ -110,6 +116,9 @@ class EtcdMembership:
         while not self._stop.wait(interval_s):
             try:
                 remaining = self._client.refresh(self.lease, retry_for=self.keepalive)
+            except EtcdAccessError as exc:  # credentials or permissions withdrawn
+                self.fence(f"etcd refuses its keepalive: {exc}")
+                return
             except EtcdUnavailableError as exc:
                 if unreachable_since is None:
                     unreachable_since = time.monotonic()

@@ -23,6 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastic.cluster.interfaces import socket_interface_env
 from elastic.errors import FencedError, PeerFailureError
 
 log = logging.getLogger(__name__)
@@ -152,11 +153,14 @@ class ProcessGroup:
         form_timeout: how long forming may take. A member that dies while the others connect
             to it cannot be released (gloo waits on its listening socket), so the formation
             runs under this short timeout and the group gets ``timeout`` once it is formed.
+        advertise_addr: the address peers reach this worker on; gloo and NCCL listen on its
+            interface only (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``, unless set already).
     """
 
     def __init__(self, backend: str, timeout: timedelta, skip_ports: frozenset[int],
-                 form_timeout: timedelta) -> None:
+                 form_timeout: timedelta, advertise_addr: str = "127.0.0.1") -> None:
         self.backend = backend
+        self.advertise_addr = advertise_addr
         self.timeout = timeout
         self.form_timeout = form_timeout
         self._skip_ports = skip_ports
@@ -186,6 +190,8 @@ class ProcessGroup:
 
     def form(self, store: dist.Store, rank: int, world_size: int) -> None:
         """Initialises the default group; returns once every rank has connected."""
+        # torch reads the interface from the environment only; a user's choice is kept.
+        os.environ.update(socket_interface_env(self.advertise_addr, os.environ))
         before = _socket_fds()
         if self.backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

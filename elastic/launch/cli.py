@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from elastic.errors import ElasticError
+from elastic.settings import EtcdSecurity
 from elastic.timeouts import Timeouts  # the standard library only: keeps `--help` fast
 
 USAGE_ERROR = 2
@@ -29,7 +30,8 @@ USAGE_ERROR = 2
 _TIMEOUT_FLAGS = {field: str(Timeouts.flag_name(field)) for field in Timeouts.FLAGS}
 _VALUE_OPTIONS = {"--etcd", "--job-id", "-n", "--nproc-per-node", "--min-workers",
                   "--max-workers", "--max-restarts", "--checkpoint", "--backend",
-                  "--advertise-addr", "--log-dir", *_TIMEOUT_FLAGS.values()}
+                  "--advertise-addr", "--log-dir", *_TIMEOUT_FLAGS.values(),
+                  *EtcdSecurity.FLAGS.values()}
 
 
 class UsageError(ElasticError):
@@ -67,6 +69,40 @@ def split_run_argv(argv: Sequence[str]) -> tuple[list[str], list[str], str | Non
     return argv, [], None
 
 
+def _add_security_flags(p: argparse.ArgumentParser) -> None:
+    """The TLS and authentication flags (etcdctl's names; each has an ELASTIC_ETCD_* twin)."""
+    g = p.add_argument_group("etcd TLS and authentication (https:// URLs)")
+    g.add_argument("--etcd-cacert", metavar="FILE",
+                   help="CA bundle that verifies etcd's certificate (default: the system's; "
+                        "ELASTIC_ETCD_CACERT)")
+    g.add_argument("--etcd-cert", metavar="FILE",
+                   help="client certificate for mutual TLS (ELASTIC_ETCD_CERT)")
+    g.add_argument("--etcd-key", metavar="FILE",
+                   help="key of --etcd-cert (ELASTIC_ETCD_KEY)")
+    g.add_argument("--etcd-user", metavar="NAME", help="etcd user (ELASTIC_ETCD_USER)")
+    g.add_argument("--etcd-password-file", metavar="FILE",
+                   help="file holding the user's password (or set ELASTIC_ETCD_PASSWORD; "
+                        "never on the command line)")
+
+
+def _security(args: argparse.Namespace) -> EtcdSecurity:
+    """The flags, then the ELASTIC_ETCD_* variables.
+
+    Raises:
+        ValueError: a file is missing, or half of a pair is.
+    """
+    return EtcdSecurity.resolve(cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key,
+                                user=args.etcd_user, password_file=args.etcd_password_file)
+
+
+def _check_job_id(job_id: str, command: str) -> str:
+    from elastic.cluster.keys import check_job_id  # noqa: PLC0415 (keeps `--help` fast)
+    try:
+        return check_job_id(job_id)
+    except ValueError as exc:
+        raise UsageError(f"{command}: {exc}") from None
+
+
 def _run_parser() -> _Parser:
     p = _Parser(prog="elastic run", description="Start this node's workers of an elastic job.",
                 usage="elastic run [options] (script.py | -m module) [args...]")
@@ -92,6 +128,7 @@ def _run_parser() -> _Parser:
                             f"{Timeouts.env_name(field)})")
     p.add_argument("--plain", action="store_true", help="torchrun-compatible mode for plain "
                    "DDP scripts: RANK/WORLD_SIZE/MASTER_* per generation, restart on failure")
+    _add_security_flags(p)
     return p
 
 
@@ -142,24 +179,25 @@ def cmd_run(argv: Sequence[str]) -> int:
     options, rest, module = split_run_argv(argv)
     args = _run_parser().parse_args(options)
     command, target = _worker_command(rest, module)
+    job_id = _check_job_id(args.job_id, "elastic run") if args.job_id else _fresh_job_id()
     from elastic.launch.launcher import LaunchSpec  # noqa: PLC0415 (keeps `--help` fast)
     try:
         spec = LaunchSpec(
-            command=command, target=target, etcd=args.etcd or "", job_id=args.job_id or
-            _fresh_job_id(), nproc=args.nproc, min_workers=args.min_workers,
+            command=command, target=target, etcd=args.etcd or "", job_id=job_id,
+            nproc=args.nproc, min_workers=args.min_workers,
             max_workers=args.max_workers, max_restarts=args.max_restarts,
             checkpoint=args.checkpoint, backend=args.backend, advertise_addr=args.advertise_addr,
             log_dir=str(Path(args.log_dir).resolve()) if args.log_dir else None,
-            timeouts=_timeouts(args), plain=args.plain, env=dict(os.environ))
+            timeouts=_timeouts(args), plain=args.plain, env=dict(os.environ),
+            security=_security(args))
     except ValueError as exc:
         raise UsageError(f"elastic run: {exc}") from None
     if spec.etcd:
-        from elastic.cluster.etcd_client import parse_endpoints  # noqa: PLC0415
-        try:
-            parse_endpoints(spec.etcd)
-        except ValueError as exc:
-            raise UsageError(f"elastic run: {exc}") from None
+        _check_etcd(spec.etcd, spec.security, "elastic run")
         return _launch(spec, embedded=False)
+    if spec.security != EtcdSecurity():
+        raise UsageError("elastic run: the --etcd-* TLS and authentication settings need "
+                         "--etcd https://HOST:PORT (the embedded etcd is plain, on 127.0.0.1).")
     from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: PLC0415
     server = EmbeddedEtcd(timeouts=spec.timeouts).start()
     try:
@@ -170,6 +208,14 @@ def cmd_run(argv: Sequence[str]) -> int:
               flush=True)
 
 
+def _check_etcd(urls: str, security: EtcdSecurity, command: str) -> None:
+    from elastic.cluster.etcd_client import uses_tls  # noqa: PLC0415
+    try:
+        uses_tls(urls, security)
+    except ValueError as exc:
+        raise UsageError(f"{command}: {exc}") from None
+
+
 def _with_etcd(spec, url: str):  # noqa: ANN001, ANN202 (LaunchSpec is imported lazily)
     from dataclasses import replace  # noqa: PLC0415
     return replace(spec, etcd=url)
@@ -178,7 +224,7 @@ def _with_etcd(spec, url: str):  # noqa: ANN001, ANN202 (LaunchSpec is imported 
 def join_command(spec) -> str:  # noqa: ANN001 (LaunchSpec is imported lazily)
     """The command that adds a worker of ``spec``'s job from another terminal."""
     parts = ["elastic", "run", "--etcd", spec.etcd, "--job-id", spec.job_id,
-             "-n", str(spec.nproc if spec.plain else 1)]
+             "-n", str(spec.nproc if spec.plain else 1), *spec.security.as_flags()]
     if spec.plain:
         parts.append("--plain")
     if spec.min_workers != 1:
@@ -195,7 +241,10 @@ def join_command(spec) -> str:  # noqa: ANN001 (LaunchSpec is imported lazily)
     for field, flag in _TIMEOUT_FLAGS.items():  # the same budget on every node
         if getattr(spec.timeouts, field) != getattr(defaults, field):
             parts += [flag, f"{getattr(spec.timeouts, field).total_seconds():g}"]
-    return shlex.join(parts + list(spec.command[1:]))
+    joined = shlex.join(parts + list(spec.command[1:]))
+    if spec.security.password:  # never the password itself
+        joined = f"ELASTIC_ETCD_PASSWORD=... {joined}"
+    return joined
 
 
 def _launch(spec, embedded: bool) -> int:  # noqa: ANN001
@@ -222,10 +271,15 @@ def cmd_status(argv: Sequence[str]) -> int:
     p.add_argument("--etcd", required=True, help="etcd client URL(s)")
     p.add_argument("--job-id", required=True)
     p.add_argument("--json", action="store_true", help="print JSON")
+    _add_security_flags(p)
     args = p.parse_args(argv)
+    _check_job_id(args.job_id, "elastic status")
     from elastic.launch.status import show  # noqa: PLC0415
     try:
-        return show(args.etcd, args.job_id, Timeouts.from_env(), as_json=args.json)
+        security = _security(args)
+        _check_etcd(args.etcd, security, "elastic status")
+        return show(args.etcd, args.job_id, Timeouts.from_env(), as_json=args.json,
+                    security=security)
     except ValueError as exc:
         raise UsageError(f"elastic status: {exc}") from None
 
@@ -256,7 +310,8 @@ def cmd_etcd(argv: Sequence[str]) -> int:
     server = EmbeddedEtcd(args.data_dir, timeouts=timeouts).start()
     try:
         print(f"etcd listening on {server.url}  (Ctrl-C stops it)\nStart workers with:\n"
-              f"    elastic run --etcd {server.url} --job-id myjob -n 2 train.py", flush=True)
+              f"    elastic run --etcd {server.url} --job-id {_fresh_job_id()} -n 2 train.py\n"
+              "(one job id per job: every launcher of a job passes the same one)", flush=True)
         wake_s = timeouts.wake.total_seconds()
         while not stop.requested.wait(timeout=wake_s):
             if server.process is None or server.process.poll() is not None:

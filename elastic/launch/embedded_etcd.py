@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -101,9 +102,11 @@ class EmbeddedEtcd:
         self._binary = ""
         self.log_path = Path(self.data_dir) / "etcd.log"
 
+    scheme = "http"  # a test server with TLS says "https"
+
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.client_port}"
+        return f"{self.scheme}://{HOST}:{self.client_port}"
 
     def start(self) -> "EmbeddedEtcd":
         """Starts the server and waits until it is healthy.
@@ -125,9 +128,10 @@ class EmbeddedEtcd:
             f"etcd ({binary}) did not become healthy after {self._attempts} attempts; "
             f"see {self.log_path}.")
 
-    def _spawn(self, binary: str, peer_port: int) -> None:
+    def _args(self, binary: str, peer_port: int) -> list[str]:
+        """The server's command line (a test server adds TLS flags here)."""
         member_dir = Path(self.data_dir) / f"member-{self.client_port}"
-        args = [
+        return [
             binary, "--name", "elastic", "--data-dir", str(member_dir),
             "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
             "--listen-peer-urls", f"http://{HOST}:{peer_port}",
@@ -136,6 +140,13 @@ class EmbeddedEtcd:
             "--listen-metrics-urls", f"http://{HOST}:{free_port()}",
             "--log-level", "warn",
         ]
+
+    def _health_context(self) -> ssl.SSLContext | None:
+        """The TLS context of the health probe (None: plain HTTP)."""
+        return None
+
+    def _spawn(self, binary: str, peer_port: int) -> None:
+        args = self._args(binary, peer_port)
         env = dict(os.environ)
         if self._go_max_procs is not None:
             env.setdefault("GOMAXPROCS", str(self._go_max_procs))
@@ -179,7 +190,8 @@ class EmbeddedEtcd:
             if self.process.poll() is not None:
                 return False
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=probe_s) as reply:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=probe_s,
+                                            context=self._health_context()) as reply:
                     if json.loads(reply.read()).get("health") == "true":
                         return True
             except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):

@@ -11,10 +11,8 @@ see it. It reads no environment variables: ``elastic.launch.cli`` hands it every
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -23,9 +21,12 @@ from datetime import timedelta
 
 from elastic.errors import EtcdUnavailableError
 from elastic.cluster.etcd_client import EtcdClient
+from elastic.cluster.interfaces import socket_interface_env
 from elastic.launch.job_config import JobConfig, claim
+from elastic.launch.lease_files import LeaseFiles
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership
+from elastic.settings import EtcdSecurity
 from elastic.signals import relay_signals
 from elastic.timeouts import Timeouts
 from elastic.launch.worker_procs import WorkerProcs, describe_exit
@@ -53,6 +54,7 @@ class LaunchSpec:
         timeouts: the job's timeout table (lease TTL, grace, ...), passed on to the workers.
         plain: torchrun-compatible mode.
         env: the environment workers start from (the CLI's, plus the ELASTIC_* variables).
+        security: etcd's TLS files and user, passed on to the workers as ELASTIC_ETCD_*.
     """
 
     command: tuple[str, ...]
@@ -70,6 +72,7 @@ class LaunchSpec:
     timeouts: Timeouts = Timeouts()
     plain: bool = False
     env: Mapping[str, str] = field(default_factory=dict)
+    security: EtcdSecurity = EtcdSecurity()
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -97,10 +100,9 @@ class LaunchSpec:
             "ELASTIC_CHECKPOINT": self.checkpoint or "", "ELASTIC_BACKEND": self.backend,
             "ELASTIC_ADVERTISE_ADDR": self.advertise_addr, "ELASTIC_LOG_DIR": self.log_dir or "",
             "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(self.nproc),
-            **self.timeouts.as_env(),
+            **self.timeouts.as_env(), **self.security.as_env(),
+            **socket_interface_env(self.advertise_addr, self.env),
         }
-        if self.advertise_addr == "127.0.0.1" and "GLOO_SOCKET_IFNAME" not in self.env:
-            env["GLOO_SOCKET_IFNAME"] = "lo"
         if self.caps_threads:
             env["OMP_NUM_THREADS"] = "1"
         return env
@@ -153,23 +155,14 @@ class StopSignal:
             pass  # stderr is gone (a closed terminal or pipe); the stop goes ahead regardless
 
 
-def revoke_worker_lease(client: EtcdClient, keys: JobKeys, pid: int) -> list[str]:
-    """Revokes the lease of every member this host's process ``pid`` registered.
+def revoke_worker_leases(client: EtcdClient, leases: list[int]) -> list[int]:
+    """Revokes the leases a worker of this launcher reported (``LeaseFiles``): never a lease
+    found by matching host name and pid in etcd, which another container can share.
 
     Returns:
-        The member ids whose lease was revoked (empty: the process never registered).
+        The leases that were still alive and are revoked now.
     """
-    kvs, _ = client.get_prefix(keys.members)
-    host, revoked = socket.gethostname(), []
-    for kv in kvs:
-        try:
-            info = json.loads(kv.value)
-        except ValueError:
-            continue
-        if info.get("host") == host and info.get("pid") == pid and info.get("lease"):
-            client.revoke(int(info["lease"]))
-            revoked.append(kv.key[len(keys.members):])
-    return revoked
+    return [lease for lease in leases if client.revoke(lease)]
 
 
 class Launcher:
@@ -186,6 +179,7 @@ class Launcher:
         self.stop = StopSignal(self.procs.changed, shutdown=spec.timeouts.shutdown)
         self.client: EtcdClient | None = None
         self.membership: EtcdMembership | None = None
+        self.leases = LeaseFiles()
 
     def connect(self) -> bool:
         """Connects to etcd, claims or checks the job's configuration and registers.
@@ -198,7 +192,8 @@ class Launcher:
             JobConfigError: the job runs with another configuration.
         """
         self.client = EtcdClient(self.spec.etcd, timeouts=self.spec.timeouts,
-                                 retry_for=self.spec.timeouts.connect)
+                                 retry_for=self.spec.timeouts.connect,
+                                 security=self.spec.security)
         first = claim(self.client, self.keys, self.spec.job_config())
         self.membership = EtcdMembership(self.client, self.keys.launchers(),
                                          self.spec.advertise_addr,
@@ -233,10 +228,11 @@ class Launcher:
             self.membership.leave()
         if self.client is not None:
             self.client.close()
+        self.leases.close()
 
     def _run_elastic(self) -> int:
         for local_rank in range(self.spec.nproc):
-            self.procs.start(local_rank, self.spec.worker_env(local_rank))
+            self._start(local_rank)
         restarts, failed = 0, 0
         while True:
             self.procs.changed.wait(timeout=self.spec.timeouts.wake.total_seconds())
@@ -248,25 +244,36 @@ class Launcher:
                 if code == 0:
                     continue
                 self._revoke(worker.pid, code)
+                self.leases.forget(worker.pid)
                 if restarts < self.spec.max_restarts:
                     restarts += 1
                     _say(f"restarting worker local_rank={worker.local_rank} "
                          f"(restart {restarts} of {self.spec.max_restarts})")
-                    self.procs.start(worker.local_rank, self.spec.worker_env(worker.local_rank))
+                    self._start(worker.local_rank)
                 else:
                     failed += 1
             if not self.procs.running():
                 return 1 if failed else 0
 
+    def _start(self, local_rank: int) -> None:
+        """Starts one worker, with a file of its own to report its leases in."""
+        path = self.leases.new_path(local_rank)
+        worker = self.procs.start(local_rank, {**self.spec.worker_env(local_rank),
+                                               "ELASTIC_LEASE_FILE": path})
+        self.leases.assign(worker.pid, path)
+
     def _revoke(self, pid: int, code: int) -> None:
         assert self.client is not None
+        leases = self.leases.read(pid)
         try:
-            revoked = revoke_worker_lease(self.client, self.keys, pid)
+            revoked = revoke_worker_leases(self.client, leases)
         except EtcdUnavailableError as exc:
             _say(f"worker pid={pid} {describe_exit(code)}; could not revoke its lease ({exc})")
             return
         if revoked:
-            _say(f"worker pid={pid} {describe_exit(code)}; revoked the lease of {revoked[0]}")
+            _say(f"worker pid={pid} {describe_exit(code)}; revoked its lease {revoked[-1]:x}")
+        elif leases:
+            _say(f"worker pid={pid} {describe_exit(code)}; its lease was gone already")
         else:
             _say(f"worker pid={pid} {describe_exit(code)} before it joined the job. If it is a "
                  "plain torch.distributed script (no ElasticState), run it with "

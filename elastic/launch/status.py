@@ -13,6 +13,7 @@ from typing import Any
 from elastic.cluster.etcd_client import EtcdClient
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.plan import Plan
+from elastic.settings import EtcdSecurity
 from elastic.timeouts import Timeouts
 
 
@@ -90,17 +91,20 @@ def render(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def show(etcd: str, job_id: str, timeouts: Timeouts, as_json: bool = False) -> int:
+def show(etcd: str, job_id: str, timeouts: Timeouts, as_json: bool = False,
+         security: EtcdSecurity | None = None) -> int:
     """Prints the status of ``job_id``; returns 0 (1 when the job is unknown).
 
-    etcd requests are retried for ``timeouts.connect``.
+    etcd requests are retried for ``timeouts.connect``; ``security`` holds the TLS files and
+    etcd user.
 
     Raises:
         EtcdUnavailableError: etcd could not be reached.
+        EtcdAccessError: etcd refused the certificates, the user, or its permissions.
         ValueError: the URL or job id is malformed.
     """
     keys = JobKeys(job_id)
-    client = EtcdClient(etcd, timeouts=timeouts, retry_for=timeouts.connect)
+    client = EtcdClient(etcd, timeouts=timeouts, retry_for=timeouts.connect, security=security)
     try:
         status = collect(client, keys)
     finally:

@@ -52,8 +52,23 @@ def one_clear_line(text: str, *needles: str) -> None:
       "lower ELASTIC_SETTLE or raise ELASTIC_RENDEZVOUS_TIMEOUT"]),
     (["run", "--form-timeout", "30", "--collective-timeout", "20", WORKER],
      ["--form-timeout (30 s) must be shorter than", "--collective-timeout (20 s)"]),
+    (["run", "--job-id", "../other", WORKER], ["job id '../other' must start with a letter"]),
+    (["run", "--job-id", "a/b", "--etcd", "http://127.0.0.1:2379", WORKER],
+     ["'a/b'", "letters, digits"]),
+    (["run", "--job-id", "j" * 65, WORKER], ["65 characters long; use at most 64"]),
+    (["status", "--etcd", "http://127.0.0.1:2379", "--job-id", "x y"], ["job id 'x y'"]),
+    (["run", "--etcd-cacert", "/no/such/ca.pem", "--etcd", "https://127.0.0.1:2379", WORKER],
+     ["--etcd-cacert / ELASTIC_ETCD_CACERT (/no/such/ca.pem) is not a readable file"]),
+    (["run", "--etcd-user", "alice", "--etcd", "https://127.0.0.1:2379", WORKER],
+     ["etcd user 'alice' needs a password", "--etcd-password-file"]),
+    (["run", "--etcd-user", "alice", "--etcd-password-file", "/no/such/file", WORKER],
+     ["--etcd-password-file /no/such/file: cannot read it"]),
+    (["status", "--etcd", "https://127.0.0.1:2379,http://127.0.0.1:2380", "--job-id", "x"],
+     ["mix http:// and https://"]),
 ])
-def test_bad_command_lines_get_one_line_and_exit_two(capsys, args, needles):
+def test_bad_command_lines_get_one_line_and_exit_two(capsys, monkeypatch, args, needles):
+    for name in ("ELASTIC_ETCD_USER", "ELASTIC_ETCD_PASSWORD", "ELASTIC_ETCD_CACERT"):
+        monkeypatch.delenv(name, raising=False)
     # In process (argument checks start nothing); the subprocess path is tested below.
     assert main(args) == 2
     captured = capsys.readouterr()

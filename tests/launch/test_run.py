@@ -6,9 +6,11 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 import urllib.error
 import urllib.request
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -103,12 +105,20 @@ def test_a_crashed_worker_has_its_lease_revoked_at_once_and_is_restarted(cli, et
     try:
         keys = JobKeys(job)
         registered = lambda: any(json.loads(kv.value)["pid"] == victim  # noqa: E731
-                                 for kv in client.get_prefix(keys.members)[0])
+                                 for kv in client.get_prefix(keys.members)[0]
+                                 if kv.key != keys.member("look-alike"))
         assert registered()
+        # A member of another container with the same host name and pid: not the launcher's.
+        look_alike = client.grant(timedelta(seconds=30))
+        client.put(keys.member("look-alike"), json.dumps(
+            {"host": socket.gethostname(), "pid": victim, "lease": look_alike}), lease=look_alike)
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         wait_until(lambda: not registered(), 5, "the victim's member key to go", [run])
         assert time.monotonic() - killed_at < 5, "the lease was not revoked at once (TTL 30 s)"
+        assert client.get(keys.member("look-alike")) is not None, \
+            "the launcher revoked a lease it does not own"
+        client.revoke(look_alike)
     finally:
         client.close()
     wait_until(lambda: any(e["event"] == "resumed" and e["pid"] not in original

@@ -1,0 +1,48 @@
+"""The launcher's side of the lease files: one private directory, one file per started worker.
+
+See ``elastic.cluster.lease_file`` for why: the launcher revokes only leases that a worker it
+started reported, by lease id.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import tempfile
+from pathlib import Path
+
+from elastic.cluster.lease_file import read_leases
+
+
+class LeaseFiles:
+    """Hands out lease file paths and reads them back by worker pid; ``close`` removes them."""
+
+    def __init__(self) -> None:
+        self._dir: Path | None = None
+        self._paths: dict[int, str] = {}
+        self._numbers = itertools.count()
+
+    def new_path(self, local_rank: int) -> str:
+        """A fresh path for the next worker (the directory is made 0700 on first use)."""
+        if self._dir is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="elastic-leases-"))
+        return str(self._dir / f"worker-{local_rank}-{next(self._numbers)}")
+
+    def assign(self, pid: int, path: str) -> None:
+        self._paths[pid] = path
+
+    def read(self, pid: int) -> list[int]:
+        """The leases worker ``pid`` reported (empty: none, or not a worker of ours)."""
+        path = self._paths.get(pid)
+        return read_leases(path) if path else []
+
+    def forget(self, pid: int) -> None:
+        path = self._paths.pop(pid, None)
+        if path:
+            Path(path).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+        self._paths.clear()

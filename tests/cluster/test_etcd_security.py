@@ -1,0 +1,162 @@
+"""The etcd client against a real etcd with TLS (client certificates required) and auth on.
+
+One server for the module: a CA, server and client certificates made in a temp dir, a root
+user and one user per job whose role reads and writes that job's prefixes only. Every refusal
+ends in ``EtcdAccessError``: one sentence naming the problem and the setting that fixes it,
+at once (a refusal does not pass by retrying).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from elastic.cluster.etcd_client import EtcdClient, uses_tls
+from elastic.cluster.keys import JobKeys
+from elastic.errors import EtcdAccessError
+from elastic.settings import EtcdSecurity
+from tests.support.tls_etcd import JOB_A, JOB_B, JOB_USERS, ROOT_PASSWORD, Pki, SecureEtcd
+
+pytestmark = pytest.mark.timeout(120)
+PASSWORDS = dict(JOB_USERS.values())
+# A refusal is not retried: it must come long before the retry deadline.
+RETRY_FOR = timedelta(seconds=20)
+PROMPT_S = 5.0
+
+
+def tls(pki: Pki, **changes: str) -> dict[str, str]:
+    return {"cacert": str(pki.ca), "cert": str(pki.client_cert), "key": str(pki.client_key),
+            **changes}
+
+
+def as_user(pki: Pki, user: str, **changes: str) -> EtcdSecurity:
+    return EtcdSecurity(**tls(pki, **changes), user=user, password=PASSWORDS[user])
+
+
+def refusal(server: SecureEtcd, security: EtcdSecurity,
+            key: str = f"/elastic/{JOB_A}/x") -> str:
+    """Writes ``key`` and returns the refusal's message; asserts it came at once."""
+    client = EtcdClient(server.url, security=security, retry_for=RETRY_FOR)
+    started = time.monotonic()
+    try:
+        with pytest.raises(EtcdAccessError) as refused:
+            client.put(key, "v")
+    finally:
+        client.close()
+    assert time.monotonic() - started < PROMPT_S, "a refusal was retried"
+    message = str(refused.value)
+    assert "\n" not in message
+    return message
+
+
+def test_the_right_ca_certificate_and_user_read_and_write_the_users_own_job(secure_etcd, pki):
+    client = EtcdClient(secure_etcd.url, security=as_user(pki, "alice"))
+    try:
+        keys = JobKeys(JOB_A)
+        client.put(keys.config, "{}")
+        assert client.get(keys.config).value == b"{}"
+        lease = client.grant(timedelta(seconds=5))
+        client.put(keys.member("m"), "x", lease=lease)
+        assert client.revoke(lease)
+        assert client.get(keys.member("m")) is None
+        assert not client.revoke(lease), "a lease revoked twice must say it was gone"
+    finally:
+        client.close()
+
+
+def test_a_wrong_ca_names_the_ca_flag(secure_etcd, pki):
+    message = refusal(secure_etcd, as_user(pki, "alice", cacert=str(pki.other_ca)))
+    assert "not trusted" in message and "--etcd-cacert" in message and str(pki.other_ca) in message
+
+
+def test_an_expired_client_certificate_is_named_with_its_expiry(secure_etcd, pki):
+    message = refusal(secure_etcd, as_user(pki, "alice", cert=str(pki.expired_cert),
+                                           key=str(pki.expired_key)))
+    assert "expired on" in message and str(pki.expired_cert) in message
+    assert "renew" in message
+
+
+def test_a_missing_client_certificate_is_asked_for(secure_etcd, pki):
+    security = EtcdSecurity(cacert=str(pki.ca), user="alice", password=PASSWORDS["alice"])
+    message = refusal(secure_etcd, security)
+    assert "requires a client certificate" in message and "--etcd-cert" in message
+
+
+def test_a_wrong_password_names_the_user_and_where_the_password_comes_from(secure_etcd, pki):
+    security = EtcdSecurity(**tls(pki), user="alice", password="not-it")
+    message = refusal(secure_etcd, security)
+    assert "'alice'" in message and "--etcd-password-file" in message
+    assert "not-it" not in message
+
+
+def test_a_user_cannot_read_or_write_another_jobs_keys(secure_etcd, pki):
+    alice = EtcdClient(secure_etcd.url, security=as_user(pki, "alice"))
+    bob = EtcdClient(secure_etcd.url, security=as_user(pki, "bob"), retry_for=RETRY_FOR)
+    keys_a = JobKeys(JOB_A)
+    try:
+        alice.put(keys_a.commit, "alice's")
+        for attempt in (lambda: bob.get(keys_a.commit), lambda: bob.get_prefix(keys_a.prefix),
+                        lambda: bob.put(keys_a.commit, "bob's"),
+                        lambda: bob.delete_prefix(keys_a.prefix),
+                        lambda: bob.get(keys_a.launchers().config)):
+            with pytest.raises(EtcdAccessError, match="user 'bob' may not .*job id"):
+                attempt()
+        assert alice.get(keys_a.commit).value == b"alice's"
+        bob.put(JobKeys(JOB_B).commit, "bob's")  # bob's own job is his to write
+    finally:
+        alice.close()
+        bob.close()
+
+
+def test_an_auth_token_etcd_no_longer_accepts_is_replaced_without_the_caller_noticing(
+        secure_etcd, pki):
+    client = EtcdClient(secure_etcd.url, security=as_user(pki, "alice"))
+    try:
+        client.put(f"/elastic/{JOB_A}/token", "before")
+        # Turning authentication off and on again invalidates every token etcd handed out.
+        secure_etcd.etcdctl("auth", "disable", user=f"root:{ROOT_PASSWORD}")
+        secure_etcd.etcdctl("auth", "enable", user=f"root:{ROOT_PASSWORD}")
+        client.put(f"/elastic/{JOB_A}/token", "after")
+        assert client.get(f"/elastic/{JOB_A}/token").value == b"after"
+    finally:
+        client.close()
+
+
+@pytest.mark.unit
+def test_tls_files_for_an_http_url_are_refused_rather_than_ignored(tmp_path: Path):
+    cacert = tmp_path / "ca.pem"
+    cacert.write_text("not used")
+    with pytest.raises(ValueError, match="use https://"):
+        uses_tls("http://127.0.0.1:2379", EtcdSecurity(cacert=str(cacert)))
+    with pytest.raises(ValueError, match="mix"):
+        uses_tls("http://127.0.0.1:2379,https://127.0.0.1:2380")
+    assert uses_tls("https://127.0.0.1:2379") and not uses_tls("http://127.0.0.1:2379")
+
+
+@pytest.mark.unit
+def test_half_of_a_certificate_pair_or_a_user_without_password_is_named(tmp_path: Path):
+    cert = tmp_path / "c.pem"
+    cert.write_text("x")
+    with pytest.raises(ValueError, match="--etcd-cert and --etcd-key"):
+        EtcdSecurity(cert=str(cert)).validate()
+    with pytest.raises(ValueError, match="needs a password"):
+        EtcdSecurity(user="alice").validate()
+    with pytest.raises(ValueError, match="not a readable file"):
+        EtcdSecurity(cacert=str(tmp_path / "missing.pem")).validate()
+
+
+@pytest.mark.unit
+def test_the_password_comes_from_a_file_or_the_environment_and_is_never_shown(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setenv("ELASTIC_ETCD_USER", "alice")
+    monkeypatch.setenv("ELASTIC_ETCD_PASSWORD", "from-env")
+    assert EtcdSecurity.resolve().password == "from-env"
+    secret = tmp_path / "password"
+    secret.write_text("from-file\n")
+    security = EtcdSecurity.resolve(password_file=str(secret))
+    assert security.password == "from-file"
+    assert "from-file" not in repr(security) and "from-file" not in " ".join(security.as_flags())
+    assert security.as_env()["ELASTIC_ETCD_PASSWORD"] == "from-file"
