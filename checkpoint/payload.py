@@ -200,12 +200,14 @@ def _local_digest(storage: Storage, path: str) -> tuple[int, str]:
     return size, sha.hexdigest()
 
 
-def read_payload(storage: Storage, path: str, expected: FileEntry) -> Any:
-    """Verifies ``path`` against its manifest entry and decodes it without running code.
+def verify_payload(storage: Storage, path: str, expected: FileEntry) -> Any:
+    """Checks ``path``'s size and sha256 against its manifest entry.
+
+    Returns:
+        What ``torch.load`` reads the verified payload from (a local path, or the bytes read).
 
     Raises:
-        CheckpointCorruptError: Missing file, wrong size or checksum, or an undecodable archive.
-        CheckpointUnsafeError: The archive asks for code or objects outside the weights-only set.
+        CheckpointCorruptError: Missing file, or wrong size or checksum.
     """
     try:
         if storage.is_local:
@@ -221,6 +223,17 @@ def read_payload(storage: Storage, path: str, expected: FileEntry) -> Any:
         raise CheckpointCorruptError(
             f"payload {path} does not match its manifest: {size} bytes, sha256 {digest} "
             f"(manifest: {expected.size} bytes, sha256 {expected.sha256}).")
+    return source
+
+
+def read_payload(storage: Storage, path: str, expected: FileEntry) -> Any:
+    """Verifies ``path`` against its manifest entry and decodes it without running code.
+
+    Raises:
+        CheckpointCorruptError: Missing file, wrong size or checksum, or an undecodable archive.
+        CheckpointUnsafeError: The archive asks for code or objects outside the weights-only set.
+    """
+    source = verify_payload(storage, path, expected)
     try:
         return torch.load(source, map_location="cpu", weights_only=True, mmap=storage.is_local)
     except pickle.UnpicklingError as exc:

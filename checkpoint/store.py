@@ -27,7 +27,8 @@ from elastic.checkpoint.errors import (
 )
 from elastic.checkpoint.listing import CheckpointRef, Scan, scan_checkpoints
 from elastic.checkpoint.manifest import MANIFEST_NAME, Manifest, checked_metadata, step_dir_name
-from elastic.checkpoint.payload import PAYLOAD_NAME, HostStaging, read_payload, to_host, write_payload
+from elastic.checkpoint.payload import (PAYLOAD_NAME, HostStaging, read_payload, to_host,
+                                        verify_payload, write_payload)
 
 logger = logging.getLogger(__name__)
 #: Storage failures that a write translates into CheckpointWriteError.
@@ -75,6 +76,7 @@ class CheckpointStore:
         self._storage = Storage(fs, root, retry_for)
         self._url = url
         self._keep = keep
+        self._verified: set[int] = set()  # steps whose payload this store read back intact
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._in_flight: Future[CheckpointRef] | None = None
@@ -262,11 +264,13 @@ class CheckpointStore:
                 f"job to get the current generation.")
 
     def _apply_retention(self) -> None:
+        """Removes complete checkpoints beyond the newest ``keep`` ones that verify (their
+        checksums are read back once before anything older goes), and torn directories."""
         scan = self._scan()
         if not scan.valid:
             return
         newest = scan.valid[-1].step
-        stale = scan.valid[:-self._keep] if self._keep is not None else []
+        stale = self._beyond_kept(scan.valid)
         torn = [s for s in sorted(scan.removable) if s < newest and s != self._writing_step]
         for ref in stale:
             self._remove_checkpoint(ref.step, manifest_first=True)
@@ -274,6 +278,41 @@ class CheckpointStore:
             logger.warning("removing unfinished checkpoint directory %s (%s)",
                            self._dir_url(step), scan.invalid[step])
             self._remove_checkpoint(step, manifest_first=False)
+
+    def _beyond_kept(self, valid: list[CheckpointRef]) -> list[CheckpointRef]:
+        """The checkpoints older than the ``keep`` newest that verify; none when fewer verify."""
+        if self._keep is None or len(valid) <= self._keep:
+            return []
+        kept: list[CheckpointRef] = []
+        for ref in reversed(valid):
+            if self._verifies(ref):
+                kept.append(ref)
+                if len(kept) == self._keep:
+                    return [r for r in valid if r.step < ref.step]
+        logger.warning("retention keeps every checkpoint under %s: fewer than keep=%d of them "
+                       "verify", self._url, self._keep)
+        return []
+
+    def _verifies(self, ref: CheckpointRef) -> bool:
+        """Whether ``ref``'s payload matches its manifest (each step is read back once)."""
+        if ref.step in self._verified:
+            return True
+        entry = ref.manifest.files.get(PAYLOAD_NAME)
+        try:
+            if entry is None:
+                raise CheckpointCorruptError(f"checkpoint {ref.url} lists no {PAYLOAD_NAME}")
+            verify_payload(self._storage, self._storage.join(step_dir_name(ref.step),
+                                                             PAYLOAD_NAME), entry)
+        except CheckpointCorruptError as exc:
+            logger.warning("checkpoint %s does not verify and is not counted as kept: %s",
+                           ref.url, exc)
+            return False
+        except OSError as exc:
+            logger.warning("could not read back checkpoint %s (%r); not counted as kept",
+                           ref.url, exc)
+            return False
+        self._verified.add(ref.step)
+        return True
 
     def _remove_checkpoint(self, step: int, manifest_first: bool) -> None:
         step_dir = self._storage.join(step_dir_name(step))

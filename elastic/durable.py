@@ -111,7 +111,17 @@ class DurableCommits:
         self._published = callback
 
     def write(self, payload: Mapping[str, Any], version: int, metadata: dict[str, Any]) -> None:
-        """Starts writing ``payload`` as checkpoint ``version``; returns once it is snapshotted."""
+        """Starts writing ``payload`` as checkpoint ``version``; returns once it is snapshotted.
+
+        At most one write is in flight: while the previous one is still writing (slow or hung
+        storage), this one is skipped and recorded, so that no rank waits for storage.
+        """
+        if not self.store.wait(timedelta(0)):  # never hold the job up for slow storage
+            log.warning("durable commit of version %d skipped: the previous one is still being "
+                        "written (commit durably less often, or use faster storage)", version)
+            if self.events:
+                self.events.emit("checkpoint_skipped", version=version)
+            return
         started = time.monotonic()
         try:
             token = self._token()

@@ -254,10 +254,18 @@ class EtcdClient:
         self._call(lambda c: c.delete_prefix(prefix.encode()), f"delete {prefix}*")
 
     def create(self, key: str, value: bytes | str, *, also: dict[str, bytes | str] | None = None,
-               lease: int | None = None) -> bool:
+               lease: int | None = None, unchanged: tuple[str, int] | None = None) -> bool:
         """Creates ``key`` (and writes ``also``) only if ``key`` does not exist yet.
 
         A compare-and-swap: retried safely because a lost reply is resolved by reading back.
+
+        Args:
+            key: the key to create.
+            value: its value.
+            also: keys written in the same transaction.
+            lease: the lease ``key`` is bound to.
+            unchanged: ``(other_key, mod_revision)``: and only if ``other_key`` still has that
+                mod revision (0: still absent).
 
         Returns:
             True when this call created the key.
@@ -266,8 +274,11 @@ class EtcdClient:
         extra = {k: (v.encode() if isinstance(v, str) else v) for k, v in (also or {}).items()}
 
         async def txn(c: aetcd.Client) -> bool:
+            guards = [] if unchanged is None else [
+                c.transactions.mod(unchanged[0].encode()) == unchanged[1] if unchanged[1]
+                else c.transactions.create(unchanged[0].encode()) == 0]
             ok, _ = await c.transaction(
-                compare=[c.transactions.create(key.encode()) == 0],
+                compare=[c.transactions.create(key.encode()) == 0, *guards],
                 success=[c.transactions.put(key.encode(), data, lease=lease)]
                 + [c.transactions.put(k.encode(), v) for k, v in extra.items()],
                 failure=[])

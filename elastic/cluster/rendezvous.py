@@ -85,8 +85,23 @@ class Rendezvous:
 
     def latest_round(self) -> int:
         """The number of the newest planned round (0: none yet)."""
+        return self._read_round_key()[0]
+
+    def _read_round_key(self) -> tuple[int, int]:
+        """The newest planned round and the ``round`` key's mod revision (0, 0: none yet).
+
+        A value that is not a round number (nothing of ours writes one) counts as the newest
+        round that has a plan, so the job goes on past it."""
         kv = self._client.get(self._keys.round)
-        return int(kv.value) if kv else 0
+        if kv is None:
+            return 0, 0
+        text = kv.value.decode(errors="replace")
+        if text.isdigit():
+            return int(text), kv.mod_revision
+        log.warning("the round key %s holds %r, not a round number", self._keys.round, text[:40])
+        planned, _ = self._client.get_prefix(self._keys.rounds)
+        numbers = [self._keys.round_of(p.key) for p in planned if p.key.endswith("/plan")]
+        return max((n for n in numbers if n is not None), default=0), kv.mod_revision
 
     def read_plan(self, n: int) -> Plan | None:
         kv = self._client.get(self._keys.plan(n)) if n > 0 else None
@@ -108,12 +123,16 @@ class Rendezvous:
         started = time.monotonic()
         while True:
             self._membership.check_not_fenced()
-            n = self.latest_round() + 1
+            latest, revision = self._read_round_key()
+            n = latest + 1
             request = JoinRequest(self._membership.member_id, version, reason,
                                   self._membership.advertise_addr, port)
             self._client.put(self._keys.join(n, self._membership.member_id), request.to_json(),
                              lease=self._membership.lease)
-            plan = self._wait_for_plan(n, started, cancelled)
+            plan = self._wait_for_plan(n, revision, started, cancelled)
+            if plan is None:
+                log.info("round %d was overtaken by later rounds; asking for the newest", n)
+                continue
             if self._membership.member_id in plan.ranks:
                 return self._topology(plan)
             if self._membership.member_id in plan.spares:
@@ -121,7 +140,10 @@ class Rendezvous:
             log.info("round %d closed without %s; asking for the next", n,
                      self._membership.member_id)
 
-    def _wait_for_plan(self, n: int, started: float, cancelled: Callable[[], bool]) -> Plan:
+    def _wait_for_plan(self, n: int, round_revision: int, started: float,
+                       cancelled: Callable[[], bool]) -> Plan | None:
+        """Waits for round ``n``'s plan, closing the round when the rules allow; None when
+        ``round`` moved past ``n - 1`` without a plan of ``n`` left to read."""
         previous = self.read_plan(n - 1)
         seen: tuple[frozenset[str], frozenset[str]] | None = None
         last_change = time.monotonic()
@@ -144,7 +166,9 @@ class Rendezvous:
                 seen, last_change = state, now
             short_since = self._check_limits(requests, n, started, short_since, now)
             if should_close(requests, live, previous is not None, now - last_change, self._rule):
-                self._close(n, requests, previous)
+                if not self._close(n, round_revision, requests, previous) \
+                        and self.read_plan(n) is None:
+                    return None
                 continue
             # Watch events wake the wait; else the settle deadline (when it is ahead), else the
             # wake cap (the rendezvous and admit deadlines are checked then).
@@ -189,15 +213,22 @@ class Rendezvous:
                 "admit new workers only at state.commit() or state.check_membership().")
         return short_since
 
-    def _close(self, n: int, requests: list[JoinRequest], previous: Plan | None) -> None:
+    def _close(self, n: int, round_revision: int, requests: list[JoinRequest],
+               previous: Plan | None) -> bool:
+        """Writes round ``n``'s plan and moves ``round`` to ``n``: only if no plan of ``n``
+        exists and ``round`` is still what this member read (``n - 1``), so that ``round`` only
+        moves forward, even for a member that was delayed past later rounds."""
         plan = assign_ranks(requests, previous.ranks if previous else [], n,
                             self.config.max_workers)
         if self._client.create(self._keys.plan(n), plan.to_json(),
-                               also={self._keys.round: str(n)}):
+                               also={self._keys.round: str(n)},
+                               unchanged=(self._keys.round, round_revision)):
             log.info("round %d formed by %s: world %d", n, self._membership.member_id,
                      plan.world_size)
             if n > 2:
                 self._client.delete_prefix(self._keys.round_prefix(n - 2))
+            return True
+        return False
 
     def _topology(self, plan: Plan) -> Topology:
         me = self._membership.member_id

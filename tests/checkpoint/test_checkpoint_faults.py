@@ -198,3 +198,19 @@ def test_consecutive_async_saves_each_keep_their_own_values(tmp_path: Path) -> N
     with pytest.raises(CheckpointError, match="closed"):
         store.save_async(4, state)
     assert store.latest().step == 3  # reading still works
+
+
+def test_retention_keeps_an_older_checkpoint_while_a_newer_one_fails_its_checksum(
+        tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path), keep=2)
+    for step in (1, 2):
+        store.save(step, {"w": torch.full((256,), float(step))})
+    payload = tmp_path / f"{2:012d}" / "state.pt"
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # step 2 rots on disk
+    payload.write_bytes(bytes(data))
+
+    store.save(3, {"w": torch.full((256,), 3.0)})
+
+    assert [ref.step for ref in store.list()] == [1, 2, 3]  # 1 stays: 2 does not verify
+    assert store.load(store.list()[0]).state_dict["w"][0] == 1.0

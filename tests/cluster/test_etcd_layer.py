@@ -18,6 +18,9 @@ from elastic.cluster.etcd_store import EtcdStore
 from elastic.launch.job_config import JobConfig, claim
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership
+from elastic.cluster.plan import JoinRequest, Plan
+from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig
+from elastic.timeouts import Timeouts
 
 
 @pytest.fixture
@@ -274,3 +277,35 @@ def test_a_watch_outlives_a_listener_that_raises_and_keys_that_are_not_utf8(clie
             "/t/hostile/boom", "/t/hostile/last"]
     finally:
         cancel()
+
+
+def test_create_with_an_unchanged_guard_fails_once_the_guarded_key_moved(client):
+    client.put("/t/guard/round", "1")
+    seen = client.get("/t/guard/round").mod_revision
+    assert client.create("/t/guard/plan-2", "p2", also={"/t/guard/round": "2"},
+                         unchanged=("/t/guard/round", seen))
+    assert not client.create("/t/guard/plan-3", "p3", also={"/t/guard/round": "3"},
+                             unchanged=("/t/guard/round", seen))  # round moved: 1 -> 2
+    assert client.get("/t/guard/plan-3") is None
+    assert client.get("/t/guard/round").value == b"2"
+
+
+def test_a_member_delayed_past_later_rounds_never_moves_the_round_back(client):
+    keys = JobKeys("delayed-member")
+    membership = EtcdMembership(client, keys, "127.0.0.1", timedelta(seconds=30))
+    membership.register()
+    try:
+        rendezvous = Rendezvous(client, membership,
+                                RendezvousConfig(min_workers=1, max_workers=None,
+                                                 timeouts=Timeouts()))
+        _, stale_revision = rendezvous._read_round_key()  # it reads round 0, then freezes
+        for n in (1, 2, 3):  # meanwhile the others form three rounds and clean up round 1
+            assert client.create(keys.plan(n), Plan(n, ["other"]).to_json(),
+                                 also={keys.round: str(n)})
+        client.delete_prefix(keys.round_prefix(1))
+        request = JoinRequest(membership.member_id, 0, "start", "127.0.0.1", 1)
+        assert not rendezvous._close(1, stale_revision, [request], None)
+        assert rendezvous.latest_round() == 3
+        assert rendezvous.read_plan(1) is None
+    finally:
+        membership.leave()

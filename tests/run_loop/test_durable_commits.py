@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from datetime import timedelta
 
 import pytest
@@ -126,3 +127,21 @@ def test_an_error_of_any_type_on_the_writer_thread_is_recorded(tmp_path):
     durable.write(payload(1.0), 1, {"epoch": 1})
     durable.close()
     assert isinstance(durable.last_error, KeyError)
+
+
+def test_a_durable_commit_while_storage_hangs_is_skipped_and_never_blocks(faulty_fs,
+                                                                         tmp_path):
+    events = EventLog(str(tmp_path), "w")
+    durable = DurableCommits(URL, events)
+    release = threading.Event()
+    faulty_fs.plan.gate = release  # the first write hangs until released
+    try:
+        durable.write(payload(1.0), 1, {"epoch": 1})
+        assert faulty_fs.plan.started.wait(10)
+        durable.write(payload(2.0), 2, {"epoch": 2})  # returns at once: skipped
+    finally:
+        release.set()
+    durable.close()
+    kinds = [json.loads(line)["event"] for line in events.path.read_text().splitlines()]
+    assert kinds == ["checkpoint_skipped", "checkpoint_written"]
+    assert durable.survey()[0] == 1
