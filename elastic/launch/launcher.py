@@ -24,6 +24,7 @@ from datetime import timedelta
 from elastic.errors import EtcdUnavailableError
 from elastic.cluster.etcd_client import EtcdClient
 from elastic.launch.job_config import JobConfig, claim
+from elastic.launch.joined import JoinedWorkers
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership
 from elastic.signals import relay_signals
@@ -186,6 +187,7 @@ class Launcher:
         self.stop = StopSignal(self.procs.changed, shutdown=spec.timeouts.shutdown)
         self.client: EtcdClient | None = None
         self.membership: EtcdMembership | None = None
+        self.joined: JoinedWorkers | None = None
 
     def connect(self) -> bool:
         """Connects to etcd, claims or checks the job's configuration and registers.
@@ -205,6 +207,9 @@ class Launcher:
                                          self.spec.timeouts.lease_ttl,
                                          self.spec.timeouts.keepalive)
         self.membership.register()
+        if not self.spec.plain:
+            self.joined = JoinedWorkers(self.client, self.keys)
+            self.joined.start()
         return first
 
     def run(self) -> int:
@@ -229,6 +234,8 @@ class Launcher:
 
     def close(self) -> None:
         """Leaves the launcher membership and closes the etcd client."""
+        if self.joined is not None:
+            self.joined.stop()
         if self.membership is not None:
             self.membership.leave()
         if self.client is not None:
@@ -267,6 +274,9 @@ class Launcher:
             return
         if revoked:
             _say(f"worker pid={pid} {describe_exit(code)}; revoked the lease of {revoked[0]}")
+        elif self.joined is not None and self.joined.has_joined(pid):
+            _say(f"worker pid={pid} {describe_exit(code)} after it had joined the job and left "
+                 "it (its own error; see its output above)")
         else:
             _say(f"worker pid={pid} {describe_exit(code)} before it joined the job. If it is a "
                  "plain torch.distributed script (no ElasticState), run it with "
