@@ -153,6 +153,9 @@ def cmd_run(argv: Sequence[str]) -> int:
             timeouts=_timeouts(args), plain=args.plain, env=dict(os.environ))
     except ValueError as exc:
         raise UsageError(f"elastic run: {exc}") from None
+    if spec.checkpoint and not spec.plain:
+        from elastic.launch.preflight import check_checkpoint  # noqa: PLC0415 (imports torch)
+        check_checkpoint(spec.checkpoint, spec.timeouts)
     if spec.etcd:
         from elastic.cluster.etcd_client import parse_endpoints  # noqa: PLC0415
         try:
