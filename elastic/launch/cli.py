@@ -166,7 +166,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: PLC0415
     server = EmbeddedEtcd(timeouts=spec.timeouts).start()
     try:
-        return _launch(_with_etcd(spec, server.url), embedded=True)
+        return _launch(_with_etcd(spec, server.url), embedded=server)
     finally:
         server.stop()
         print(f"elastic: stopped the embedded etcd at {server.url}", file=sys.stderr,
@@ -201,11 +201,13 @@ def join_command(spec) -> str:  # noqa: ANN001 (LaunchSpec is imported lazily)
     return shlex.join(parts + list(spec.command[1:]))
 
 
-def _launch(spec, embedded: bool) -> int:  # noqa: ANN001
+def _launch(spec, embedded) -> int:  # noqa: ANN001 (imported lazily: EmbeddedEtcd or False)
     from elastic.launch.launcher import Launcher  # noqa: PLC0415
     launcher = Launcher(spec)
     try:
         first = launcher.connect()
+        if embedded and embedded.process is not None:
+            launcher.watch_etcd(embedded.process, str(embedded.log_path))
         where = "embedded etcd" if embedded else "etcd"
         verb = "started" if first else "joined"
         print(f"elastic: {verb} job {spec.job_id} on {where} {spec.etcd} with {spec.nproc} "

@@ -15,6 +15,7 @@ import json
 import logging
 import signal
 import socket
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -114,6 +115,39 @@ class LaunchSpec:
         return self.nproc > 1 and "OMP_NUM_THREADS" not in self.env
 
 
+class EtcdExit:
+    """Notices that the embedded etcd process exited, and wakes the launcher at once.
+
+    Args:
+        process: the etcd server process.
+        log_path: its log file, named in the message.
+        wake: the Event the launcher waits on.
+    """
+
+    def __init__(self, process: subprocess.Popen[bytes], log_path: str,
+                 wake: threading.Event) -> None:
+        self.process = process
+        self.log_path = log_path
+        self.said = False
+        self._exited = threading.Event()
+        self._wake = wake
+        threading.Thread(target=self._wait, name="elastic-etcd-exit", daemon=True).start()
+
+    def _wait(self) -> None:
+        self.process.wait()
+        self._exited.set()
+        self._wake.set()
+
+    def is_set(self) -> bool:
+        return self._exited.is_set()
+
+    def message(self) -> str:
+        return (f"the embedded etcd exited ({describe_exit(self.process.returncode or 0)}; its "
+                f"log is kept: {self.log_path}); the job cannot go on without it, so its workers are "
+                "stopped. Start the job again (it resumes from --checkpoint), or give "
+                "`--etcd URL` of an etcd that outlives the job.")
+
+
 class StopSignal:
     """SIGINT/SIGTERM handling of the launcher: the first asks for a graceful stop, a second
     one for an immediate kill. ``wake`` is set on either, so that waits end at once.
@@ -188,6 +222,7 @@ class Launcher:
         self.client: EtcdClient | None = None
         self.membership: EtcdMembership | None = None
         self.joined: JoinedWorkers | None = None
+        self.etcd_exit: EtcdExit | None = None
 
     def connect(self) -> bool:
         """Connects to etcd, claims or checks the job's configuration and registers.
@@ -232,10 +267,25 @@ class Launcher:
             restore()
             self.procs.kill()
 
+    def watch_etcd(self, process: subprocess.Popen[bytes], log_path: str) -> None:
+        """Ends the run, in one line, if the embedded etcd ``process`` exits before the job."""
+        self.etcd_exit = EtcdExit(process, log_path, self.procs.changed)
+
+    def is_etcd_lost(self) -> bool:
+        """Whether the embedded etcd exited; says so once (nothing can go on without it)."""
+        if self.etcd_exit is None or not self.etcd_exit.is_set():
+            return False
+        if not self.etcd_exit.said:
+            self.etcd_exit.said = True
+            _say(self.etcd_exit.message())
+        return True
+
     def close(self) -> None:
         """Leaves the launcher membership and closes the etcd client."""
         if self.joined is not None:
             self.joined.stop()
+        if self.etcd_exit is not None and self.etcd_exit.is_set():
+            self.membership = None  # nothing to leave: the keys went with the server
         if self.membership is not None:
             self.membership.leave()
         if self.client is not None:
@@ -250,6 +300,8 @@ class Launcher:
             self.procs.changed.clear()
             if self.stop.requested.is_set():
                 return self._shutdown(failed)
+            if self.is_etcd_lost():
+                return 1  # the workers are killed on the way out: none can leave gracefully
             for worker in self.procs.exited():
                 code = worker.returncode or 0
                 if code == 0:

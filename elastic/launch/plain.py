@@ -140,7 +140,7 @@ class PlainGenerations:
         while True:
             procs.changed.wait(timeout=self.spec.timeouts.wake.total_seconds())
             procs.changed.clear()
-            if self.launcher.stop.requested.is_set():
+            if self.launcher.stop.requested.is_set() or self.launcher.is_etcd_lost():
                 return "stopped"
             exited = procs.exited()
             if any(w.returncode for w in exited):

@@ -7,6 +7,10 @@ page of tracebacks (the issue counted 227 to 850 lines) fails here.
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -68,3 +72,42 @@ def test_a_writable_checkpoint_location_passes_the_check_and_keeps_no_probe(tmp_
     from elastic.checkpoint import check_writable
     check_writable(str(tmp_path / "run-7"))
     assert [p.name for p in Path(tmp_path / "run-7").iterdir()] == []
+
+
+def test_a_dead_embedded_etcd_ends_the_run_at_once_in_one_line_instead_of_retrying(
+        cli, tmp_path):
+    from tests.launch.test_run import etcd_processes_on, resumed_worlds
+    from tests.support.cli import wait_until
+
+    log_dir = tmp_path / "events"
+    run = cli("run", "-n", "2", "--log-dir", str(log_dir), WORKER, "--steps", "100000")
+    wait_until(lambda: 2 in resumed_worlds(log_dir), 60, "world 2", [run])
+    port = int(re.search(r"--etcd http://127\.0\.0\.1:(\d+)", run.text()).group(1))
+    [server] = etcd_processes_on(port)
+    before = len(printed_lines(run.text()))
+    killed_at = time.monotonic()
+    os.kill(server, signal.SIGKILL)
+    assert run.wait(30) == 1, run.text()
+    assert time.monotonic() - killed_at < 10, "the launcher did not notice etcd exit at once"
+    after = printed_lines(run.text())[before:]
+    assert len(after) <= 6, "\n".join(after)
+    [said] = [line for line in after if "the embedded etcd exited" in line]
+    assert "killed by SIGKILL" in said and "cannot go on without it" in said
+    log = re.search(r"its log is kept: (\S+)\)", said).group(1)
+    assert Path(log).is_file(), "the message names a log that is gone"
+    shutil.rmtree(Path(log).parent)  # the launcher's temporary etcd directory
+    assert "Traceback" not in "\n".join(after)
+
+
+def test_a_start_without_an_etcd_binary_leaves_no_empty_temporary_directory(
+        tmp_path, monkeypatch):
+    import elastic.launch.embedded_etcd as embedded
+
+    def no_binary() -> str:
+        raise FileNotFoundError("No etcd binary found (on purpose).")
+
+    monkeypatch.setattr(embedded, "find_etcd_binary", no_binary)
+    monkeypatch.setattr(embedded.tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(FileNotFoundError):
+        embedded.EmbeddedEtcd().start()
+    assert not list(tmp_path.glob("elastic-etcd-*"))
