@@ -29,7 +29,8 @@ USAGE_ERROR = 2
 _TIMEOUT_FLAGS = {field: str(Timeouts.flag_name(field)) for field in Timeouts.FLAGS}
 _VALUE_OPTIONS = {"--etcd", "--job-id", "-n", "--nproc-per-node", "--min-workers",
                   "--max-workers", "--max-restarts", "--checkpoint", "--backend",
-                  "--advertise-addr", "--log-dir", *_TIMEOUT_FLAGS.values()}
+                  "--advertise-addr", "--log-dir", "--tee", "--local-ranks-filter",
+                  *_TIMEOUT_FLAGS.values()}
 
 
 class UsageError(ElasticError):
@@ -92,6 +93,8 @@ def _run_parser() -> _Parser:
                             f"{Timeouts.env_name(field)})")
     p.add_argument("--plain", action="store_true", help="torchrun-compatible mode for plain "
                    "DDP scripts: RANK/WORLD_SIZE/MASTER_* per generation, restart on failure")
+    from elastic.launch.output import add_output_arguments  # noqa: PLC0415 (stdlib only)
+    add_output_arguments(p)
     return p
 
 
@@ -143,14 +146,16 @@ def cmd_run(argv: Sequence[str]) -> int:
     args = _run_parser().parse_args(options)
     command, target = _worker_command(rest, module)
     from elastic.launch.launcher import LaunchSpec  # noqa: PLC0415 (keeps `--help` fast)
+    from elastic.launch.output import OutputOptions  # noqa: PLC0415
+    log_dir = str(Path(args.log_dir).resolve()) if args.log_dir else None
     try:
         spec = LaunchSpec(
             command=command, target=target, etcd=args.etcd or "", job_id=args.job_id or
             _fresh_job_id(), nproc=args.nproc, min_workers=args.min_workers,
             max_workers=args.max_workers, max_restarts=args.max_restarts,
             checkpoint=args.checkpoint, backend=args.backend, advertise_addr=args.advertise_addr,
-            log_dir=str(Path(args.log_dir).resolve()) if args.log_dir else None,
-            timeouts=_timeouts(args), plain=args.plain, env=dict(os.environ))
+            log_dir=log_dir, timeouts=_timeouts(args), plain=args.plain, env=dict(os.environ),
+            output=OutputOptions.from_args(args, log_dir))
     except ValueError as exc:
         raise UsageError(f"elastic run: {exc}") from None
     if spec.checkpoint and not spec.plain:

@@ -26,6 +26,8 @@ from elastic.errors import EtcdUnavailableError
 from elastic.cluster.etcd_client import EtcdClient
 from elastic.launch.job_config import JobConfig, claim
 from elastic.launch.joined import JoinedWorkers
+from elastic.launch.output import OutputOptions, WorkerOutput
+from elastic.launch.restarts import Restarts
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership
 from elastic.signals import relay_signals
@@ -55,6 +57,7 @@ class LaunchSpec:
         timeouts: the job's timeout table (lease TTL, grace, ...), passed on to the workers.
         plain: torchrun-compatible mode.
         env: the environment workers start from (the CLI's, plus the ELASTIC_* variables).
+        output: how the workers' output is shown (prefixes, --tee files, a filter).
     """
 
     command: tuple[str, ...]
@@ -72,6 +75,7 @@ class LaunchSpec:
     timeouts: Timeouts = Timeouts()
     plain: bool = False
     env: Mapping[str, str] = field(default_factory=dict)
+    output: OutputOptions = OutputOptions()
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -105,6 +109,8 @@ class LaunchSpec:
             env["GLOO_SOCKET_IFNAME"] = "lo"
         if self.caps_threads:
             env["OMP_NUM_THREADS"] = "1"
+        if "PYTHONUNBUFFERED" not in self.env:  # its lines reach the console as it prints them
+            env["PYTHONUNBUFFERED"] = "1"
         return env
 
     @property
@@ -217,7 +223,8 @@ class Launcher:
     def __init__(self, spec: LaunchSpec) -> None:
         self.spec = spec
         self.keys = JobKeys(spec.job_id)
-        self.procs = WorkerProcs(spec.command, spec.env, spec.timeouts.reap)
+        self.procs = WorkerProcs(spec.command, spec.env, spec.timeouts.reap,
+                                 WorkerOutput(spec.output, socket.gethostname()))
         self.stop = StopSignal(self.procs.changed, shutdown=spec.timeouts.shutdown)
         self.client: EtcdClient | None = None
         self.membership: EtcdMembership | None = None
@@ -294,12 +301,12 @@ class Launcher:
     def _run_elastic(self) -> int:
         for local_rank in range(self.spec.nproc):
             self.procs.start(local_rank, self.spec.worker_env(local_rank))
-        restarts, failed = 0, 0
+        restarts = Restarts(self.spec.max_restarts)
         while True:
             self.procs.changed.wait(timeout=self.spec.timeouts.wake.total_seconds())
             self.procs.changed.clear()
             if self.stop.requested.is_set():
-                return self._shutdown(failed)
+                return self._shutdown(restarts.failed)
             if self.is_etcd_lost():
                 return 1  # the workers are killed on the way out: none can leave gracefully
             for worker in self.procs.exited():
@@ -307,15 +314,16 @@ class Launcher:
                 if code == 0:
                     continue
                 self._revoke(worker.pid, code)
-                if restarts < self.spec.max_restarts:
-                    restarts += 1
-                    _say(f"restarting worker local_rank={worker.local_rank} "
-                         f"(restart {restarts} of {self.spec.max_restarts})")
-                    self.procs.start(worker.local_rank, self.spec.worker_env(worker.local_rank))
-                else:
-                    failed += 1
+                joined = self.joined is not None and self.joined.has_joined(worker.pid)
+                refusal = restarts.refusal(worker.local_rank, worker.last_error_line(), joined)
+                if refusal:
+                    _say(refusal)
+                    continue
+                _say(f"restarting worker local_rank={worker.local_rank} "
+                     f"(restart {restarts.used} of {self.spec.max_restarts})")
+                self.procs.start(worker.local_rank, self.spec.worker_env(worker.local_rank))
             if not self.procs.running():
-                return 1 if failed else 0
+                return 1 if restarts.failed else 0
 
     def _revoke(self, pid: int, code: int) -> None:
         assert self.client is not None

@@ -118,7 +118,8 @@ class PlainGenerations:
             self.news.clear()
         try:
             for local_rank in range(self.spec.nproc):
-                procs.start(local_rank, self._env(topology, local_rank, failures))
+                procs.start(local_rank, self._env(topology, local_rank, failures),
+                            label=f"rank{topology.rank * self.spec.nproc + local_rank}")
             print(f"elastic: generation {topology.round}: world size "
                   f"{topology.world_size * self.spec.nproc}, ranks from "
                   f"{topology.rank * self.spec.nproc}", flush=True)
