@@ -44,6 +44,7 @@ class DurableCommits:
         self.url = url
         self.events = events
         self.last_error: CheckpointError | None = None
+        self.written = 0
         self._published: Callable[[CheckpointRef], None] | None = None
 
     def on_published(self, callback: Callable[[CheckpointRef], None]) -> None:
@@ -70,6 +71,7 @@ class DurableCommits:
                 return
             raise exc
         ref = future.result()
+        self.written += 1
         if self.events:
             self.events.emit("checkpoint_written", version=version, url=ref.url,
                              blocked_s=blocked_s, write_s=time.monotonic() - started)

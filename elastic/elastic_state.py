@@ -23,6 +23,7 @@ from elastic.cluster.cluster import Cluster
 from elastic.cluster.rendezvous import Topology
 from elastic.durable import DurableCommits
 from elastic.events import EventLog
+from elastic.outcome import RunOutcome
 from elastic.recovery import RunLoop
 from elastic.settings import WorkerSettings
 from elastic.signals import relay_signals
@@ -257,6 +258,9 @@ class ElasticState:
             RendezvousTimeoutError: fewer than min_workers for longer than the timeout.
             EtcdUnavailableError: etcd could not be reached.
             Exception: whatever ``fn`` raised that is not a peer failure.
+            NothingTrainedError: ``fn`` returned without a commit after resuming a finished
+                job from its checkpoint (unless ``ELASTIC_RESUME_FINISHED=1``).
+            DurableCommitsFailedError: not one durable commit of this worker was written.
         """
         worker = f"{os.uname().nodename}-{os.getpid()}"
         events = EventLog(self._settings.log_dir, worker)
@@ -268,16 +272,29 @@ class ElasticState:
         gc.freeze()  # keeps the full collections after a failure cheap
         loop = RunLoop(self._cluster, self._train, self._durable, self._leave_requested,
                        self._on_formed, self._settings.timeouts.sync)
+        outcome, returned = RunOutcome(self._settings.resume_finished), []
+
+        def call() -> Any:
+            assert self._cluster is not None and self._cluster.topology is not None
+            outcome.called(self._train.version, self._cluster.topology.round)
+            result = fn(self, *args, **kwargs)
+            returned.append(True)
+            return result
+
         try:
             if not self._train.has_commit:
                 self._train.commit()  # the initial state is the first rollback point
-            return loop.run(lambda: fn(self, *args, **kwargs))
+            outcome.initial_version = self._train.version
+            result = loop.run(call)
         finally:
             restore_signals()
             if self._durable is not None:
                 self._durable.store.wait()
             self._cluster.close()
             self._cluster = None
+        if returned:
+            outcome.check(self._train.version, self._durable)
+        return result
 
     def _on_formed(self, topology: Topology) -> None:
         """After every formation: count it and run the user's ``on_reset`` callbacks."""

@@ -37,6 +37,7 @@ class WorkerSettings:
     local_rank: int
     timeouts: Timeouts
     log_dir: str | None
+    resume_finished: bool = False
 
     @staticmethod
     def resolve(*, etcd: str | None, job_id: str | None, min_workers: int | None,
@@ -60,6 +61,7 @@ class WorkerSettings:
             local_rank=_env_int("LOCAL_RANK") or 0,
             timeouts=Timeouts.from_env(),
             log_dir=env.get("ELASTIC_LOG_DIR") or None,
+            resume_finished=env.get("ELASTIC_RESUME_FINISHED", "") not in ("", "0"),
         )
         settings.validate()
         return settings

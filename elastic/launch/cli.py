@@ -93,6 +93,8 @@ def _run_parser() -> _Parser:
                             f"{Timeouts.env_name(field)})")
     p.add_argument("--plain", action="store_true", help="torchrun-compatible mode for plain "
                    "DDP scripts: RANK/WORLD_SIZE/MASTER_* per generation, restart on failure")
+    p.add_argument("--resume-finished", action="store_true", help="a job whose checkpoint is "
+                   "already finished may resume it and train nothing (otherwise an error)")
     from elastic.launch.output import add_output_arguments  # noqa: PLC0415 (stdlib only)
     add_output_arguments(p)
     return p
@@ -154,7 +156,9 @@ def cmd_run(argv: Sequence[str]) -> int:
             _fresh_job_id(), nproc=args.nproc, min_workers=args.min_workers,
             max_workers=args.max_workers, max_restarts=args.max_restarts,
             checkpoint=args.checkpoint, backend=args.backend, advertise_addr=args.advertise_addr,
-            log_dir=log_dir, timeouts=_timeouts(args), plain=args.plain, env=dict(os.environ),
+            log_dir=log_dir, timeouts=_timeouts(args), plain=args.plain,
+            env={**os.environ, **({"ELASTIC_RESUME_FINISHED": "1"} if args.resume_finished
+                                  else {})},
             output=OutputOptions.from_args(args, log_dir))
     except ValueError as exc:
         raise UsageError(f"elastic run: {exc}") from None
@@ -261,7 +265,8 @@ def cmd_etcd(argv: Sequence[str]) -> int:
         raise UsageError(f"elastic etcd: {exc}") from None
     from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: PLC0415
     from elastic.launch.launcher import StopSignal  # noqa: PLC0415
-    stop = StopSignal(threading.Event(), "stopping etcd", shutdown=timeouts.shutdown)
+    stop = StopSignal(threading.Event(), "stopping etcd", shutdown=timeouts.shutdown,
+                      again="asked again: stopping etcd")
     restore = stop.install()
     server = EmbeddedEtcd(args.data_dir, timeouts=timeouts).start()
     try:

@@ -161,18 +161,22 @@ class StopSignal:
     Args:
         wake: the Event to set on a signal.
         message: what the launcher says it does on a signal.
+        again: what it says it does on a second one.
         shutdown: how long restoring the handlers waits for the relay thread
             (default: ``Timeouts.shutdown``).
     """
 
     def __init__(self, wake: threading.Event,
                  message: str = "asking the workers to leave (again to kill them now)",
-                 shutdown: timedelta | None = None) -> None:
+                 shutdown: timedelta | None = None,
+                 again: str = "asked again: killing the workers now") -> None:
         self.wake = wake
         self.message = message
+        self.again = again
         self.shutdown = shutdown
         self.requested = threading.Event()
         self.forced = threading.Event()
+        self.signum: signal.Signals | None = None
 
     def install(self) -> Callable[[], None]:
         """Installs the handlers (main thread only); returns a function that restores them.
@@ -183,13 +187,23 @@ class StopSignal:
         return relay_signals((signal.SIGINT, signal.SIGTERM), self._on_signal, "elastic-signals",
                              self.shutdown)
 
+    @property
+    def exit_status(self) -> int:
+        """The launcher's status after a stop: 130 for Ctrl-C (SIGINT), as torchrun and
+        shells report it, however the workers ended; 0 for SIGTERM (a scheduler's polite stop),
+        to which the caller adds whether every worker left gracefully."""
+        return 128 + signal.SIGINT if self.signum == signal.SIGINT else 0
+
     def _on_signal(self, signum: signal.Signals) -> None:
+        message = self.message
         if self.requested.is_set():
             self.forced.set()
+            message = self.again
+        self.signum = self.signum or signum
         self.requested.set()
         self.wake.set()
         try:
-            print(f"elastic: signal {signum.name}: {self.message}", file=sys.stderr, flush=True)
+            print(f"elastic: signal {signum.name}: {message}", file=sys.stderr, flush=True)
         except OSError:
             pass  # stderr is gone (a closed terminal or pipe); the stop goes ahead regardless
 
@@ -315,7 +329,9 @@ class Launcher:
                     continue
                 self._revoke(worker.pid, code)
                 joined = self.joined is not None and self.joined.has_joined(worker.pid)
-                refusal = restarts.refusal(worker.local_rank, worker.last_error_line(), joined)
+                finished = self.joined is not None and self.joined.has_finished(worker.pid)
+                refusal = restarts.refusal(worker.local_rank, worker.last_error_line(), joined,
+                                           finished)
                 if refusal:
                     _say(refusal)
                     continue
@@ -348,7 +364,7 @@ class Launcher:
         for worker in self.procs.exited():
             if worker.returncode:
                 failed += 1
-        return 1 if failed else 0
+        return self.stop.exit_status or (1 if failed else 0)
 
 
 def _say(message: str) -> None:

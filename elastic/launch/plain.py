@@ -71,7 +71,7 @@ class PlainGenerations:
                 return 0
             except LeaveInterrupt:
                 print("elastic: stopped while the next generation was forming", flush=True)
-                return 1
+                return self.launcher.stop.exit_status or 1
             if topology is None:
                 reason = "spare"
                 continue
@@ -80,7 +80,7 @@ class PlainGenerations:
                 self.rendezvous.finish(topology, timeout=self.spec.timeouts.finish)
                 return 0
             if outcome == "stopped":
-                return 1
+                return self.launcher.stop.exit_status or 1
             if outcome == "failed":
                 failures += 1
                 if failures > self.spec.max_restarts:

@@ -22,12 +22,23 @@ class Restarts:
         self.failed = 0
         self._last: dict[int, str] = {}
 
-    def refusal(self, local_rank: int, error_line: str, joined: bool) -> str:
+    def refusal(self, local_rank: int, error_line: str, joined: bool,
+                finished: bool = False) -> str:
         """Counts one crash of the worker in slot ``local_rank``.
+
+        Args:
+            local_rank: its slot.
+            error_line: the last line it wrote to stderr ("" when unknown).
+            joined: whether it ever joined the job.
+            finished: whether it had returned from the training function (the job is over).
 
         Returns:
             "" when it is to be restarted (a restart is used), else why it is not.
         """
+        if finished:
+            self.failed += 1
+            return (f"worker local_rank={local_rank} failed after the job had finished (its "
+                    "error is above); not restarting it: nothing is left to train.")
         repeated = bool(error_line) and not joined and self._last.get(local_rank) == error_line
         self._last[local_rank] = "" if joined else error_line
         if repeated:
