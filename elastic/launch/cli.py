@@ -144,6 +144,11 @@ def _timeouts(args: argparse.Namespace) -> Timeouts:
 
 def cmd_run(argv: Sequence[str]) -> int:
     """``elastic run``: see ``elastic run --help``."""
+    from elastic.launch.torchrun_flags import TorchrunFlagError, translate  # noqa: PLC0415
+    try:
+        argv = translate(argv, _VALUE_OPTIONS)
+    except TorchrunFlagError as exc:
+        raise UsageError(str(exc)) from None
     options, rest, module = split_run_argv(argv)
     args = _run_parser().parse_args(options)
     command, target = _worker_command(rest, module)
@@ -290,8 +295,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "WARNING").upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if argv and argv[0] in ("--version", "-V"):
+        from elastic.launch.version import describe  # noqa: PLC0415
+        print(describe())
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: elastic {run,status,report,etcd} ...\n  run     start this node's "
+        print("usage: elastic [--version] {run,status,report,etcd} ...\n  run     start this node's "
               "workers\n  status  show a job\n  report  summarise event files\n  etcd    run "
               "a local etcd\nSee `elastic COMMAND --help`.")
         return 0 if argv else USAGE_ERROR

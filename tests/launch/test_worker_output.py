@@ -67,3 +67,13 @@ def test_a_script_that_fails_the_same_way_before_joining_is_restarted_once_not_m
     assert "ValueError: the script failed before it joined (on purpose)" in said
     assert "not restarting it" in said
     assert len(text.splitlines()) <= 25, text
+
+
+def test_a_torchrun_style_command_line_runs_with_one_note_per_flag_not_needed(cli):
+    run = cli("run", "--standalone", "--nnodes=1", "--nproc_per_node=2", "--max_restarts=0",
+              CHATTY, "4")
+    assert run.wait(60) == 0, run.text()[-2000:]
+    text = run.text()
+    assert {WORKER_LINE.match(line).group(1) for line in worker_lines(text)} == {"0", "1"}
+    notes = [line for line in text.splitlines() if "is not needed here" in line]
+    assert len(notes) == 2, text[-2000:]
