@@ -24,6 +24,7 @@ import torch.distributed as dist
 from elastic.errors import LeaveInterrupt, RendezvousClosedError
 from elastic.cluster.etcd_client import WatchEvent
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
+from elastic.launch.worker_procs import describe_exit
 
 if TYPE_CHECKING:
     from elastic.launch.launcher import Launcher
@@ -54,6 +55,7 @@ class PlainGenerations:
         self.news = threading.Event()
         self._lock = threading.Lock()
         self._armed: Topology | None = None
+        self.failure = "a worker failed"  # which one and how, once one has
         self.membership.add_listener(self._on_events)
 
     def run(self) -> int:
@@ -84,10 +86,10 @@ class PlainGenerations:
             if outcome == "failed":
                 failures += 1
                 if failures > self.spec.max_restarts:
-                    print(f"elastic: a worker failed and --max-restarts "
+                    print(f"elastic: {self.failure} and --max-restarts "
                           f"({self.spec.max_restarts}) is used up; giving up.", flush=True)
                     return 1
-                print(f"elastic: a worker failed; restarting every worker (restart {failures} "
+                print(f"elastic: {self.failure}; restarting every worker (restart {failures} "
                       f"of {self.spec.max_restarts})", flush=True)
             reason = "failure" if outcome == "failed" else "change"
 
@@ -144,7 +146,10 @@ class PlainGenerations:
             if self.launcher.stop.requested.is_set() or self.launcher.is_etcd_lost():
                 return "stopped"
             exited = procs.exited()
-            if any(w.returncode for w in exited):
+            failed = [w for w in exited if w.returncode]
+            if failed:
+                self.failure = (f"worker local_rank={failed[0].local_rank} pid={failed[0].pid} "
+                                f"{describe_exit(failed[0].returncode or 0)}")
                 return "failed"
             if self.news.is_set():
                 return "changed"
