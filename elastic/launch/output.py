@@ -129,20 +129,40 @@ class WorkerOutput:
 
     def _copy(self, stream: IO[bytes], target: IO[bytes] | None, prefix: bytes,
               tee: Path | None, keep: collections.deque[str] | None) -> None:
-        tee_file = _open_append(tee) if tee is not None else None
+        # Never stops reading before the stream ends: a worker whose pipe is not drained
+        # blocks in its next print once the pipe's buffer is full.
+        tee_file = self._open_tee(tee) if tee is not None else None
         try:
             for line in _lines(stream):
                 if keep is not None:
                     keep.append(line.decode(errors="replace").rstrip("\n"))
                 if tee_file is not None:
-                    tee_file.write(line)
-                    tee_file.flush()
+                    try:
+                        tee_file.write(line)
+                        tee_file.flush()
+                    except OSError as exc:
+                        self._warn(f"stopped writing {tee} ({exc}); the console still gets "
+                                   "every line")
+                        tee_file.close()
+                        tee_file = None
                 if target is not None:
                     self._write(target, prefix + line)
         finally:
             stream.close()
             if tee_file is not None:
                 tee_file.close()
+
+    def _open_tee(self, path: Path) -> IO[bytes] | None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return open(path, "ab")  # noqa: SIM115 (closed by the reader when the stream ends)
+        except OSError as exc:
+            self._warn(f"cannot write {path} for --tee ({exc}); the console still gets every "
+                       "line")
+            return None
+
+    def _warn(self, message: str) -> None:
+        self._write(sys.stderr.buffer, f"elastic: {message}\n".encode())
 
     def _write(self, target: IO[bytes], line: bytes) -> None:
         with self._lock:
@@ -161,8 +181,3 @@ def _lines(stream: IO[bytes]) -> Iterable[bytes]:
 
 def _console(name: str) -> IO[bytes]:
     return sys.stdout.buffer if name == "stdout" else sys.stderr.buffer
-
-
-def _open_append(path: Path) -> IO[bytes]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return open(path, "ab")  # noqa: SIM115 (closed by the reader when the stream ends)

@@ -77,3 +77,14 @@ def test_a_torchrun_style_command_line_runs_with_one_note_per_flag_not_needed(cl
     assert {WORKER_LINE.match(line).group(1) for line in worker_lines(text)} == {"0", "1"}
     notes = [line for line in text.splitlines() if "is not needed here" in line]
     assert len(notes) == 2, text[-2000:]
+
+
+def test_a_tee_file_that_cannot_be_written_costs_the_file_not_the_workers_output(
+        cli, etcd, tmp_path):
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("not a directory")
+    run = cli("run", "--etcd", etcd.url, "--job-id", f"badtee-{os.getpid()}", "-n", "1",
+              "--log-dir", str(in_the_way / "logs"), "--tee", "3", CHATTY, "4000")
+    assert run.wait(60) == 0, run.text()[-2000:]
+    assert len(worker_lines(run.text())) == 4000, "the worker blocked or lost lines"
+    assert sum("for --tee" in line for line in run.text().splitlines()) == 2  # stdout, stderr
