@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -23,6 +23,7 @@ from elastic.cluster.cluster import Cluster
 from elastic.cluster.rendezvous import Topology
 from elastic.durable import DurableCommits
 from elastic.events import EventLog
+from elastic.loop_helpers import batches, ddp, print_main
 from elastic.outcome import RunOutcome
 from elastic.recovery import RunLoop
 from elastic.settings import WorkerSettings
@@ -148,6 +149,24 @@ class ElasticState:
     @property
     def member_id(self) -> str | None:
         return self._cluster.member_id if self._cluster else None
+
+    # -- loop helpers (elastic.loop_helpers) ------------------------------------------------
+    def batches(self, loader: Iterable[Any], *, commit_every: int | None = None,
+                checkpoint_at_end: bool = False) -> Iterator[Any]:
+        """``loader``'s batches with the loop's bookkeeping done: the sampler's epoch, each
+        batch recorded, ``commit()`` every ``commit_every`` batches, ``commit(durable=True)``
+        after the last with ``checkpoint_at_end`` (see ``loop_helpers.batches``)."""
+        return batches(loader, self.commit, self._train.value_of("epoch"), commit_every,
+                       checkpoint_at_end)
+
+    def ddp(self, module: Any, **kwargs: Any) -> Any:
+        """``DistributedDataParallel(module, **kwargs)`` for this round (on the module's GPU
+        when it has one); build it inside the training function, which every round re-enters."""
+        return ddp(module, **kwargs)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only."""
+        print_main(self.is_main, *args, **kwargs)
 
     def on_reset(self, callback: Callable[["ElasticState"], None]) -> None:
         """Calls ``callback(state)`` after every re-formation (e.g. to scale the LR)."""
