@@ -12,14 +12,17 @@ from elastic.checkpoint.compat import check_compatible
 from elastic.checkpoint.errors import (
     CheckpointBackendError,
     CheckpointCorruptError,
+    CheckpointCredentialsError,
     CheckpointError,
     CheckpointFencedError,
     CheckpointIncompatibleError,
+    CheckpointLocationError,
     CheckpointNotFoundError,
     CheckpointUnsafeError,
     CheckpointWriteError,
 )
 from elastic.checkpoint.listing import CheckpointRef
+from elastic.checkpoint.probe import check_writable
 from elastic.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest
 from elastic.checkpoint.store import CheckpointStore, LoadedCheckpoint
 
@@ -28,9 +31,11 @@ __all__ = [
     "MANIFEST_NAME",
     "CheckpointBackendError",
     "CheckpointCorruptError",
+    "CheckpointCredentialsError",
     "CheckpointError",
     "CheckpointFencedError",
     "CheckpointIncompatibleError",
+    "CheckpointLocationError",
     "CheckpointNotFoundError",
     "CheckpointRef",
     "CheckpointStore",
@@ -40,4 +45,5 @@ __all__ = [
     "LoadedCheckpoint",
     "Manifest",
     "check_compatible",
+    "check_writable",
 ]

@@ -29,7 +29,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from elastic.checkpoint.errors import CheckpointBackendError
+from elastic.checkpoint.errors import CheckpointBackendError, CheckpointCredentialsError
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,23 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
+def credentials_errors() -> tuple[type[BaseException], ...]:
+    """The object-store clients' "no credentials" errors that are importable here (by type,
+    never by message): botocore's (s3fs) and google-auth's (gcsfs)."""
+    found: list[type[BaseException]] = []
+    try:
+        from botocore.exceptions import NoCredentialsError, PartialCredentialsError  # noqa: PLC0415
+        found += [NoCredentialsError, PartialCredentialsError]
+    except ImportError:
+        pass  # no boto: no s3fs either
+    try:
+        from google.auth.exceptions import DefaultCredentialsError  # noqa: PLC0415
+        found.append(DefaultCredentialsError)
+    except ImportError:
+        pass  # no google-auth: no gcsfs either
+    return tuple(found)
+
+
 def io_retry(call: Callable[Concatenate[Storage, P], T]) -> Callable[Concatenate[Storage, P], T]:
     """Retries ``call`` on transient errors, up to its storage's ``retry_for`` (the first
     argument of ``call`` is the ``Storage``: ``self`` of its methods, or a function's own)."""
@@ -62,7 +79,14 @@ def io_retry(call: Callable[Concatenate[Storage, P], T]) -> Callable[Concatenate
             before_sleep=before_sleep_log(logger, logging.WARNING),
             reraise=True,
         )
-        return retrying(call, storage, *args, **kwargs)
+        try:
+            return retrying(call, storage, *args, **kwargs)
+        except credentials_errors() as exc:
+            raise CheckpointCredentialsError(
+                f"No credentials for checkpoint storage {storage.url_of(storage.root)!r} "
+                f"({type(exc).__name__}: {exc}). Give them to every worker, e.g. "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or AWS_PROFILE for s3://, "
+                "GOOGLE_APPLICATION_CREDENTIALS for gs://.") from exc
     return retried
 
 

@@ -38,3 +38,11 @@ class CheckpointFencedError(CheckpointError):
 
 class CheckpointWriteError(CheckpointError):
     """Writing a checkpoint failed part-way; the previous checkpoints are untouched."""
+
+
+class CheckpointCredentialsError(CheckpointError):
+    """The object store refused us for lack of credentials (none found, or incomplete)."""
+
+
+class CheckpointLocationError(CheckpointError):
+    """The checkpoint location cannot be written (permissions, a file in the way, no bucket)."""

@@ -65,6 +65,7 @@ class DurableCommits:
         self.url = url
         self.events = events
         self.last_error: Exception | None = None
+        self.written = 0
         self._published: Callable[[CheckpointRef], None] | None = None
         self.generation: int | None = None
         self._round = 0
@@ -141,6 +142,7 @@ class DurableCommits:
             self._failed(version, exc)
             return
         ref = future.result()
+        self.written += 1
         if self.events:
             self.events.emit("checkpoint_written", version=version, url=ref.url,
                              blocked_s=blocked_s, write_s=time.monotonic() - started)

@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -23,6 +23,8 @@ from elastic.cluster.cluster import Cluster
 from elastic.cluster.rendezvous import Topology
 from elastic.durable import DurableCommits
 from elastic.events import EventLog
+from elastic.loop_helpers import batches, ddp, print_main
+from elastic.outcome import RunOutcome
 from elastic.recovery import RunLoop
 from elastic.settings import WorkerSettings
 from elastic.signals import relay_signals
@@ -148,6 +150,24 @@ class ElasticState:
     def member_id(self) -> str | None:
         return self._cluster.member_id if self._cluster else None
 
+    # -- loop helpers (elastic.loop_helpers) ------------------------------------------------
+    def batches(self, loader: Iterable[Any], *, commit_every: int | None = None,
+                checkpoint_at_end: bool = False) -> Iterator[Any]:
+        """``loader``'s batches with the loop's bookkeeping done: the sampler's epoch, each
+        batch recorded, ``commit()`` every ``commit_every`` batches, ``commit(durable=True)``
+        after the last with ``checkpoint_at_end`` (see ``loop_helpers.batches``)."""
+        return batches(loader, self.commit, self._train.value_of("epoch"), commit_every,
+                       checkpoint_at_end)
+
+    def ddp(self, module: Any, **kwargs: Any) -> Any:
+        """``DistributedDataParallel(module, **kwargs)`` for this round (on the module's GPU
+        when it has one); build it inside the training function, which every round re-enters."""
+        return ddp(module, **kwargs)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only."""
+        print_main(self.is_main, *args, **kwargs)
+
     def on_reset(self, callback: Callable[["ElasticState"], None]) -> None:
         """Calls ``callback(state)`` after every re-formation (e.g. to scale the LR)."""
         self._callbacks.append(callback)
@@ -256,6 +276,9 @@ class ElasticState:
             RendezvousTimeoutError: fewer than min_workers for longer than the timeout.
             EtcdUnavailableError: etcd could not be reached.
             Exception: whatever ``fn`` raised that is not a peer failure.
+            NothingTrainedError: ``fn`` returned without a commit after resuming a finished
+                job from its checkpoint (unless ``ELASTIC_RESUME_FINISHED=1``).
+            DurableCommitsFailedError: not one durable commit of this worker was written.
         """
         worker = f"{os.uname().nodename}-{os.getpid()}"
         events = EventLog(self._settings.log_dir, worker)
@@ -267,16 +290,29 @@ class ElasticState:
         gc.freeze()  # keeps the full collections after a failure cheap
         loop = RunLoop(self._cluster, self._train, self._durable, self._leave_requested,
                        self._on_formed, self._settings.timeouts.sync)
+        outcome, returned = RunOutcome(self._settings.resume_finished), []
+
+        def call() -> Any:
+            assert self._cluster is not None and self._cluster.topology is not None
+            outcome.called(self._train.version, self._cluster.topology.round)
+            result = fn(self, *args, **kwargs)
+            returned.append(True)
+            return result
+
         try:
             if not self._train.has_commit:
                 self._train.commit()  # the initial state is the first rollback point
-            return loop.run(lambda: fn(self, *args, **kwargs))
+            outcome.initial_version = self._train.version
+            result = loop.run(call)
         finally:
             restore_signals()
             if self._durable is not None:
                 self._durable.store.wait()
             self._cluster.close()
             self._cluster = None
+        if returned:
+            outcome.check(self._train.version, self._durable)
+        return result
 
     def _on_formed(self, topology: Topology) -> None:
         """After every formation: count it and run the user's ``on_reset`` callbacks."""

@@ -42,6 +42,15 @@ class RendezvousClosedError(ElasticError):
     """The job has completed: no new round will form."""
 
 
+class NothingTrainedError(ElasticError):
+    """The job resumed from a checkpoint and the training function returned without a
+    single commit: it was already finished (``--resume-finished`` allows this)."""
+
+
+class DurableCommitsFailedError(ElasticError):
+    """The job asked for durable commits and not one of them was written."""
+
+
 class ElasticInterrupt(Exception):
     """Base class of the expected control-flow signals of the run loop."""
 

@@ -135,6 +135,7 @@ class WorkerSettings:
     log_dir: str | None
     etcd_security: EtcdSecurity = EtcdSecurity()
     lease_file: str | None = None
+    resume_finished: bool = False
 
     @staticmethod
     def resolve(*, etcd: str | None, job_id: str | None, min_workers: int | None,
@@ -160,6 +161,7 @@ class WorkerSettings:
             log_dir=env.get("ELASTIC_LOG_DIR") or None,
             etcd_security=EtcdSecurity.resolve(),
             lease_file=env.get("ELASTIC_LEASE_FILE") or None,
+            resume_finished=env.get("ELASTIC_RESUME_FINISHED", "") not in ("", "0"),
         )
         settings.validate()
         return settings

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from elastic.launch.status import collect
 HERE = Path(__file__).resolve().parent
 SCRIPT = [str(HERE / "digits_elastic.py"), "--epochs", "20", "--step-ms", "60"]
 PROGRESS = re.compile(r"epoch (\d+) step (\d+) world (\d+) loss ([\d.]+)")
+WORKER_PREFIX = re.compile(r"^\[(?:local|rank)\d+\]: ")  # the launcher's per-worker prefix
 
 
 class Watcher:
@@ -44,7 +46,7 @@ class Watcher:
 
     def _read(self, proc: subprocess.Popen, name: str) -> None:
         for raw in proc.stdout:
-            line = raw.decode(errors="replace").rstrip()
+            line = WORKER_PREFIX.sub("", raw.decode(errors="replace").rstrip())
             match = PROGRESS.search(line)
             if match:
                 epoch, step, world, loss = match.groups()
@@ -55,7 +57,7 @@ class Watcher:
                     print(f"  epoch {epoch:>2}  step {step:>4}  world {world}  loss {loss}")
             elif line.startswith("final accuracy"):
                 self.accuracy = float(line.split()[-1])
-            elif line.startswith("elastic:") or "Error" in line:
+            elif line.startswith(("elastic:", "    elastic run")) or "Error" in line:
                 print(f"[{name}] {line}")
             self.changed.set()
 
@@ -134,8 +136,8 @@ def main() -> int:
             pid = kill_one_worker(etcd.url, job)
             print(f"*** SIGKILL to worker pid {pid}")
             watcher.wait_for(lambda: watcher.world == 2, 60, "the survivors to re-form")
-            print("*** adding a worker: elastic run --etcd URL --job-id ID -n 1 ...")
             procs.append(launch(etcd.url, job, logs, 1))
+            print(f"*** adding a worker: {shlex.join(['elastic', *procs[1].args[3:]])}")
             watcher.follow(procs[1], "node B")
             codes = [proc.wait(timeout=150) for proc in procs]
             print(f"launchers exited with {codes}")

@@ -1,8 +1,12 @@
 """Handwritten digits (scikit-learn's bundled 8x8 images, no download) with a small CNN, elastic.
 
-The same script as ``digits_single.py`` but for the lines marked ``# elastic``: the state lives
-in an ElasticState, the sampler is an ElasticSampler, training runs in ``state.run`` and commits
-every 10 batches. Run: ``elastic run -n 3 examples/digits_elastic.py``.
+The same script as ``digits_single.py`` but for 8 lines of code (marked ``# elastic``): the state is
+an ElasticState with an ElasticSampler; ``state.ddp`` wraps the model for each round (the
+function is re-entered after every re-formation); ``state.batches`` sets the sampler's epoch,
+records each batch, commits every 10 batches and durably when the epoch's batches are done;
+``state.print`` prints on rank 0 (every rank prints the same final accuracy); ``state.run``
+runs it all.
+Run: ``elastic run -n 3 [--checkpoint DIR] examples/digits_elastic.py``.
 """
 
 import argparse
@@ -11,7 +15,6 @@ import time
 import torch
 from sklearn.datasets import load_digits
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP  # elastic
 from torch.utils.data import DataLoader, TensorDataset
 
 from elastic import ElasticSampler, ElasticState  # elastic
@@ -50,28 +53,22 @@ def main():
     sampler = ElasticSampler(train_set, seed=0)  # elastic
     state = ElasticState(model=model, optimizer=opt, sampler=sampler, epoch=0, step=0)  # elastic
 
-    def train(state):  # elastic: re-entered after every re-formation
-        net = DDP(state.model)  # elastic
+    def train(state):
+        net = state.ddp(state.model)  # elastic
         loader = DataLoader(train_set, batch_size=32, sampler=state.sampler)
         while state.epoch < args.epochs:
-            state.sampler.set_epoch(state.epoch)  # elastic
-            for x, y in loader:
+            for x, y in state.batches(loader, commit_every=10, checkpoint_at_end=True):  # elastic
                 loss = nn.functional.cross_entropy(net(x), y)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
                 state.step += 1
                 time.sleep(args.step_ms / 1000)
-                if state.step % 10 == 0 and state.is_main:  # elastic: rank 0 reports
-                    print(f"epoch {state.epoch} step {state.step} world {state.world_size} "
-                          f"loss {loss.item():.3f}", flush=True)
-                state.sampler.record_batch(len(x))  # elastic
-                if state.sampler.batches_done % 10 == 0:  # elastic
-                    state.commit()  # elastic
+                if state.step % 10 == 0:
+                    state.print(f"epoch {state.epoch} step {state.step} "  # elastic: 2 lines
+                                f"world {state.world_size} loss {loss.item():.3f}", flush=True)
             state.epoch += 1
-            state.commit(durable=True)  # elastic
-        if state.is_main:  # elastic
-            print(f"final accuracy {accuracy(model, test_set):.4f}", flush=True)
+        print(f"final accuracy {accuracy(model, test_set):.4f}", flush=True)
 
     state.run(train)  # elastic
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 from sklearn.datasets import load_digits
 from torch import nn
-from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 
 def data():
@@ -44,7 +44,7 @@ def main():
     train_set, test_set = data()
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    sampler = RandomSampler(train_set)
+    sampler = torch.utils.data.RandomSampler(train_set)
     state = SimpleNamespace(model=model, optimizer=opt, sampler=sampler, epoch=0, step=0)
 
     def train(state):
@@ -59,8 +59,8 @@ def main():
                 state.step += 1
                 time.sleep(args.step_ms / 1000)
                 if state.step % 10 == 0:
-                    print(f"epoch {state.epoch} step {state.step} world 1 "
-                          f"loss {loss.item():.3f}", flush=True)
+                    print(f"epoch {state.epoch} step {state.step} "
+                          f"world 1 loss {loss.item():.3f}", flush=True)
             state.epoch += 1
         print(f"final accuracy {accuracy(model, test_set):.4f}", flush=True)
 

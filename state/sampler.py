@@ -8,6 +8,7 @@ variables or torch.distributed globals; must not import ``elastic`` or ``checkpo
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from elastic.state.errors import StateError, StateKeyError
 from elastic.state.global_batch import Share, share_of
 
 __all__ = ["ElasticSampler", "split_counts"]
+log = logging.getLogger(__name__)
 
 _FORMAT_VERSION = 1
 _KEYS = frozenset({"format_version", "epoch", "seed", "consumed", "batches_done", "batch_size", "skipped"})
@@ -273,6 +275,12 @@ class ElasticSampler(Sampler[int]):
             # No rank has a batch, so no record_batch will come: the whole rest is skipped.
             self._skipped = self._size - split.base
             self._consumed = self._size
+            if split.base == 0 and split.rank == 0:
+                most = self._size // (self._batch_size or 1) if self._drop_last else self._size
+                log.warning(
+                    "ElasticSampler: epoch %d trains no sample: %d samples are too few for %d "
+                    "ranks, so all of them are skipped. Use at most %d workers, or a larger "
+                    "dataset.", self._epoch, self._size, split.world_size, max(1, most))
 
     def __len__(self) -> int:
         if self._global_batch is not None:

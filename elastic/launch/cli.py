@@ -30,8 +30,8 @@ USAGE_ERROR = 2
 _TIMEOUT_FLAGS = {field: str(Timeouts.flag_name(field)) for field in Timeouts.FLAGS}
 _VALUE_OPTIONS = {"--etcd", "--job-id", "-n", "--nproc-per-node", "--min-workers",
                   "--max-workers", "--max-restarts", "--checkpoint", "--backend",
-                  "--advertise-addr", "--log-dir", *_TIMEOUT_FLAGS.values(),
-                  *EtcdSecurity.FLAGS.values()}
+                  "--advertise-addr", "--log-dir", "--tee", "--local-ranks-filter",
+                  *_TIMEOUT_FLAGS.values(), *EtcdSecurity.FLAGS.values()}
 
 
 class UsageError(ElasticError):
@@ -129,6 +129,10 @@ def _run_parser() -> _Parser:
     p.add_argument("--plain", action="store_true", help="torchrun-compatible mode for plain "
                    "DDP scripts: RANK/WORLD_SIZE/MASTER_* per generation, restart on failure")
     _add_security_flags(p)
+    p.add_argument("--resume-finished", action="store_true", help="a job whose checkpoint is "
+                   "already finished may resume it and train nothing (otherwise an error)")
+    from elastic.launch.output import add_output_arguments  # noqa: PLC0415 (stdlib only)
+    add_output_arguments(p)
     return p
 
 
@@ -176,22 +180,33 @@ def _timeouts(args: argparse.Namespace) -> Timeouts:
 
 def cmd_run(argv: Sequence[str]) -> int:
     """``elastic run``: see ``elastic run --help``."""
+    from elastic.launch.torchrun_flags import TorchrunFlagError, translate  # noqa: PLC0415
+    try:
+        argv = translate(argv, _VALUE_OPTIONS)
+    except TorchrunFlagError as exc:
+        raise UsageError(str(exc)) from None
     options, rest, module = split_run_argv(argv)
     args = _run_parser().parse_args(options)
     command, target = _worker_command(rest, module)
     job_id = _check_job_id(args.job_id, "elastic run") if args.job_id else _fresh_job_id()
     from elastic.launch.launcher import LaunchSpec  # noqa: PLC0415 (keeps `--help` fast)
+    from elastic.launch.output import OutputOptions  # noqa: PLC0415
+    log_dir = str(Path(args.log_dir).resolve()) if args.log_dir else None
     try:
         spec = LaunchSpec(
             command=command, target=target, etcd=args.etcd or "", job_id=job_id,
             nproc=args.nproc, min_workers=args.min_workers,
             max_workers=args.max_workers, max_restarts=args.max_restarts,
             checkpoint=args.checkpoint, backend=args.backend, advertise_addr=args.advertise_addr,
-            log_dir=str(Path(args.log_dir).resolve()) if args.log_dir else None,
-            timeouts=_timeouts(args), plain=args.plain, env=dict(os.environ),
-            security=_security(args))
+            log_dir=log_dir, timeouts=_timeouts(args), plain=args.plain,
+            env={**os.environ, **({"ELASTIC_RESUME_FINISHED": "1"} if args.resume_finished
+                                  else {})},
+            output=OutputOptions.from_args(args, log_dir), security=_security(args))
     except ValueError as exc:
         raise UsageError(f"elastic run: {exc}") from None
+    if spec.checkpoint and not spec.plain:
+        from elastic.launch.preflight import check_checkpoint  # noqa: PLC0415 (imports torch)
+        check_checkpoint(spec.checkpoint, spec.timeouts)
     if spec.etcd:
         _check_etcd(spec.etcd, spec.security, "elastic run")
         return _launch(spec, embedded=False)
@@ -201,7 +216,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: PLC0415
     server = EmbeddedEtcd(timeouts=spec.timeouts).start()
     try:
-        return _launch(_with_etcd(spec, server.url), embedded=True)
+        return _launch(_with_etcd(spec, server.url), embedded=server)
     finally:
         server.stop()
         print(f"elastic: stopped the embedded etcd at {server.url}", file=sys.stderr,
@@ -247,11 +262,13 @@ def join_command(spec) -> str:  # noqa: ANN001 (LaunchSpec is imported lazily)
     return joined
 
 
-def _launch(spec, embedded: bool) -> int:  # noqa: ANN001
+def _launch(spec, embedded) -> int:  # noqa: ANN001 (imported lazily: EmbeddedEtcd or False)
     from elastic.launch.launcher import Launcher  # noqa: PLC0415
     launcher = Launcher(spec)
     try:
         first = launcher.connect()
+        if embedded and embedded.process is not None:
+            launcher.watch_etcd(embedded.process, str(embedded.log_path))
         where = "embedded etcd" if embedded else "etcd"
         verb = "started" if first else "joined"
         print(f"elastic: {verb} job {spec.job_id} on {where} {spec.etcd} with {spec.nproc} "
@@ -305,7 +322,8 @@ def cmd_etcd(argv: Sequence[str]) -> int:
         raise UsageError(f"elastic etcd: {exc}") from None
     from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: PLC0415
     from elastic.launch.launcher import StopSignal  # noqa: PLC0415
-    stop = StopSignal(threading.Event(), "stopping etcd", shutdown=timeouts.shutdown)
+    stop = StopSignal(threading.Event(), "stopping etcd", shutdown=timeouts.shutdown,
+                      again="asked again: stopping etcd")
     restore = stop.install()
     server = EmbeddedEtcd(args.data_dir, timeouts=timeouts).start()
     try:
@@ -330,8 +348,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "WARNING").upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if argv and argv[0] in ("--version", "-V"):
+        from elastic.launch.version import describe  # noqa: PLC0415
+        print(describe())
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: elastic {run,status,report,etcd} ...\n  run     start this node's "
+        print("usage: elastic [--version] {run,status,report,etcd} ...\n  run     start this node's "
               "workers\n  status  show a job\n  report  summarise event files\n  etcd    run "
               "a local etcd\nSee `elastic COMMAND --help`.")
         return 0 if argv else USAGE_ERROR

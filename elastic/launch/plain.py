@@ -24,6 +24,7 @@ import torch.distributed as dist
 from elastic.errors import LeaveInterrupt, RendezvousClosedError
 from elastic.cluster.etcd_client import WatchEvent
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
+from elastic.launch.worker_procs import describe_exit
 
 if TYPE_CHECKING:
     from elastic.launch.launcher import Launcher
@@ -54,6 +55,7 @@ class PlainGenerations:
         self.news = threading.Event()
         self._lock = threading.Lock()
         self._armed: Topology | None = None
+        self.failure = "a worker failed"  # which one and how, once one has
         self.membership.add_listener(self._on_events)
 
     def run(self) -> int:
@@ -71,7 +73,7 @@ class PlainGenerations:
                 return 0
             except LeaveInterrupt:
                 print("elastic: stopped while the next generation was forming", flush=True)
-                return 1
+                return self.launcher.stop.exit_status or 1
             if topology is None:
                 reason = "spare"
                 continue
@@ -80,14 +82,14 @@ class PlainGenerations:
                 self.rendezvous.finish(topology, timeout=self.spec.timeouts.finish)
                 return 0
             if outcome == "stopped":
-                return 1
+                return self.launcher.stop.exit_status or 1
             if outcome == "failed":
                 failures += 1
                 if failures > self.spec.max_restarts:
-                    print(f"elastic: a worker failed and --max-restarts "
+                    print(f"elastic: {self.failure} and --max-restarts "
                           f"({self.spec.max_restarts}) is used up; giving up.", flush=True)
                     return 1
-                print(f"elastic: a worker failed; restarting every worker (restart {failures} "
+                print(f"elastic: {self.failure}; restarting every worker (restart {failures} "
                       f"of {self.spec.max_restarts})", flush=True)
             reason = "failure" if outcome == "failed" else "change"
 
@@ -118,7 +120,8 @@ class PlainGenerations:
             self.news.clear()
         try:
             for local_rank in range(self.spec.nproc):
-                procs.start(local_rank, self._env(topology, local_rank, failures))
+                procs.start(local_rank, self._env(topology, local_rank, failures),
+                            label=f"rank{topology.rank * self.spec.nproc + local_rank}")
             print(f"elastic: generation {topology.round}: world size "
                   f"{topology.world_size * self.spec.nproc}, ranks from "
                   f"{topology.rank * self.spec.nproc}", flush=True)
@@ -140,10 +143,13 @@ class PlainGenerations:
         while True:
             procs.changed.wait(timeout=self.spec.timeouts.wake.total_seconds())
             procs.changed.clear()
-            if self.launcher.stop.requested.is_set():
+            if self.launcher.stop.requested.is_set() or self.launcher.is_etcd_lost():
                 return "stopped"
             exited = procs.exited()
-            if any(w.returncode for w in exited):
+            failed = [w for w in exited if w.returncode]
+            if failed:
+                self.failure = (f"worker local_rank={failed[0].local_rank} pid={failed[0].pid} "
+                                f"{describe_exit(failed[0].returncode or 0)}")
                 return "failed"
             if self.news.is_set():
                 return "changed"

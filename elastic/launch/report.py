@@ -43,6 +43,7 @@ class Timeline:
     end: float
     rounds: list[Round] = field(default_factory=list)
     failures: list[float] = field(default_factory=list)
+    failure_workers: list[str] = field(default_factory=list)  # who detected each failure
     joins: list[float] = field(default_factory=list)
     leaves: list[float] = field(default_factory=list)
     steps: list[tuple[float, int]] = field(default_factory=list)
@@ -84,6 +85,7 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
             by_round.setdefault(int(e.get("round", 0)), []).append(e)
         elif kind == "failure_detected":
             timeline.failures.append(t)
+            timeline.failure_workers.append(str(e.get("worker", "")))
         elif kind == "joined":
             timeline.joins.append(t)
         elif kind == "leaving":
@@ -94,19 +96,34 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
             timeline.checkpoints.append({**e, "t": t})
         elif kind == "membership_changed" and e.get("rank") == 0:
             timeline.changes_at_commit += 1
-    for n in sorted(by_round):
+    for i, n in enumerate(sorted(by_round)):
         first = by_round[n][0]
         timeline.rounds.append(Round(n, first["t"] - t0, int(first.get("world_size", 0)),
-                                     str(first.get("reason", "")),
+                                     _round_reason(by_round[n], is_first=i == 0),
                                      max(int(e.get("version", 0)) for e in by_round[n])))
     previous_start = -1.0
     for r, n in zip(timeline.rounds, sorted(by_round)):
-        if r.reason == "failure":
+        if r.reason.startswith("failure"):
             detected = [f for f in timeline.failures if previous_start < f <= r.t]
             last = max(e["t"] for e in by_round[n]) - t0
             r.recovery_s = last - min(detected) if detected else None
         previous_start = r.t
     return timeline
+
+
+def _round_reason(resumed: list[dict[str, Any]], is_first: bool) -> str:
+    """Why a round formed, from all its members' ``resumed`` events (not the earliest one's:
+    a restarted worker says "start" in the round its survivors call "failure").
+
+    "failure" or "change" when any member says so; later, "join" (only new workers: a restart
+    or a new launcher); else "start".
+    """
+    reasons = {str(e.get("reason", "")) for e in resumed}
+    newcomers = sum(1 for e in resumed if e.get("reason") == "start")
+    for reason in ("failure", "change"):
+        if reason in reasons:
+            return reason + (f" +{newcomers} new" if newcomers and not is_first else "")
+    return "start" if is_first else f"join +{newcomers} new"
 
 
 def steps_per_second(steps: list[tuple[float, int]], window_s: float = 2.0) -> list[tuple[float, float]]:
@@ -123,11 +140,12 @@ def steps_per_second(steps: list[tuple[float, int]], window_s: float = 2.0) -> l
 
 def render_tables(timeline: Timeline) -> str:
     """The rounds, recoveries, joins and leaves as plain-text tables."""
-    lines = [f"{'round':>5}  {'t (s)':>7}  {'world':>5}  {'reason':<8}  {'version':>7}  "
+    width = max([len("reason")] + [len(r.reason) for r in timeline.rounds])
+    lines = [f"{'round':>5}  {'t (s)':>7}  {'world':>5}  {'reason':<{width}}  {'version':>7}  "
              f"recovery (s)"]
     for r in timeline.rounds:
         recovery = f"{r.recovery_s:.2f}" if r.recovery_s is not None else ""
-        lines.append(f"{r.round:>5}  {r.t:>7.2f}  {r.world_size:>5}  {r.reason:<8}  "
+        lines.append(f"{r.round:>5}  {r.t:>7.2f}  {r.world_size:>5}  {r.reason:<{width}}  "
                      f"{r.version:>7}  {recovery}")
     recoveries = [r for r in timeline.rounds if r.recovery_s is not None]
     lines.append("")
@@ -135,8 +153,9 @@ def render_tables(timeline: Timeline) -> str:
         f"\n  at {r.t:.2f} s: {r.recovery_s:.2f} s (failure detected -> resumed in world "
         f"{r.world_size})" for r in recoveries))
     lines.append(f"workers joined: {len(timeline.joins)}   left gracefully: "
-                 f"{len(timeline.leaves)}   failures: {len(_incidents(timeline.failures))} "
-                 f"(detected {len(timeline.failures)} times by the workers)")
+                 f"{len(timeline.leaves)}   failures: {len(_incidents(timeline.failures))}")
+    lines += [f"  failure at {t:.2f} s: detected by {peers} peer{'s' * (peers != 1)}"
+              for t, peers in _detections(timeline)]
     lines.append(f"world changes agreed at a commit: {timeline.changes_at_commit}")
     if timeline.steps:
         lines.append(f"progress: {timeline.steps[-1][1]} steps in {timeline.end:.1f} s")
@@ -163,6 +182,7 @@ def _checkpoint_lines(checkpoints: list[dict[str, Any]]) -> list[str]:
 def plot(timeline: Timeline, out: str | Path) -> None:
     """Writes the timeline PNG: world size (and steps/s when known), failures and joins."""
     import matplotlib  # noqa: PLC0415 (optional dependency, heavy import)
+    import matplotlib.ticker  # noqa: PLC0415
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
@@ -176,6 +196,7 @@ def plot(timeline: Timeline, out: str | Path) -> None:
         ax.step(xs, ys + ys[-1:], where="post", color="tab:blue", linewidth=2)
         ax.set_ylim(0, max(ys) + 1)
     ax.set_ylabel("world size")
+    ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # whole workers
     ax.set_title("elastic job timeline")
     for r in timeline.rounds:
         if r.recovery_s is not None:
@@ -197,6 +218,16 @@ def plot(timeline: Timeline, out: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
+
+
+def _detections(timeline: Timeline, gap_s: float = 1.0) -> list[tuple[float, int]]:
+    """Each failure incident's time and how many distinct workers detected it."""
+    found: list[tuple[float, set[str]]] = []
+    for t, worker in zip(timeline.failures, timeline.failure_workers):
+        if not found or t - found[-1][0] > gap_s:
+            found.append((t, set()))
+        found[-1][1].add(worker)
+    return [(t, len(workers)) for t, workers in found]
 
 
 def _incidents(times: list[float], gap_s: float = 1.0) -> list[float]:

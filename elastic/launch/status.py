@@ -8,6 +8,7 @@ under the job's ``commit`` key. It never writes.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from elastic.cluster.etcd_client import EtcdClient
@@ -63,32 +64,67 @@ def collect(client: EtcdClient, keys: JobKeys) -> dict[str, Any]:
     }
 
 
-def render(status: dict[str, Any]) -> str:
-    """The human-readable form of ``collect``'s result."""
-    lines = [f"job {status['job_id']}" + ("  (finished)" if status["finished"] else "")]
-    if status["config"]:
-        lines.append("  config: " + ", ".join(f"{k}={v}" for k, v in status["config"].items()
-                                              if v is not None))
-    lines.append(f"  launchers: {len(status['launchers'])}")
-    for m in status["launchers"]:
-        lines.append(f"    {m['host']} pid {m['pid']} addr {m['addr']}")
-    lines.append(f"  members: {len(status['members'])}")
-    for m in status["members"]:
-        lines.append(f"    {m['member']:<32} host {m['host']} pid {m['pid']} addr {m['addr']}")
+def render(status: dict[str, Any], now: float | None = None) -> str:
+    """The human-readable form of ``collect``'s result: a header, one table row per member
+    (by rank, then spares, then members not in the round), the launchers and the checkpoint.
+
+    Args:
+        status: what ``collect`` returned.
+        now: the wall-clock time the checkpoint's age is measured from (default: now).
+    """
     plan = status["plan"]
-    if plan is None:
-        lines.append("  round: none formed yet")
-    else:
-        lines.append(f"  round {status['round']}: world size {plan['world_size']}, "
-                     f"master {plan['master']}")
-        for rank, member in enumerate(plan["ranks"]):
-            version = plan["versions"].get(member, "?")
-            lines.append(f"    rank {rank:<3} {member:<32} commit version {version}")
-        for member in plan["spares"]:
-            lines.append(f"    spare    {member}")
-    commit = status["commit"]
-    lines.append(f"  last durable checkpoint: {commit if commit else 'none recorded'}")
+    head = f"job {status['job_id']}"
+    head += (f": round {status['round']}, world size {plan['world_size']}, master "
+             f"{plan['master']}" if plan else ": no round formed yet")
+    lines = [head + ("  (finished)" if status["finished"] else "")]
+    if status["config"]:
+        lines.append("config: " + ", ".join(f"{k}={v}" for k, v in status["config"].items()
+                                            if v is not None))
+    lines += _table(["RANK", "MEMBER", "HOST", "PID", "ADDRESS", "VERSION AT JOIN"],
+                    _member_rows(status))
+    lines.append("launchers: " + ("; ".join(f"{m['host']} pid {m['pid']} ({m['addr']})"
+                                            for m in status["launchers"]) or "none"))
+    lines.append(f"last durable checkpoint: {_checkpoint(status['commit'], now)}")
     return "\n".join(lines)
+
+
+def _member_rows(status: dict[str, Any]) -> list[list[str]]:
+    plan = status["plan"] or {"ranks": [], "spares": [], "versions": {}}
+    live = {m["member"]: m for m in status["members"]}
+    placed = [(str(rank), member) for rank, member in enumerate(plan["ranks"])]
+    placed += [("spare", member) for member in plan["spares"]]
+    in_round = {member for _, member in placed}
+    placed += [("-", member) for member in live if member not in in_round]
+    rows = []
+    for rank, member in placed:
+        info = live.get(member, {})
+        rows.append([rank, member, str(info.get("host") or "(gone)"), str(info.get("pid") or ""),
+                     str(info.get("addr") or ""), str(plan["versions"].get(member, ""))])
+    return rows
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    if not rows:
+        return ["members: none"]
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+            for row in [headers, *rows]]
+
+
+def _checkpoint(commit: Any, now: float | None) -> str:
+    if not commit:
+        return "none recorded"
+    if not isinstance(commit, dict):
+        return str(commit)
+    text = f"version {commit.get('version')}"
+    if commit.get("epoch") is not None:
+        text += f" (epoch {commit['epoch']})"
+    text += f" at {commit.get('url')}"
+    if isinstance(commit.get("t"), (int, float)):
+        age_s = max(0.0, (time.time() if now is None else now) - commit["t"])
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(commit["t"]))
+        text += f", written {when} ({age_s:.0f} s ago)"
+    return text
 
 
 def show(etcd: str, job_id: str, timeouts: Timeouts, as_json: bool = False,

@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from elastic.launch.output import OutputTail, WorkerOutput
+
 log = logging.getLogger(__name__)
 
 
@@ -29,11 +31,15 @@ class Worker:
         local_rank: its slot on this node (``LOCAL_RANK``).
         proc: the process.
         handled: whether the launcher has dealt with its exit.
+        tail: its last stderr lines, when its output goes through the launcher.
+        reaped: set once it exited and the last of its output was copied.
     """
 
     local_rank: int
     proc: subprocess.Popen[bytes]
     handled: bool = field(default=False)
+    tail: OutputTail | None = field(default=None)
+    reaped: threading.Event = field(default_factory=threading.Event)
 
     @property
     def pid(self) -> int:
@@ -43,6 +49,10 @@ class Worker:
     def returncode(self) -> int | None:
         return self.proc.poll()
 
+    def last_error_line(self) -> str:
+        """The last line it wrote to stderr ("" when unknown): names a Python error."""
+        return self.tail.last_line() if self.tail is not None else ""
+
 
 class WorkerProcs:
     """Starts and tracks a launcher's worker processes.
@@ -51,44 +61,61 @@ class WorkerProcs:
         command: the worker command line (``python script.py args`` or ``python -m mod args``).
         env: the environment every worker starts from.
         reap: how long a worker killed with SIGKILL gets to be reaped before it is reported as
-            a survivor (``Timeouts.reap``).
+            a survivor (``Timeouts.reap``); also bounds copying the last of its output.
+        output: where the workers' stdout and stderr go, line by line (None: they inherit ours).
     """
 
-    def __init__(self, command: Sequence[str], env: Mapping[str, str], reap: timedelta) -> None:
+    def __init__(self, command: Sequence[str], env: Mapping[str, str], reap: timedelta,
+                 output: WorkerOutput | None = None) -> None:
         if not command:
             raise ValueError("The worker command is empty.")
         self.command = list(command)
         self.env = dict(env)
         self.reap = reap
+        self.output = output
         self.changed = threading.Event()
         self.workers: list[Worker] = []
         self._lock = threading.Lock()
 
-    def start(self, local_rank: int, extra_env: Mapping[str, str]) -> Worker:
-        """Starts one worker with ``extra_env`` on top of the common environment."""
+    def start(self, local_rank: int, extra_env: Mapping[str, str],
+              label: str | None = None) -> Worker:
+        """Starts one worker with ``extra_env`` on top of the common environment.
+
+        Args:
+            local_rank: its slot on this node.
+            extra_env: its own variables.
+            label: the prefix of its output lines (default ``local{local_rank}``).
+        """
         env = {**self.env, **extra_env}
-        proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-        worker = Worker(local_rank, proc)
+        pipe = subprocess.PIPE if self.output is not None else None
+        proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=pipe,
+                                stderr=pipe, start_new_session=True)
+        tail = None
+        if self.output is not None:
+            tail = self.output.attach(proc, local_rank, label or f"local{local_rank}")
+        worker = Worker(local_rank, proc, tail=tail)
         with self._lock:
             self.workers.append(worker)
-        threading.Thread(target=self._wait, args=(proc,), name=f"elastic-wait-{proc.pid}",
+        threading.Thread(target=self._wait, args=(worker,), name=f"elastic-wait-{proc.pid}",
                          daemon=True).start()
         log.info("started worker local_rank=%d pid=%d", local_rank, proc.pid)
         return worker
 
-    def _wait(self, proc: subprocess.Popen[bytes]) -> None:
-        proc.wait()
+    def _wait(self, worker: Worker) -> None:
+        worker.proc.wait()
+        if worker.tail is not None:  # its last words are printed before its exit is reported
+            worker.tail.join(self.reap.total_seconds())
+        worker.reaped.set()
         self.changed.set()
 
     def running(self) -> list[Worker]:
         with self._lock:
-            return [w for w in self.workers if w.returncode is None]
+            return [w for w in self.workers if not w.reaped.is_set()]
 
     def exited(self) -> list[Worker]:
         """Workers that exited and were not handled yet (marks them handled)."""
         with self._lock:
-            fresh = [w for w in self.workers if not w.handled and w.returncode is not None]
+            fresh = [w for w in self.workers if not w.handled and w.reaped.is_set()]
             for worker in fresh:
                 worker.handled = True
         return fresh
@@ -135,7 +162,7 @@ class WorkerProcs:
     def forget_exited(self) -> None:
         """Drops finished workers (before a new generation of plain workers)."""
         with self._lock:
-            self.workers = [w for w in self.workers if w.returncode is None]
+            self.workers = [w for w in self.workers if not w.reaped.is_set()]
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:

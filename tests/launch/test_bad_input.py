@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from datetime import timedelta
 
@@ -122,8 +123,11 @@ def test_report_writes_a_png_and_prints_the_recoveries(cli, tmp_path):
     t = 1_700_000_000.0
     rows = [(0.0, "joined", {}), (0.1, "joined", {}), (0.2, "joined", {}),
             (0.5, "resumed", {"round": 1, "world_size": 3, "reason": "start", "version": 1}),
-            (5.0, "failure_detected", {"round": 1}), (5.1, "failure_detected", {"round": 1}),
-            (5.4, "resumed", {"round": 2, "world_size": 2, "reason": "failure", "version": 9}),
+            (5.0, "failure_detected", {"round": 1}), (5.1, "failure_detected", {"round": 1,
+                                                                                 "worker": "v"}),
+            (5.3, "resumed", {"round": 2, "world_size": 3, "reason": "start", "version": 9,
+                              "worker": "restarted"}),
+            (5.4, "resumed", {"round": 2, "world_size": 3, "reason": "failure", "version": 9}),
             (8.9, "membership_changed", {"round": 2, "rank": 0, "version": 20}),
             (9.0, "resumed", {"round": 3, "world_size": 3, "reason": "change", "version": 20}),
             (9.5, "checkpoint_written", {"version": 24, "url": "file:///ck/000000000024",
@@ -137,9 +141,10 @@ def test_report_writes_a_png_and_prints_the_recoveries(cli, tmp_path):
     run = cli("report", str(log_dir), "--out", str(png))
     assert run.wait(60) == 0, run.text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "0.40 s (failure detected -> resumed in world 2)" in run.text()
+    assert "0.40 s (failure detected -> resumed in world 3)" in run.text()
     assert "world changes agreed at a commit: 1" in run.text()
-    assert "failures: 1 (detected 2 times by the workers)" in run.text()
+    assert re.search(r"2\s+5\.30\s+3\s+failure \+1 new\s+9\s+0\.40", run.text()), run.text()
+    assert "failures: 1\n  failure at 5.00 s: detected by 2 peers" in run.text()
     assert "written          24        0.004      0.250  file:///ck/000000000024" in run.text()
     assert "failed           28" in run.text() and "storage gone" in run.text()
 

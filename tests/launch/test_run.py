@@ -139,7 +139,8 @@ def test_a_plain_ddp_script_runs_unchanged_and_survives_a_crash_by_restart(cli, 
     assert all(r["world"] == 2 and r["restart"] == 1 for r in results)
     assert results[0]["params"] == results[1]["params"]
     assert results[0]["master"] == "127.0.0.1"
-    assert "restarting every worker" in run.text()
+    assert re.search(r"elastic: worker local_rank=1 pid=\d+ killed by SIGKILL; restarting every "
+                     r"worker \(restart 1 of 1\)", run.text()), run.text()
 
 
 def test_sigint_while_a_plain_generation_forms_stops_the_launcher_at_once(cli, etcd, tmp_path):
@@ -155,7 +156,7 @@ def test_sigint_while_a_plain_generation_forms_stops_the_launcher_at_once(cli, e
         client.close()
     asked = time.monotonic()
     run.proc.send_signal(signal.SIGINT)
-    assert run.wait(30) == 1, run.text()
+    assert run.wait(30) == 130, run.text()  # Ctrl-C, as torchrun reports it
     assert time.monotonic() - asked < 5, "the launcher waited for the generation to form"
     assert "stopped while the next generation was forming" in run.text()
     assert not list(tmp_path.glob("plain-*.json")), "no worker was started"
@@ -178,6 +179,8 @@ def test_a_second_sigint_kills_workers_that_ignore_the_first_without_waiting_the
         assert time.monotonic() - asked_again < 30, "the launcher waited out the grace period"
         assert not is_alive(stuck), run.text()
         assert "asked again" in run.text()
+        assert "signal SIGINT: asked again: killing the workers now" in run.text()
+        assert run.proc.returncode == 130, "Ctrl-C exits 130, as torchrun reports it"
     finally:
         if is_alive(stuck):
             os.kill(stuck, signal.SIGKILL)

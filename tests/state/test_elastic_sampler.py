@@ -197,3 +197,17 @@ def _loader_indices(num_workers):
 @pytest.mark.timeout(120)
 def test_dataloader_with_two_workers_yields_the_same_indices_as_without():
     assert _loader_indices(2) == _loader_indices(0)
+
+
+def test_more_workers_than_samples_warns_once_on_rank_zero_that_the_epoch_trains_nothing(caplog):
+    import logging
+    dataset = list(range(3))
+    for rank in range(4):
+        sampler = ElasticSampler(dataset, seed=0)
+        sampler.set_topology(rank, 4)
+        with caplog.at_level(logging.WARNING, logger="elastic.state.sampler"):
+            assert list(sampler) == []
+    warnings = [r.getMessage() for r in caplog.records if "trains no sample" in r.getMessage()]
+    assert warnings == ["ElasticSampler: epoch 0 trains no sample: 3 samples are too few for 4 "
+                        "ranks, so all of them are skipped. Use at most 3 workers, or a larger "
+                        "dataset."]

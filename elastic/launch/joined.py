@@ -1,0 +1,92 @@
+"""Which of this launcher's worker processes ever joined the job, and which finished it.
+
+A worker that crashed while registered still has its member key; one that joined, trained and
+left (``run()`` returned or raised the user's error) has none any more, exactly like one that
+never got as far as joining. Only the history tells them apart: this watch records the pid of
+every member key this host ever wrote, from the launcher's start on, so that the crash message
+can say "before it joined" only when that is true. It also records which of them said they
+returned from the training function (``rounds/{n}/done/{member}``): restarting one of those
+after an error cannot train anything, the job is over.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Callable
+
+from elastic.cluster.etcd_client import EtcdClient, WatchEvent
+from elastic.cluster.keys import JobKeys
+
+
+class JoinedWorkers:
+    """Records the pids of this host's processes that registered as members.
+
+    Args:
+        client: the launcher's etcd client.
+        keys: the job's keys (workers register under ``keys.members``).
+        host: the host name the workers write in their member records (default: this host).
+    """
+
+    def __init__(self, client: EtcdClient, keys: JobKeys, host: str | None = None) -> None:
+        self.client = client
+        self.keys = keys
+        self.host = host or socket.gethostname()
+        self._pids: set[int] = set()
+        self._member_pids: dict[str, int] = {}
+        self._finished: set[int] = set()
+        self._lock = threading.Lock()
+        self._cancel: Callable[[], None] | None = None
+
+    def start(self) -> None:
+        """Notes the members registered now and watches for every later registration."""
+        kvs, revision = self.client.get_prefix(self.keys.prefix)
+        self._on_events([WatchEvent("put", kv.key, kv.value, kv.mod_revision) for kv in kvs])
+        self._cancel = self.client.watch_prefix(self.keys.prefix, revision + 1, self._on_events)
+
+    def stop(self) -> None:
+        """Cancels the watch (the recorded pids stay readable)."""
+        cancel, self._cancel = self._cancel, None
+        if cancel is not None:
+            cancel()
+
+    def has_joined(self, pid: int) -> bool:
+        """Whether process ``pid`` of this host ever registered as a member of the job."""
+        with self._lock:
+            return pid in self._pids
+
+    def has_finished(self, pid: int) -> bool:
+        """Whether process ``pid`` of this host said it returned from the training function."""
+        with self._lock:
+            return pid in self._finished
+
+    def _on_events(self, events: list[WatchEvent]) -> None:
+        for event in events:
+            if event.kind != "put":
+                continue
+            if event.key.startswith(self.keys.members):
+                self._note(event.key[len(self.keys.members):], event.value)
+            elif self.keys.round_of(event.key) is not None:
+                self._note_done(event.key)
+
+    def _note(self, member: str, value: bytes) -> None:
+        try:
+            info = json.loads(value)
+        except ValueError:
+            return  # not a member record of ours; validated by its readers
+        if isinstance(info, dict) and info.get("host") == self.host \
+                and isinstance(info.get("pid"), int):
+            with self._lock:
+                self._pids.add(info["pid"])
+                self._member_pids[member] = info["pid"]
+
+    def _note_done(self, key: str) -> None:
+        n = self.keys.round_of(key)
+        assert n is not None
+        if not key.startswith(self.keys.dones(n)):
+            return
+        with self._lock:
+            pid = self._member_pids.get(key[len(self.keys.dones(n)):])
+            if pid is not None:
+                self._finished.add(pid)

@@ -1,0 +1,42 @@
+"""Which crashed workers the launcher restarts (pure bookkeeping, no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.launch.restarts import Restarts
+
+pytestmark = pytest.mark.unit
+IMPORT_ERROR = "ModuleNotFoundError: No module named 'missing'"
+
+
+def test_a_worker_failing_before_joining_the_same_way_twice_is_not_restarted_a_third_time():
+    restarts = Restarts(max_restarts=5)
+    assert restarts.refusal(0, IMPORT_ERROR, joined=False) == ""
+    said = restarts.refusal(0, IMPORT_ERROR, joined=False)
+    assert "failed the same way again before it joined the job" in said
+    assert IMPORT_ERROR in said and "fix the script" in said
+    assert restarts.failed == 1 and restarts.used == 1
+
+
+def test_a_worker_that_had_joined_is_restarted_even_when_its_error_repeats():
+    restarts = Restarts(max_restarts=5)
+    assert restarts.refusal(0, "RuntimeError: boom", joined=True) == ""
+    assert restarts.refusal(0, "RuntimeError: boom", joined=True) == ""
+    assert restarts.refusal(0, "RuntimeError: boom", joined=False) == ""
+
+
+def test_different_errors_or_different_slots_do_not_count_as_a_repeat():
+    restarts = Restarts(max_restarts=5)
+    assert restarts.refusal(0, IMPORT_ERROR, joined=False) == ""
+    assert restarts.refusal(1, IMPORT_ERROR, joined=False) == ""
+    assert restarts.refusal(0, "ValueError: other", joined=False) == ""
+    assert restarts.refusal(0, "", joined=False) == ""
+    assert restarts.refusal(0, "", joined=False) == "", "an unknown error is not a repeat"
+
+
+def test_restarts_stop_when_max_restarts_is_used_up():
+    restarts = Restarts(max_restarts=1)
+    assert restarts.refusal(0, "a", joined=True) == ""
+    assert "--max-restarts (1) is used up" in restarts.refusal(1, "b", joined=True)
+    assert restarts.failed == 1

@@ -1,0 +1,64 @@
+"""torchrun's spellings: accepted where they mean the same, answered in one line where not."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.launch.cli import _VALUE_OPTIONS, main
+from elastic.launch.torchrun_flags import TorchrunFlagError, translate
+
+pytestmark = pytest.mark.unit
+
+
+def test_underscore_spellings_of_our_flags_become_ours_and_the_script_args_are_untouched():
+    argv = ["--nproc_per_node=2", "--max_restarts", "1", "--local_ranks_filter", "0",
+            "--log_dir", "/tmp/x", "train.py", "--my_flag", "--nnodes", "4"]
+    assert translate(argv, _VALUE_OPTIONS) == [
+        "--nproc-per-node=2", "--max-restarts", "1", "--local-ranks-filter", "0",
+        "--log-dir", "/tmp/x", "train.py", "--my_flag", "--nnodes", "4"]
+
+
+def test_rdzv_id_is_the_job_id():
+    assert translate(["--rdzv_id", "run7", "-m", "pkg"], _VALUE_OPTIONS) == [
+        "--job-id", "run7", "-m", "pkg"]
+
+
+@pytest.mark.parametrize("flags, note", [
+    (["--standalone"], "--standalone is not needed here: without --etcd"),
+    (["--nnodes=1"], "--nnodes 1 is not needed here"),
+    (["--rdzv_backend", "c10d"], "--rdzv-backend is not needed here: the rendezvous is always"),
+    (["--master_port", "29500"], "--master-port is not needed here"),
+    (["--node_rank=0"], "--node-rank is not needed here"),
+])
+def test_torchrun_only_flags_that_are_not_needed_are_dropped_with_one_line_saying_why(
+        capsys, flags, note):
+    assert translate([*flags, "train.py"], _VALUE_OPTIONS) == ["train.py"]
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and note in lines[0] and lines[0].endswith("(ignored).")
+
+
+@pytest.mark.parametrize("flags, answer", [
+    (["--rdzv-endpoint", "host:2379"], "use --etcd http://HOST:PORT"),
+    (["--rdzv_endpoint=host:2379"], "use --etcd http://HOST:PORT"),
+    (["--nnodes", "1:4"], "--min-workers/--max-workers"),
+])
+def test_torchrun_flags_with_another_meaning_say_what_to_use_instead(flags, answer):
+    with pytest.raises(TorchrunFlagError, match="is torchrun's; here") as caught:
+        translate([*flags, "train.py"], _VALUE_OPTIONS)
+    assert answer in str(caught.value)
+
+
+def test_the_command_line_answers_a_torchrun_flag_in_one_line_and_exits_two(capsys):
+    assert main(["run", "--rdzv-endpoint", "h:1", "train.py"]) == 2
+    captured = capsys.readouterr()
+    lines = [line for line in (captured.out + captured.err).splitlines() if line.strip()]
+    assert len(lines) == 1 and "--etcd http://HOST:PORT" in lines[0]
+
+
+def test_version_names_the_package_and_python_without_importing_torch(capsys):
+    import sys
+    had_torch = "torch" in sys.modules
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("elastic-trainer ") and "Python 3." in out
+    assert had_torch or "torch" not in sys.modules

