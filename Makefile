@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	@echo "==> [4/4] installing elastic-trainer and its test tools (etcd, moto, s3fs, ...)"
 	$(PY) -m pip install --quiet -e '.[test]' $(TORCH)
 	touch $(STAMP)
-	@echo "==> installed; next time this step is skipped
+	@echo "==> installed; next time this step is skipped"
 
 test: install
 	$(PY) -m pytest -p no:cacheprovider tests
