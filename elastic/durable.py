@@ -62,6 +62,7 @@ class DurableCommits:
     def __init__(self, url: str, events: EventLog | None = None, keep: int = 3,
                  retry_for: timedelta = DEFAULT_RETRY_FOR) -> None:
         self.store = CheckpointStore(url, keep=keep, retry_for=retry_for)
+        self._hung_after = retry_for  # a write still running this long after the next is due
         self.url = url
         self.events = events
         self.last_error: Exception | None = None
@@ -114,12 +115,13 @@ class DurableCommits:
     def write(self, payload: Mapping[str, Any], version: int, metadata: dict[str, Any]) -> None:
         """Starts writing ``payload`` as checkpoint ``version``; returns once it is snapshotted.
 
-        At most one write is in flight: while the previous one is still writing (slow or hung
-        storage), this one is skipped and recorded, so that no rank waits for storage.
+        At most one write is in flight: this waits for the previous one, but for no longer than
+        one storage call may retry (``retry_for``); a write still running then is taken as hung,
+        and this commit is skipped and recorded, so that hung storage never holds the job up.
         """
-        if not self.store.wait(timedelta(0)):  # never hold the job up for slow storage
-            log.warning("durable commit of version %d skipped: the previous one is still being "
-                        "written (commit durably less often, or use faster storage)", version)
+        if not self.store.wait(self._hung_after):
+            log.warning("durable commit of version %d skipped: the previous write has been "
+                        "running for over %s (hung storage?)", version, self._hung_after)
             if self.events:
                 self.events.emit("checkpoint_skipped", version=version)
             return

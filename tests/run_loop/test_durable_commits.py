@@ -129,16 +129,16 @@ def test_an_error_of_any_type_on_the_writer_thread_is_recorded(tmp_path):
     assert isinstance(durable.last_error, KeyError)
 
 
-def test_a_durable_commit_while_storage_hangs_is_skipped_and_never_blocks(faulty_fs,
-                                                                         tmp_path):
+def test_a_durable_commit_while_storage_hangs_is_skipped_after_the_retry_bound(faulty_fs,
+                                                                              tmp_path):
     events = EventLog(str(tmp_path), "w")
-    durable = DurableCommits(URL, events)
+    durable = DurableCommits(URL, events, retry_for=timedelta(seconds=0.5))
     release = threading.Event()
     faulty_fs.plan.gate = release  # the first write hangs until released
     try:
         durable.write(payload(1.0), 1, {"epoch": 1})
         assert faulty_fs.plan.started.wait(10)
-        durable.write(payload(2.0), 2, {"epoch": 2})  # returns at once: skipped
+        durable.write(payload(2.0), 2, {"epoch": 2})  # waits 0.5 s, then skips
     finally:
         release.set()
     durable.close()
