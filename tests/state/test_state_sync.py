@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic.state import ElasticSampler, NoCommitError, TrainState
-from elastic.state.sync import broadcast_payload, plan_buckets, split_tensors
+from elastic.state.sync import TensorSlot, broadcast_payload, plan_buckets
+from elastic.state.wire import encode
 from tests.support.gloo_group import run_in_group
 
 WORLD = 3
@@ -74,9 +75,8 @@ def _assert_same(a, b, where=""):
 
 def test_bucket_plan_groups_by_dtype_and_respects_the_cap():
     tensors: list[torch.Tensor] = []
-    split_tensors({"a": torch.zeros(10), "b": torch.zeros(3, dtype=torch.int64),
-                   "c": torch.zeros(30), "d": torch.zeros(2)}, tensors)
-    from elastic.state.sync import TensorSlot
+    encode({"a": torch.zeros(10), "b": torch.zeros(3, dtype=torch.int64),
+            "c": torch.zeros(30), "d": torch.zeros(2)}, tensors)
     slots = [TensorSlot(i, tuple(t.shape), t.dtype) for i, t in enumerate(tensors)]
     buckets = plan_buckets(slots, cap_bytes=48)
     assert [[s.index for s in b] for b in buckets] == [[0], [2], [3], [1]]
