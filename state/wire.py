@@ -88,6 +88,9 @@ def encode(payload: Any, tensors: list[torch.Tensor]) -> bytes:
 
 
 def _encode(node: Any, tensors: list[torch.Tensor], depth: int) -> Any:
+    kind = type(node)
+    if kind is str or kind is int:  # the common leaves first: keys, counters
+        return node
     if node is None or isinstance(node, bool):
         return node
     if isinstance(node, str):
@@ -141,6 +144,8 @@ def _encode_items(items: Any, tensors: list[torch.Tensor], depth: int) -> list:
 
 
 def _encode_key(key: Any) -> Any:
+    if type(key) is str or type(key) is int:
+        return key
     if isinstance(key, (list, dict)):
         raise _Unencodable(key)
     return _encode_tensorless(key, 0)
@@ -201,9 +206,11 @@ def _refuse_constant(name: str) -> Any:
 
 
 def _decode(node: Any, slots: list[TensorSlot], depth: int) -> Any:
-    if node is None or isinstance(node, (bool, int, float, str)):
+    if type(node) is not list:  # JSON gives str, int, float, bool, None, list or dict
+        if type(node) is dict:
+            raise ValueError(f"a node is a JSON object, which is no wire form: {_show(node)}")
         return node
-    if not isinstance(node, list) or not node or not isinstance(node[0], str):
+    if not node or type(node[0]) is not str:
         raise ValueError(f"a node is neither a JSON scalar nor a tagged list: {_show(node)}")
     if depth >= MAX_DEPTH:
         raise ValueError(f"the skeleton is nested deeper than {MAX_DEPTH} levels")
@@ -230,7 +237,9 @@ def _decode_pairs(out: dict, pairs: list, slots: list[TensorSlot], depth: int) -
     for pair in pairs:
         if not isinstance(pair, list) or len(pair) != 2:
             raise ValueError(f"a mapping entry is not a [key, value] pair: {_show(pair)}")
-        key = _decode_tensorless(pair[0], depth + 1)
+        key = pair[0]
+        if type(key) is not str:
+            key = _decode_tensorless(key, depth + 1)
         if isinstance(key, (list, dict)):
             raise ValueError(f"a mapping key is a {type(key).__name__}")
         out[key] = _decode(pair[1], slots, depth + 1)
@@ -250,9 +259,11 @@ def _decode_slot(node: list, expected: int) -> TensorSlot:
     _, index, shape, dtype_name = node
     if type(index) is not int or index != expected:
         raise ValueError(f"tensor slot {_show(index)} is out of order (expected {expected})")
-    if not isinstance(shape, list) or len(shape) > MAX_DIMS or any(
-            type(dim) is not int or dim < 0 for dim in shape):
+    if type(shape) is not list or len(shape) > MAX_DIMS:
         raise ValueError(f"tensor slot {index} has an invalid shape {_show(shape)}")
+    for dim in shape:
+        if type(dim) is not int or dim < 0:
+            raise ValueError(f"tensor slot {index} has an invalid shape {_show(shape)}")
     dtype = _dtypes().get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
         raise ValueError(f"tensor slot {index} has an unknown dtype {_show(dtype_name)}")

@@ -23,6 +23,7 @@ from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership
 from elastic.cluster.monitor import ChangeMonitor
 from elastic.cluster.process_group import ProcessGroup, resolve_backend
+from elastic.cluster.records import SkippedRecords
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
 from elastic.settings import WorkerSettings
 
@@ -55,6 +56,7 @@ class Cluster:
         self.topology: Topology | None = None
         self.channel = AgreementChannel(0, 1, self.group.timeout)  # replaced at every round
         self._store: EtcdStore | None = None
+        self.skipped = SkippedRecords()  # malformed records read from etcd, warned once each
         self.membership: EtcdMembership
         self.rendezvous: Rendezvous
         self.monitor: ChangeMonitor
@@ -64,8 +66,9 @@ class Cluster:
         timeouts = self.settings.timeouts
         self.membership = EtcdMembership(self.client, self.keys, self.settings.advertise_addr,
                                          timeouts.lease_ttl, timeouts.keepalive)
-        self.rendezvous = Rendezvous(self.client, self.membership, self.config)
-        self.monitor = ChangeMonitor(self.keys, self.membership.member_id, self._on_broken)
+        self.rendezvous = Rendezvous(self.client, self.membership, self.config, self.skipped)
+        self.monitor = ChangeMonitor(self.keys, self.membership.member_id, self._on_broken,
+                                     self.skipped)
         self.membership.add_listener(self.monitor.on_events)
         self.membership.on_fenced(lambda: self.release("this member was fenced"))
         self.membership.register()

@@ -1,12 +1,22 @@
 """Pure rendezvous logic: when a round may close, and who gets which rank. No I/O, no clock.
 
-Kept apart from ``rendezvous.py`` so that it is tested without etcd.
+Kept apart from ``rendezvous.py`` so that it is tested without etcd. Join requests and plans
+are read back through ``records``' checks: a field of the wrong type or out of range is a
+``RecordError``, never a value used.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+
+from elastic.cluster import records
+from elastic.cluster.records import MAX_ROUND, MAX_VERSION, RecordError
+
+REASONS = frozenset({"start", "change", "failure", "spare"})
+_JOIN_FIELDS = {"member_id": True, "version": True, "reason": True, "addr": True, "port": True}
+_PLAN_FIELDS = {"round": True, "ranks": True, "spares": False, "master_addr": False,
+                "master_port": False, "versions": False}
 
 
 @dataclass(frozen=True)
@@ -31,8 +41,23 @@ class JoinRequest:
         return json.dumps(data)
 
     @staticmethod
-    def from_json(raw: bytes, revision: int) -> "JoinRequest":
-        return JoinRequest(revision=revision, **json.loads(raw))
+    def from_json(raw: bytes, revision: int, key_member: str) -> "JoinRequest":
+        """Reads a join request stored under ``.../join/{key_member}``.
+
+        Raises:
+            RecordError: a field is missing, unknown, of the wrong type or out of range, or the
+                member id differs from the key's.
+        """
+        data = records.load_object(raw, _JOIN_FIELDS)
+        member = records.member_id("member_id", data["member_id"])
+        if member != key_member:
+            raise RecordError(f"member_id {member!r} differs from the key's {key_member!r}")
+        return JoinRequest(member_id=member,
+                           version=records.integer("version", data["version"], 0, MAX_VERSION),
+                           reason=records.one_of("reason", data["reason"], REASONS),
+                           addr=records.address("addr", data["addr"]),
+                           port=records.integer("port", data["port"], 1, 65535),
+                           revision=revision)
 
 
 @dataclass(frozen=True)
@@ -54,8 +79,38 @@ class Plan:
         return json.dumps(asdict(self))
 
     @staticmethod
-    def from_json(raw: bytes) -> "Plan":
-        return Plan(**json.loads(raw))
+    def from_json(raw: bytes, round_: int) -> "Plan":
+        """Reads the plan of round ``round_``.
+
+        Raises:
+            RecordError: a field is missing, unknown, of the wrong type or out of range.
+        """
+        data = records.load_object(raw, _PLAN_FIELDS)
+        if records.integer("round", data["round"], 1, MAX_ROUND) != round_:
+            raise RecordError(f"round is {data['round']}, in the key of round {round_}")
+        ranks = _member_list("ranks", data["ranks"], minimum=1)
+        spares = _member_list("spares", data.get("spares", []), minimum=0)
+        versions = data.get("versions", {})
+        if type(versions) is not dict:
+            raise RecordError(f"versions is a {type(versions).__name__}, not an object")
+        for member, version in versions.items():
+            records.member_id("a member of versions", member)
+            records.integer(f"the version of {member}", version, 0, MAX_VERSION)
+        return Plan(round=round_, ranks=ranks, spares=spares,
+                    master_addr=records.address("master_addr",
+                                                data.get("master_addr", "127.0.0.1")),
+                    master_port=records.integer("master_port", data.get("master_port", 0), 0,
+                                                65535),
+                    versions=versions)
+
+
+def _member_list(name: str, value: object, minimum: int) -> list[str]:
+    if type(value) is not list or len(value) < minimum:
+        raise RecordError(f"{name} is not a list of at least {minimum} member ids")
+    members = [records.member_id(f"an entry of {name}", member) for member in value]
+    if len(set(members)) != len(members):
+        raise RecordError(f"{name} names a member twice")
+    return members
 
 
 @dataclass(frozen=True)

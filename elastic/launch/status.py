@@ -12,7 +12,9 @@ from typing import Any
 
 from elastic.cluster.etcd_client import EtcdClient
 from elastic.cluster.keys import JobKeys
+from elastic.cluster import records
 from elastic.cluster.plan import Plan
+from elastic.cluster.records import RecordError
 from elastic.timeouts import Timeouts
 
 
@@ -41,11 +43,15 @@ def collect(client: EtcdClient, keys: JobKeys) -> dict[str, Any]:
 
     Raises:
         EtcdUnavailableError: etcd could not be reached.
+        EtcdRecordError: the round counter or the current plan is malformed.
     """
     round_kv = client.get(keys.round)
-    n = int(round_kv.value) if round_kv else 0
+    n = records.round_number(keys.round, round_kv.value) if round_kv else 0
     plan_kv = client.get(keys.plan(n)) if n else None
-    plan = Plan.from_json(plan_kv.value) if plan_kv else None
+    try:
+        plan = Plan.from_json(plan_kv.value, n) if plan_kv else None
+    except RecordError as exc:
+        raise records.corrupt(plan_kv.key, str(exc)) from None
     config_kv, commit_kv = client.get(keys.config), client.get(keys.commit)
     dones, _ = client.get_prefix(keys.dones(n)) if n else ([], 0)
     return {

@@ -35,7 +35,7 @@ def test_members_beyond_max_workers_become_spares():
 
 def test_a_plan_survives_its_json_round_trip():
     plan = assign_ranks([req("a", 2), req("b", 1)], [], 4, 1)
-    assert Plan.from_json(plan.to_json().encode()) == plan
+    assert Plan.from_json(plan.to_json().encode(), 4) == plan
 
 
 def test_a_round_needs_min_workers_even_when_everyone_joined():
@@ -86,13 +86,13 @@ def test_a_join_request_survives_its_json_round_trip_with_the_revision_from_etcd
     request = JoinRequest("a", 7, "failure", "10.0.0.1", 29500, revision=3)
     raw = request.to_json()
     assert "revision" not in raw
-    assert JoinRequest.from_json(raw.encode(), 42) == JoinRequest("a", 7, "failure", "10.0.0.1",
+    assert JoinRequest.from_json(raw.encode(), 42, "a") == JoinRequest("a", 7, "failure", "10.0.0.1",
                                                                   29500, revision=42)
 
 
 def test_a_plan_with_defaults_survives_its_json_round_trip():
     plan = Plan(round=1, ranks=["a"])
-    assert Plan.from_json(plan.to_json().encode()) == plan
+    assert Plan.from_json(plan.to_json().encode(), 1) == plan
     assert plan.spares == [] and plan.versions == {} and plan.world_size == 1
 
 
