@@ -26,6 +26,8 @@ def _members(client: EtcdClient, keys: JobKeys) -> list[dict[str, Any]]:
             info = json.loads(kv.value)
         except ValueError:
             info = {}
+        if not isinstance(info, dict):  # written by something else: show the key alone
+            info = {}
         found.append({"member": kv.key[len(keys.members):], "host": info.get("host"),
                       "pid": info.get("pid"), "addr": info.get("addr")})
     return found
