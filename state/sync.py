@@ -200,7 +200,9 @@ def _broadcast_skeleton(data: bytes | None, global_src: int, group: dist.Process
         raise SyncError(f"broadcasting the state skeleton from global rank {global_src} failed: "
                         f"{exc}") from exc
     length = int(size.item())
-    if data is _UNSENDABLE or length == -1:
+    if data is _UNSENDABLE:
+        return data  # the source raises its own error, which names the value
+    if length == -1:
         raise SyncError(f"global rank {global_src} could not encode its committed state; its own "
                         f"error says which value of which object to change.")
     if not 0 <= length <= MAX_SKELETON_BYTES:

@@ -91,3 +91,21 @@ def test_sync_makes_a_receiver_with_empty_optimizer_state_equal_to_the_source(tm
     for rank in range(WORLD):
         _assert_same(source, got[rank][0], f"rank {rank}")
         _assert_same(source_mixed, got[rank][1], f"rank {rank} mixed")
+
+
+def _sync_an_unsendable_value(rank: int, world: int) -> str:
+    import numpy as np
+    from elastic.state import SyncError
+    payload = {"version": 1, "objects": {"step": np.int64(3)}} if rank == 0 else None
+    try:
+        broadcast_payload(payload, 0, timeout=datetime.timedelta(seconds=30))
+    except SyncError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(150)
+def test_a_source_whose_state_has_no_wire_form_fails_every_rank_at_once_naming_the_value(tmp_path):
+    got = run_in_group(_sync_an_unsendable_value, 2, tmp_path)
+    assert "objects.step is a numpy.int64" in got[0]
+    assert "global rank 0 could not encode its committed state" in got[1]
