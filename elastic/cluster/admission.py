@@ -160,7 +160,7 @@ class Admission:
                 for key, _ in selector.select(left):
                     if key.fileobj is self._listener:
                         self._accept(selector)
-                    elif key.fileobj is not self._wake_r:
+                    elif key.fileobj in self._callers:  # not turned away earlier in this batch
                         self._hear(selector, self._callers[key.fileobj])  # type: ignore[index]
             return dict(self.admitted)
         finally:
@@ -197,8 +197,9 @@ class Admission:
         except (BlockingIOError, InterruptedError):
             return
         sock.setblocking(False)
+        caller = _Caller(sock)
         try:
-            sock.send(CHALLENGE.pack(MAGIC, (caller := _Caller(sock)).nonce))
+            sock.send(CHALLENGE.pack(MAGIC, caller.nonce))  # fits an empty send buffer
         except OSError:
             sock.close()
             return

@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastic.cluster.admission import HELLO, RoundAddress
+from elastic.cluster.admission import HELLO, MAX_PENDING, RoundAddress
 from elastic.cluster.agreement_channel import AgreementChannel
 from elastic.cluster.records import RecordError
 
@@ -93,7 +93,9 @@ def test_a_connection_held_open_in_silence_neither_delays_the_round_nor_votes():
     formed = _Round(11)
     try:
         host, port = formed.open()
-        silent = [socket.create_connection((host, port), timeout=10) for _ in range(3)]
+        # More than rank 0 holds at once: the oldest are let go first, never the newest caller.
+        silent = [socket.create_connection((host, port), timeout=10)
+                  for _ in range(MAX_PENDING + 2)]
         formed.join_rank1()
         assert formed.formed_s is not None and formed.formed_s < _PROMPT_S
         for sock in silent:
