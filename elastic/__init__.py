@@ -26,6 +26,7 @@ _PUBLIC = {
     "ElasticInterrupt": "elastic.errors",
     "ElasticSampler": "elastic.state",
     "ElasticState": "elastic.elastic_state",
+    "EtcdRecordError": "elastic.errors",
     "EtcdUnavailableError": "elastic.errors",
     "FencedError": "elastic.errors",
     "LeaveInterrupt": "elastic.errors",

@@ -38,6 +38,10 @@ class AdvertiseAddressError(ElasticError):
     """The advertised address is not an address of this machine, so nothing can listen on it."""
 
 
+class EtcdRecordError(ElasticError):
+    """A record in the job's etcd prefix that the job cannot go on without is malformed."""
+
+
 class RendezvousClosedError(ElasticError):
     """The job has completed: no new round will form."""
 

@@ -27,6 +27,7 @@ from elastic.errors import (EtcdUnavailableError, FencedError, LeaveInterrupt,
                             MembershipChangedInterrupt, PeerFailureError, RendezvousClosedError)
 from elastic.events import EventLog, Stopwatch
 from elastic.state import ElasticSampler, StateError, TrainState
+from elastic.state.errors import PayloadFormatError
 from elastic.state.sync import newest_source
 from elastic.timeouts import Timeouts
 
@@ -221,6 +222,9 @@ class RunLoop:
         with Stopwatch() as synced:
             try:
                 src = self._sync_newest(topology)
+            except PayloadFormatError as exc:  # the source is broken or hostile: none of it ran
+                raise PeerFailureError(f"refused the state sent in round {topology.round}: "
+                                       f"{exc}") from exc
             except (RuntimeError, StateError) as exc:
                 if not cluster.is_peer_failure(exc):
                     raise

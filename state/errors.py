@@ -25,3 +25,11 @@ class NoCommitError(StateError):
 
 class SyncError(StateError):
     """Broadcasting the committed state over a process group failed or timed out."""
+
+
+class PayloadFormatError(SyncError):
+    """What a sync's source sent is not a payload this package wrote (malformed or hostile).
+
+    Decoding stops at the first node of no known form and runs nothing; the source is not a
+    worker of this job at this version, so the group re-forms without trusting it.
+    """

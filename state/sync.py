@@ -1,11 +1,11 @@
 """Moving a committed payload over a torch.distributed process group, and choosing its source.
 
 Owns the choice of the newest holder after a group forms (``newest_source``) and the wire
-format of ``TrainState.sync``: a small pickled skeleton (the payload with
-every tensor replaced by a ``TensorSlot``) sent with ``broadcast_object_list``, then the
-tensors in dtype-homogeneous byte buckets of bounded size. Receivers rebuild the payload
-from the skeleton alone, never from their own (possibly empty) structure. Knows
-collectives, never etcd; must not import ``elastic`` or ``checkpoint``.
+format of ``TrainState.sync``: a small skeleton (the payload with every tensor replaced by a
+slot, in the JSON form of ``state.wire``, which decodes without running code) sent as its
+length and its bytes, then the tensors in dtype-homogeneous byte buckets of bounded size.
+Receivers rebuild the payload from the skeleton alone, never from their own (possibly empty)
+structure. Knows collectives, never etcd; must not import ``elastic`` or ``checkpoint``.
 """
 
 from __future__ import annotations
@@ -18,30 +18,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic.state.errors import SyncError
+from elastic.state.errors import PayloadFormatError, SyncError
 from elastic.state.stateful import rebuild_mapping, rebuild_sequence
+from elastic.state.wire import TensorSlot, decode, encode
 
-__all__ = ["TensorSlot", "BUCKET_BYTES", "Source", "split_tensors", "fill_tensors",
+__all__ = ["TensorSlot", "BUCKET_BYTES", "MAX_SKELETON_BYTES", "Source", "fill_tensors",
            "plan_buckets", "broadcast_payload", "newest_source"]
 
 BUCKET_BYTES = 64 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class TensorSlot:
-    """Placeholder for a tensor in a skeleton: its position in the tensor list and its form."""
-
-    index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the tensor occupies when contiguous."""
-        numel = 1
-        for dim in self.shape:
-            numel *= dim
-        return numel * self.dtype.itemsize
+MAX_SKELETON_BYTES = 1024 * 1024 * 1024  # a skeleton costs ~60 bytes a tensor
+_UNSENDABLE = b"(the source's state has a value with no wire form)"  # announced as length -1
 
 
 @dataclass(frozen=True)
@@ -86,28 +72,8 @@ def newest_source(version: int, durable_version: int = 0,
     return Source(rank=versions.index(max(versions)), from_durable=False)
 
 
-def split_tensors(tree: Any, tensors: list[torch.Tensor]) -> Any:
-    """Replaces every tensor in ``tree`` by a ``TensorSlot``, appending it to ``tensors``.
-
-    Args:
-        tree: A nested payload of mappings, lists, tuples, tensors and other leaves.
-        tensors: Receives the tensors in slot-index order.
-
-    Returns:
-        The skeleton: ``tree`` with tensors replaced by slots.
-    """
-    if isinstance(tree, torch.Tensor):
-        tensors.append(tree)
-        return TensorSlot(len(tensors) - 1, tuple(tree.shape), tree.dtype)
-    if isinstance(tree, Mapping):
-        return rebuild_mapping(tree, {k: split_tensors(v, tensors) for k, v in tree.items()})
-    if isinstance(tree, (list, tuple)):
-        return rebuild_sequence(tree, [split_tensors(v, tensors) for v in tree])
-    return tree
-
-
 def fill_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    """Inverse of ``split_tensors``: puts ``tensors[slot.index]`` back in place of each slot."""
+    """Puts ``tensors[slot.index]`` back in place of each slot of a decoded skeleton."""
     if isinstance(skeleton, TensorSlot):
         return tensors[skeleton.index]
     if isinstance(skeleton, Mapping):
@@ -187,20 +153,73 @@ def broadcast_payload(
         The source's payload (tensors on CPU), or None if the source had none.
 
     Raises:
-        SyncError: A broadcast failed or timed out.
+        SyncError: A broadcast failed or timed out, or the source's state holds a value that
+            has no wire form (see ``state.wire``; raised on every rank).
+        PayloadFormatError: The source sent something that is not a payload (malformed or
+            hostile); nothing of it ran.
     """
     is_src = dist.get_rank(group) == src
     global_src = src if group is None else dist.get_global_rank(group, src)
+    device = _transport_device(group)
     tensors: list[torch.Tensor] = []
-    box = [split_tensors(payload, tensors) if is_src else None]
-    try:
-        dist.broadcast_object_list(box, src=global_src, group=group)
-    except RuntimeError as exc:
-        raise SyncError(f"broadcasting the state skeleton from rank {src} failed: {exc}") from exc
-    if box[0] is None:
+    refusal: SyncError | None = None
+    wire: bytes | None = None
+    if is_src:
+        try:
+            wire = encode(payload, tensors) if payload is not None else b""
+        except SyncError as exc:  # the others are waiting: they hear of it before it is raised
+            refusal, wire = exc, _UNSENDABLE
+    data = _broadcast_skeleton(wire, global_src, group, device)
+    if refusal is not None:
+        raise refusal
+    if not data:
         return None
-    how = (global_src, group, _transport_device(group), timeout)
-    return _broadcast_tensors(box[0], tensors if is_src else None, how, cap_bytes)
+    try:
+        skeleton = decode(data)
+    except PayloadFormatError as exc:
+        raise PayloadFormatError(f"rank {src} sent a state skeleton that is not one: "
+                                 f"{exc}") from None
+    how = (global_src, group, device, timeout)
+    return _broadcast_tensors(skeleton, tensors if is_src else None, how, cap_bytes)
+
+
+def _broadcast_skeleton(data: bytes | None, global_src: int, group: dist.ProcessGroup | None,
+                        device: torch.device) -> bytes:
+    """Broadcasts the source's skeleton bytes (``data``; None on the others): length, then bytes.
+
+    Raises:
+        SyncError: a broadcast failed.
+        PayloadFormatError: the announced length is negative or larger than
+            ``MAX_SKELETON_BYTES``.
+    """
+    announced = -1 if data is _UNSENDABLE else len(data) if data is not None else 0
+    size = torch.tensor([announced], dtype=torch.int64, device=device)
+    try:
+        dist.broadcast(size, src=global_src, group=group)
+    except RuntimeError as exc:
+        raise SyncError(f"broadcasting the state skeleton from global rank {global_src} failed: "
+                        f"{exc}") from exc
+    length = int(size.item())
+    if data is _UNSENDABLE:
+        return data  # the source raises its own error, which names the value
+    if length == -1:
+        raise SyncError(f"global rank {global_src} could not encode its committed state; its own "
+                        f"error says which value of which object to change.")
+    if not 0 <= length <= MAX_SKELETON_BYTES:
+        raise PayloadFormatError(f"global rank {global_src} announced a state skeleton of "
+                                 f"{length} bytes (at most {MAX_SKELETON_BYTES}).")
+    if not length:
+        return b""
+    if data is not None:
+        wire = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        wire = torch.empty(length, dtype=torch.uint8, device=device)
+    try:
+        dist.broadcast(wire, src=global_src, group=group)
+    except RuntimeError as exc:
+        raise SyncError(f"broadcasting the state skeleton from global rank {global_src} failed: "
+                        f"{exc}") from exc
+    return data if data is not None else wire.cpu().numpy().tobytes()
 
 
 def _broadcast_tensors(skeleton: Any, sources: list[torch.Tensor] | None,
@@ -237,7 +256,11 @@ def _broadcast_bucket(
         flat = torch.cat([sources[s.index].detach().reshape(-1) for s in bucket])
         wire = flat.view(torch.uint8).to(device)
     else:
-        wire = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        try:
+            wire = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except (RuntimeError, MemoryError) as exc:
+            raise PayloadFormatError(f"global rank {global_src} announced a bucket of {nbytes} "
+                                     f"bytes, which this worker cannot allocate: {exc}") from exc
     try:
         work = dist.broadcast(wire, src=global_src, group=group, async_op=True)
         completed = work.wait() if timeout is None else work.wait(timeout)

@@ -275,10 +275,14 @@ class TrainState:
         if not isinstance(payload, Mapping) or set(payload) != {"version", "objects"}:
             keys = sorted(payload) if isinstance(payload, Mapping) else type(payload).__name__
             raise StateKeyError(f"a committed payload has exactly the keys ['objects', 'version'], got {keys}.")
-        objects = payload["objects"]
+        version, objects = payload["version"], payload["objects"]
+        if type(version) is not int or version < 0 or not isinstance(objects, Mapping):
+            raise StateKeyError(f"a committed payload has a non-negative int version and a "
+                                f"mapping of objects, got {type(version).__name__} "
+                                f"{version!r:.40} and {type(objects).__name__}.")
         self._check_names(objects)
         self._commit = {name: (snapshot(state) if copy else state) for name, state in objects.items()}
-        self._version = int(payload["version"])
+        self._version = version
 
     def _check_names(self, objects: Mapping[str, Any]) -> None:
         """Raises StateKeyError unless ``objects`` names exactly the registered objects."""

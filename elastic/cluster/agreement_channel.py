@@ -6,15 +6,16 @@ the maximum of each. (A gloo all-reduce would cross three threads in each proces
 costs is in benchmarks/RESULTS.md.)
 
 One channel per round: rank 0 listens on its advertised address, on a port it publishes in the
-round's store; every other rank connects and introduces itself with the round and its rank, so a
-stale worker of another round is turned away. ``release`` (from any thread) shuts every socket
-down, so that a rank blocked in an exchange with a frozen or dead peer returns at once. No torch.
+round's store with a fresh secret; every other rank connects and proves that it knows the
+round's secret (``admission``), so that a stale worker of another round, a replayed hello, a
+stranger and a connection that never speaks are turned away without holding the round up, and
+only the round's ranks vote. ``release`` (from any thread) shuts every socket down, so that a
+rank blocked in an exchange with a frozen or dead peer returns at once. No torch.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import socket
 import struct
@@ -24,14 +25,13 @@ from datetime import timedelta
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
+from elastic.cluster.admission import Admission, RoundAddress, introduce
 from elastic.errors import AdvertiseAddressError, PeerFailureError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _STORE_KEY = "elastic/agreement"
-_HELLO = struct.Struct("!4sQI")  # magic, round, rank
-_MAGIC = b"ELAG"
 _FLAGS = struct.Struct("!BB")  # change pending, leaving
 
 
@@ -96,7 +96,7 @@ class AgreementChannel:
         self._lock = threading.Lock()
         self._released: str | None = None
         self._listener: socket.socket | None = None
-        self._vetting: socket.socket | None = None  # rank 0: a connection whose hello is awaited
+        self._admission: Admission | None = None  # rank 0, while the others connect
         self._peers: dict[int, socket.socket] = {}  # rank 0: every other rank; else {0: rank 0}
         self._flags = (0, 0)
 
@@ -131,52 +131,33 @@ class AgreementChannel:
     def _accept_all(self, store: AddressBook, advertise_addr: str, round_: int,
                     deadline: float) -> None:
         listener = _listen(advertise_addr)
+        host, port = listener.getsockname()[:2]
+        address = RoundAddress.draw(host, port)
+        admission = Admission(listener, address, round_, self.world_size)
         with self._lock:
             if self._released is not None:
                 listener.close()
+                admission.close()
                 raise OSError(f"released before listening: {self._released}")
-            self._listener = listener
-        host, port = listener.getsockname()[:2]
-        store.set(_STORE_KEY, json.dumps({"host": host, "port": port}))
-        while len(self._peers) < self.world_size - 1:
-            listener.settimeout(max(deadline - time.monotonic(), 0.001))
-            conn, _ = listener.accept()
-            conn.settimeout(max(deadline - time.monotonic(), 0.001))
-            try:
-                hello = self._read_hello(conn)
-            except OSError:
-                conn.close()
-                raise
-            magic, their_round, rank = _HELLO.unpack(hello) if len(hello) == _HELLO.size \
-                else (b"", -1, -1)
-            if magic != _MAGIC or their_round != round_ or not 0 < rank < self.world_size \
-                    or rank in self._peers:
-                log.warning("agreement channel: turned away a connection (round %s, rank %s)",
-                            their_round, rank)
-                conn.close()
-                continue
-            self._adopt(rank, conn)
-        with self._lock:
-            self._listener = None
-        listener.close()
-
-    def _read_hello(self, conn: socket.socket) -> bytes:
-        """Reads a new connection's hello, reachable by ``release`` while it waits."""
-        with self._lock:
-            self._vetting = conn
+            self._listener, self._admission = listener, admission
         try:
-            return _receive_exactly(conn, _HELLO.size)
+            store.set(_STORE_KEY, address.to_json())
+            admitted = admission.run(deadline)
         finally:
             with self._lock:
-                self._vetting = None
+                self._listener, self._admission = None, None
+            listener.close()
+            admission.close()
+        for rank, conn in sorted(admitted.items()):
+            self._adopt(rank, conn)
 
     def _connect_to_rank0(self, store: AddressBook, round_: int, deadline: float) -> None:
         store.wait([_STORE_KEY], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        address = json.loads(store.get(_STORE_KEY))
-        conn = socket.create_connection((address["host"], int(address["port"])),
+        address = RoundAddress.from_json(store.get(_STORE_KEY))
+        conn = socket.create_connection((address.host, address.port),
                                         timeout=max(deadline - time.monotonic(), 0.001))
         self._adopt(0, conn)
-        conn.sendall(_HELLO.pack(_MAGIC, round_, self.rank))
+        introduce(conn, address, round_, self.rank)
 
     def _adopt(self, rank: int, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -245,6 +226,8 @@ class AgreementChannel:
             if self._released is not None:
                 return
             self._released = reason
+            if self._admission is not None:
+                self._admission.abort(reason)
             for sock in self._sockets():
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
@@ -263,5 +246,5 @@ class AgreementChannel:
 
     def _sockets(self) -> list[socket.socket]:
         """Every socket this channel holds now (call with the lock held)."""
-        held = [self._listener, self._vetting]
-        return list(self._peers.values()) + [sock for sock in held if sock is not None]
+        held = [] if self._listener is None else [self._listener]
+        return list(self._peers.values()) + held

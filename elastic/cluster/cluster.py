@@ -24,6 +24,7 @@ from elastic.cluster.lease_file import append_lease
 from elastic.cluster.membership import EtcdMembership
 from elastic.cluster.monitor import ChangeMonitor
 from elastic.cluster.process_group import ProcessGroup, resolve_backend
+from elastic.cluster.records import SkippedRecords
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
 from elastic.cluster.round_links import RoundLinks
 from elastic.settings import WorkerSettings
@@ -58,6 +59,7 @@ class Cluster:
                                        max_workers=settings.max_workers, timeouts=timeouts)
         self.topology: Topology | None = None
         self.links = RoundLinks(self.group, AgreementChannel(0, 1, self.group.timeout))
+        self.skipped = SkippedRecords()  # malformed records read from etcd, warned once each
         self.membership: EtcdMembership
         self.rendezvous: Rendezvous
         self.monitor: ChangeMonitor
@@ -70,8 +72,9 @@ class Cluster:
             self.client, self.keys, self.settings.advertise_addr, timeouts.lease_ttl,
             timeouts.keepalive,
             on_lease=None if lease_file is None else lambda lease: append_lease(lease_file, lease))
-        self.rendezvous = Rendezvous(self.client, self.membership, self.config)
-        self.monitor = ChangeMonitor(self.keys, self.membership.member_id, self._on_broken)
+        self.rendezvous = Rendezvous(self.client, self.membership, self.config, self.skipped)
+        self.monitor = ChangeMonitor(self.keys, self.membership.member_id, self._on_broken,
+                                     self.skipped)
         self.membership.add_listener(self.monitor.on_events)
         self.membership.on_fenced(lambda: self.release("this member was fenced"))
         self.membership.register()

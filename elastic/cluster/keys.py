@@ -115,4 +115,4 @@ class JobKeys:
         if not key.startswith(self.rounds):
             return None
         head = key[len(self.rounds):].split("/", 1)[0]
-        return int(head) if head.isdigit() else None
+        return int(head) if head.isascii() and head.isdigit() else None

@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.keys import JobKeys
-from elastic.cluster.plan import JoinRequest, valid_joins
+from elastic.cluster.plan import JoinRequest
+from elastic.cluster.records import SkippedRecords
 from elastic.cluster.rendezvous import Topology
 
 log = logging.getLogger(__name__)
@@ -28,10 +29,13 @@ class ChangeMonitor:
         keys: the job's key builder.
         member_id: this member (its own events are not news).
         on_broken: called with a reason when the round's group must be released.
+        skipped: where malformed join requests are reported (once each).
     """
 
-    def __init__(self, keys: JobKeys, member_id: str, on_broken: Callable[[str], None]) -> None:
+    def __init__(self, keys: JobKeys, member_id: str, on_broken: Callable[[str], None],
+                 skipped: SkippedRecords | None = None) -> None:
         self._keys = keys
+        self._skipped = skipped or SkippedRecords()
         self.member_id = member_id
         self._on_broken = on_broken
         self._lock = threading.Lock()
@@ -91,8 +95,10 @@ class ChangeMonitor:
             if event.key.startswith(self._keys.dones(self._round)):
                 self._done.add(event.key.rsplit("/", 1)[1])
             elif n > self._round and event.key.startswith(self._keys.joins(n)):
-                joins = valid_joins([(event.key, event.value, event.revision)])
-                return self._on_join(joins[0]) if joins else None
+                member = event.key[len(self._keys.joins(n)):]
+                request = self._skipped.read(event.key, event.revision, lambda: (
+                    JoinRequest.from_json(event.value, event.revision, member)))
+                return None if request is None else self._on_join(request)
             return None
         if event.kind == "delete" and event.key.startswith(self._keys.members):
             member = event.key[len(self._keys.members):]

@@ -1,20 +1,22 @@
 """Pure rendezvous logic: when a round may close, and who gets which rank. No I/O, no clock.
 
-Kept apart from ``rendezvous.py`` so that it is tested without etcd.
+Kept apart from ``rendezvous.py`` so that it is tested without etcd. Join requests and plans
+are read back through ``records``' checks: a field of the wrong type or out of range is a
+``RecordError``, never a value used.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from dataclasses import asdict, dataclass, field
 
-log = logging.getLogger(__name__)
+from elastic.cluster import records
+from elastic.cluster.records import MAX_ROUND, MAX_VERSION, RecordError
 
-REASONS = ("start", "change", "failure", "spare")
-_MAX_VERSION = 2**63 - 1
+REASONS = frozenset({"start", "change", "failure", "spare"})
+_JOIN_FIELDS = {"member_id": True, "version": True, "reason": True, "addr": True, "port": True}
+_PLAN_FIELDS = {"round": True, "ranks": True, "spares": False, "master_addr": False,
+                "master_port": False, "versions": False}
 
 
 @dataclass(frozen=True)
@@ -39,46 +41,23 @@ class JoinRequest:
         return json.dumps(data)
 
     @staticmethod
-    def from_json(raw: bytes, revision: int, member_id: str | None = None) -> "JoinRequest":
-        """Reads a join record, checking every field's type and range.
-
-        Args:
-            raw: the value read from etcd.
-            revision: its create revision.
-            member_id: the member its key names, which the record must name too.
+    def from_json(raw: bytes, revision: int, key_member: str) -> "JoinRequest":
+        """Reads a join request stored under ``.../join/{key_member}``.
 
         Raises:
-            ValueError: the record is not one a member writes.
+            RecordError: a field is missing, unknown, of the wrong type or out of range, or the
+                member id differs from the key's.
         """
-        try:
-            data: Any = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"not JSON ({exc})") from None
-        expected = {f.name for f in fields(JoinRequest)} - {"revision"}
-        if not isinstance(data, dict) or set(data) != expected:
-            raise ValueError(f"fields are not {sorted(expected)}")
-        if not isinstance(data["member_id"], str) or not data["member_id"] or (
-                member_id is not None and data["member_id"] != member_id):
-            raise ValueError("member_id does not match the key")
-        for name, top in (("version", _MAX_VERSION), ("port", 65535)):
-            value = data[name]
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
-                raise ValueError(f"{name} is not an integer in [0, {top}]")
-        if data["reason"] not in REASONS or not isinstance(data["addr"], str):
-            raise ValueError("reason or addr is malformed")
-        return JoinRequest(revision=revision, **data)
-
-
-def valid_joins(records: Iterable[tuple[str, bytes, int]]) -> list[JoinRequest]:
-    """The well-formed join records among ``(key, value, revision)``; each malformed one is
-    skipped with one warning naming its key."""
-    requests = []
-    for key, raw, revision in records:
-        try:
-            requests.append(JoinRequest.from_json(raw, revision, key.rsplit("/", 1)[-1]))
-        except ValueError as exc:
-            log.warning("skipping the malformed join record %s: %s", key, exc)
-    return requests
+        data = records.load_object(raw, _JOIN_FIELDS)
+        member = records.member_id("member_id", data["member_id"])
+        if member != key_member:
+            raise RecordError(f"member_id {member!r} differs from the key's {key_member!r}")
+        return JoinRequest(member_id=member,
+                           version=records.integer("version", data["version"], 0, MAX_VERSION),
+                           reason=records.one_of("reason", data["reason"], REASONS),
+                           addr=records.address("addr", data["addr"]),
+                           port=records.integer("port", data["port"], 1, 65535),
+                           revision=revision)
 
 
 @dataclass(frozen=True)
@@ -100,8 +79,38 @@ class Plan:
         return json.dumps(asdict(self))
 
     @staticmethod
-    def from_json(raw: bytes) -> "Plan":
-        return Plan(**json.loads(raw))
+    def from_json(raw: bytes, round_: int) -> "Plan":
+        """Reads the plan of round ``round_``.
+
+        Raises:
+            RecordError: a field is missing, unknown, of the wrong type or out of range.
+        """
+        data = records.load_object(raw, _PLAN_FIELDS)
+        if records.integer("round", data["round"], 1, MAX_ROUND) != round_:
+            raise RecordError(f"round is {data['round']}, in the key of round {round_}")
+        ranks = _member_list("ranks", data["ranks"], minimum=1)
+        spares = _member_list("spares", data.get("spares", []), minimum=0)
+        versions = data.get("versions", {})
+        if type(versions) is not dict:
+            raise RecordError(f"versions is a {type(versions).__name__}, not an object")
+        for member, version in versions.items():
+            records.member_id("a member of versions", member)
+            records.integer(f"the version of {member}", version, 0, MAX_VERSION)
+        return Plan(round=round_, ranks=ranks, spares=spares,
+                    master_addr=records.address("master_addr",
+                                                data.get("master_addr", "127.0.0.1")),
+                    master_port=records.integer("master_port", data.get("master_port", 0), 0,
+                                                65535),
+                    versions=versions)
+
+
+def _member_list(name: str, value: object, minimum: int) -> list[str]:
+    if type(value) is not list or len(value) < minimum:
+        raise RecordError(f"{name} is not a list of at least {minimum} member ids")
+    members = [records.member_id(f"an entry of {name}", member) for member in value]
+    if len(set(members)) != len(members):
+        raise RecordError(f"{name} names a member twice")
+    return members
 
 
 @dataclass(frozen=True)

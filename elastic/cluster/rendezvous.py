@@ -21,8 +21,10 @@ from elastic.timeouts import Timeouts
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership
-from elastic.cluster.plan import (CloseRule, JoinRequest, Plan, assign_ranks, should_close,
-                                  valid_joins)
+from elastic.cluster.etcd_client import KeyValue
+from elastic.cluster.plan import CloseRule, JoinRequest, Plan, assign_ranks, should_close
+from elastic.cluster import records
+from elastic.cluster.records import RecordError, SkippedRecords
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +66,13 @@ class Rendezvous:
         client: the etcd client.
         membership: this member's registration (its watch wakes the waiting).
         config: the job's limits.
+        skipped: where malformed join requests are reported (once each).
     """
 
     def __init__(self, client: EtcdClient, membership: EtcdMembership,
-                 config: RendezvousConfig) -> None:
+                 config: RendezvousConfig, skipped: SkippedRecords | None = None) -> None:
         self._client = client
+        self._skipped = skipped or SkippedRecords()
         self._membership = membership
         self._keys: JobKeys = membership.keys
         self.config = config
@@ -84,28 +88,37 @@ class Rendezvous:
             self._changed.notify_all()
 
     def latest_round(self) -> int:
-        """The number of the newest planned round (0: none yet)."""
+        """The number of the newest planned round (0: none yet).
+
+        Raises:
+            EtcdRecordError: the round counter is not a round number.
+        """
         return self._read_round_key()[0]
 
     def _read_round_key(self) -> tuple[int, int]:
         """The newest planned round and the ``round`` key's mod revision (0, 0: none yet).
 
-        A value that is not a round number (nothing of ours writes one) counts as the newest
-        round that has a plan, so the job goes on past it."""
+        Raises:
+            EtcdRecordError: the round counter is not a round number.
+        """
         kv = self._client.get(self._keys.round)
         if kv is None:
             return 0, 0
-        text = kv.value.decode(errors="replace")
-        if text.isdigit():
-            return int(text), kv.mod_revision
-        log.warning("the round key %s holds %r, not a round number", self._keys.round, text[:40])
-        planned, _ = self._client.get_prefix(self._keys.rounds)
-        numbers = [self._keys.round_of(p.key) for p in planned if p.key.endswith("/plan")]
-        return max((n for n in numbers if n is not None), default=0), kv.mod_revision
+        return records.round_number(self._keys.round, kv.value), kv.mod_revision
 
     def read_plan(self, n: int) -> Plan | None:
+        """The plan of round ``n``, or None when there is none yet.
+
+        Raises:
+            EtcdRecordError: the stored plan is malformed.
+        """
         kv = self._client.get(self._keys.plan(n)) if n > 0 else None
-        return Plan.from_json(kv.value) if kv else None
+        if kv is None:
+            return None
+        try:
+            return Plan.from_json(kv.value, n)
+        except RecordError as exc:
+            raise records.corrupt(kv.key, str(exc)) from None
 
     def join(self, reason: str, version: int, port: int,
              cancelled: Callable[[], bool] = lambda: False) -> Topology | None:
@@ -189,11 +202,30 @@ class Rendezvous:
         return bool(done & set(plan.ranks))
 
     def _read_round(self, n: int) -> tuple[list[JoinRequest], set[str]]:
+        """The round's admissible join requests and the live members' ids.
+
+        The joins are read first: a member registers before it joins, so the member key of a
+        live joiner is in the later read.
+        """
         joins, _ = self._client.get_prefix(self._keys.joins(n))
         members, _ = self._client.get_prefix(self._keys.members)
-        requests = valid_joins((kv.key, kv.value, kv.create_revision) for kv in joins)
-        live = {kv.key[len(self._keys.members):] for kv in members}
-        return requests, live
+        leases = {kv.key[len(self._keys.members):]: kv.lease for kv in members}
+        requests = [r for r in (self._admissible(n, kv, leases) for kv in joins) if r is not None]
+        return requests, set(leases)
+
+    def _admissible(self, n: int, kv: KeyValue, leases: dict[str, int]) -> JoinRequest | None:
+        """The join request in ``kv``, or None (skipped with a warning) when it is malformed or
+        was not written under its member's lease."""
+        member = kv.key[len(self._keys.joins(n)):]
+        request = self._skipped.read(kv.key, kv.mod_revision, lambda: JoinRequest.from_json(
+            kv.value, kv.create_revision, member))
+        if request is None:
+            return None
+        if leases.get(member) != kv.lease or not kv.lease:
+            self._skipped.skip(kv.key, kv.mod_revision, "it was not written under the lease of a "
+                                                        "registered member of that id")
+            return None
+        return request
 
     def _check_limits(self, requests: list[JoinRequest], n: int, started: float,
                       short_since: float | None, now: float) -> float | None:

@@ -13,7 +13,9 @@ from typing import Any
 
 from elastic.cluster.etcd_client import EtcdClient
 from elastic.cluster.keys import JobKeys
+from elastic.cluster import records
 from elastic.cluster.plan import Plan
+from elastic.cluster.records import RecordError
 from elastic.settings import EtcdSecurity
 from elastic.timeouts import Timeouts
 
@@ -25,6 +27,8 @@ def _members(client: EtcdClient, keys: JobKeys) -> list[dict[str, Any]]:
         try:
             info = json.loads(kv.value)
         except ValueError:
+            info = {}
+        if not isinstance(info, dict):  # written by something else: show the key alone
             info = {}
         found.append({"member": kv.key[len(keys.members):], "host": info.get("host"),
                       "pid": info.get("pid"), "addr": info.get("addr")})
@@ -43,11 +47,15 @@ def collect(client: EtcdClient, keys: JobKeys) -> dict[str, Any]:
 
     Raises:
         EtcdUnavailableError: etcd could not be reached.
+        EtcdRecordError: the round counter or the current plan is malformed.
     """
     round_kv = client.get(keys.round)
-    n = int(round_kv.value) if round_kv else 0
+    n = records.round_number(keys.round, round_kv.value) if round_kv else 0
     plan_kv = client.get(keys.plan(n)) if n else None
-    plan = Plan.from_json(plan_kv.value) if plan_kv else None
+    try:
+        plan = Plan.from_json(plan_kv.value, n) if plan_kv else None
+    except RecordError as exc:
+        raise records.corrupt(plan_kv.key, str(exc)) from None
     config_kv, commit_kv = client.get(keys.config), client.get(keys.commit)
     dones, _ = client.get_prefix(keys.dones(n)) if n else ([], 0)
     return {

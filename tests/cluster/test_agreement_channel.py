@@ -52,6 +52,12 @@ def _connected(world_size: int, round_: int = 7) -> list[AgreementChannel]:
     return channels
 
 
+def _unproven(channel: AgreementChannel) -> int:
+    """How many connections rank 0 holds without a hello yet (0 when it is not admitting)."""
+    admission = channel._admission  # noqa: SLF001 (no event tells a test this)
+    return 0 if admission is None else len(admission._callers)  # noqa: SLF001
+
+
 def _close(channels: list[AgreementChannel]) -> None:
     for channel in channels:
         channel.close()
@@ -118,16 +124,20 @@ def test_a_connection_from_another_round_is_turned_away():
     store = dist.HashStore()
     channels = [AgreementChannel(r, 2, _LONG) for r in range(2)]
     stale = AgreementChannel(1, 2, _LONG)
+    turned_away: list[Exception] = []
 
     def connect(rank: int) -> None:
         if rank == 0:
             channels[0].connect(store, _ADDR, 5, _LONG)
         elif rank == 1:
-            stale.connect(store, _ADDR, 4, timedelta(seconds=5))  # a worker of round 4
+            with pytest.raises(PeerFailureError, match="did not prove|closed") as raised:
+                stale.connect(store, _ADDR, 4, timedelta(seconds=5))  # a worker of round 4
+            turned_away.append(raised.value)
             channels[1].connect(store, _ADDR, 5, _LONG)
 
     try:
         assert _in_threads(2, connect) == [None, None]
+        assert turned_away, "the stale worker was admitted"
         agreed = _in_threads(2, lambda r: (channels[r].start(r == 1, False),
                                            channels[r].finish())[1])
         assert agreed == [(True, False)] * 2
@@ -161,8 +171,8 @@ def test_releasing_frees_rank_zero_while_it_awaits_a_silent_connections_hello():
         store.wait(["elastic/agreement"], timedelta(seconds=10))
         address = json.loads(store.get("elastic/agreement"))
         silent.append(socket.create_connection((address["host"], address["port"]), timeout=10))
-        # Nothing signals "rank 0 reads this connection's hello" from inside connect(): look.
-        assert poll_until(lambda: channel._vetting is not None, 5)  # noqa: SLF001
+        # Nothing signals "rank 0 holds this connection" from inside connect(): look.
+        assert poll_until(lambda: _unproven(channel), 5)
         channel.release("member m1 of round 9 is gone")
 
     helper = threading.Thread(target=connect_silently, daemon=True)

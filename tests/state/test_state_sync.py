@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic.state import ElasticSampler, NoCommitError, TrainState
-from elastic.state.sync import broadcast_payload, plan_buckets, split_tensors
+from elastic.state.sync import TensorSlot, broadcast_payload, plan_buckets
+from elastic.state.wire import encode
 from tests.support.gloo_group import run_in_group
 
 WORLD = 3
@@ -74,9 +75,8 @@ def _assert_same(a, b, where=""):
 
 def test_bucket_plan_groups_by_dtype_and_respects_the_cap():
     tensors: list[torch.Tensor] = []
-    split_tensors({"a": torch.zeros(10), "b": torch.zeros(3, dtype=torch.int64),
-                   "c": torch.zeros(30), "d": torch.zeros(2)}, tensors)
-    from elastic.state.sync import TensorSlot
+    encode({"a": torch.zeros(10), "b": torch.zeros(3, dtype=torch.int64),
+            "c": torch.zeros(30), "d": torch.zeros(2)}, tensors)
     slots = [TensorSlot(i, tuple(t.shape), t.dtype) for i, t in enumerate(tensors)]
     buckets = plan_buckets(slots, cap_bytes=48)
     assert [[s.index for s in b] for b in buckets] == [[0], [2], [3], [1]]
@@ -91,3 +91,21 @@ def test_sync_makes_a_receiver_with_empty_optimizer_state_equal_to_the_source(tm
     for rank in range(WORLD):
         _assert_same(source, got[rank][0], f"rank {rank}")
         _assert_same(source_mixed, got[rank][1], f"rank {rank} mixed")
+
+
+def _sync_an_unsendable_value(rank: int, world: int) -> str:
+    import numpy as np
+    from elastic.state import SyncError
+    payload = {"version": 1, "objects": {"step": np.int64(3)}} if rank == 0 else None
+    try:
+        broadcast_payload(payload, 0, timeout=datetime.timedelta(seconds=30))
+    except SyncError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(150)
+def test_a_source_whose_state_has_no_wire_form_fails_every_rank_at_once_naming_the_value(tmp_path):
+    got = run_in_group(_sync_an_unsendable_value, 2, tmp_path)
+    assert "objects.step is a numpy.int64" in got[0]
+    assert "global rank 0 could not encode its committed state" in got[1]

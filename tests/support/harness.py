@@ -52,11 +52,14 @@ class Job:
         self.env.update(env or {})
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
-    def start(self, index: int, **extra_env: str) -> subprocess.Popen[bytes]:
-        """Starts worker ``index`` (its logs go to ``worker-{index}.log``)."""
+    def start(self, index: int, script: Path | None = None,
+              **extra_env: str) -> subprocess.Popen[bytes]:
+        """Starts worker ``index`` (its logs go to ``worker-{index}.log``), running the job's
+        script or ``script``."""
         env = dict(self.env, TEST_WORKER_INDEX=str(index), **extra_env)
         with open(self.out / f"worker-{index}.log", "ab") as log:
-            proc = subprocess.Popen([sys.executable, str(self.script), "--out", str(self.out),
+            proc = subprocess.Popen([sys.executable, str(script or self.script), "--out",
+                                     str(self.out),
                                      *self.args], env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         self.procs[index] = proc

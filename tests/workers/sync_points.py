@@ -10,7 +10,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from elastic import MembershipChangedInterrupt
 from tests.support.polling import poll_until
+
+_held: list[bool] = []  # this process already held until a change (hold_until_change)
 
 
 def wait_for_peers(out: Path, index: int, timeout_s: float = 120.0) -> None:
@@ -35,3 +38,27 @@ def hold_until_world(state, world: int, timeout_s: float = 90.0) -> None:
 
     if not poll_until(admitted, timeout_s):
         raise TimeoutError(f"the world did not reach {world} within {timeout_s} s")
+
+
+def hold_until_change(state, out: Path, index: int, timeout_s: float = 90.0) -> None:
+    """Keeps agreeing on membership until the first change is agreed, once per process.
+
+    Writes ``holding-{index}`` first, so that a test makes its change (starts a joiner, plants
+    a join request) only once every worker holds. The change is agreed inside
+    ``check_membership``, which raises ``MembershipChangedInterrupt``; later calls return at
+    once, whatever the world.
+    """
+    if _held:
+        return
+    (out / f"holding-{index}").touch()
+
+    def agreed() -> bool:
+        try:
+            state.check_membership()
+        except MembershipChangedInterrupt:
+            _held.append(True)
+            raise
+        return False
+
+    if not poll_until(agreed, timeout_s):
+        raise TimeoutError(f"no membership change was agreed within {timeout_s} s")

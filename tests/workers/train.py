@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from elastic import ElasticSampler, ElasticState
-from tests.workers.sync_points import hold_until_world, wait_for_peers
+from tests.workers.sync_points import hold_until_change, hold_until_world, wait_for_peers
 from tests.workers.pacing import compute_for
 
 
@@ -54,6 +54,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--step-ms", type=float, default=20.0)
     p.add_argument("--loader-workers", type=int, default=0)
     p.add_argument("--hold-at", type=int, default=-1, help="commit step that waits for world 3")
+    p.add_argument("--hold-for-change-at", type=int, default=-1,
+                   help="commit step that waits, once, until a membership change is agreed")
     return p.parse_args()
 
 
@@ -125,6 +127,8 @@ def main() -> None:
                     s.commit()
                     if args.hold_at >= 0 and s.step >= args.hold_at:
                         hold_until_world(s, 3)
+                    if 0 <= args.hold_for_change_at <= s.step:
+                        hold_until_change(s, out, index)
             record(s, pending)
             s.skipped[s.epoch] = s.sampler.skipped_indices()
             s.epoch += 1

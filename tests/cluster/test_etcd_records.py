@@ -1,0 +1,99 @@
+"""What is read from etcd is checked before use: join requests, plans and the round counter
+(pure: bytes in, a value or a typed error out; no etcd)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+
+import pytest
+
+from elastic.cluster import records
+from elastic.cluster.keys import JobKeys
+from elastic.cluster.plan import JoinRequest, Plan
+from elastic.cluster.records import RecordError, SkippedRecords
+from elastic.errors import EtcdRecordError
+
+pytestmark = pytest.mark.unit
+
+GOOD = {"member_id": "node-1-42-ab12cd", "version": 3, "reason": "change", "addr": "10.0.0.7",
+        "port": 29500}
+
+
+def _join(**changes) -> bytes:
+    return json.dumps({**GOOD, **changes}).encode()
+
+
+def test_a_well_formed_join_request_is_read_with_its_revision():
+    assert JoinRequest.from_json(_join(), 9, "node-1-42-ab12cd") == JoinRequest(
+        "node-1-42-ab12cd", 3, "change", "10.0.0.7", 29500, revision=9)
+    for addr in ("fd00::1", "worker-3.cluster.local"):
+        assert JoinRequest.from_json(_join(addr=addr), 1, "node-1-42-ab12cd").addr == addr
+
+
+MALFORMED = {
+    "pickle": pickle.dumps(GOOD),
+    "not utf-8": b"\xff\xfe",
+    "not an object": b"[1, 2]",
+    "NaN constant": _join(version=0)[:-1] + b', "x": NaN}',
+    "unknown field": _join(__class__="os.system"),
+    "missing field": json.dumps({k: v for k, v in GOOD.items() if k != "port"}).encode(),
+    "version a string": _join(version="7"),
+    "version a bool": _join(version=True),
+    "version a float": _join(version=3.0),
+    "version negative": _join(version=-1),
+    "version beyond int64": _join(version=2**63),
+    "port out of range": _join(port=70000),
+    "port zero": _join(port=0),
+    "unknown reason": _join(reason="root"),
+    "address with a slash": _join(addr="10.0.0.1/evil"),
+    "address a list": _join(addr=["10.0.0.1"]),
+    "member id of another key": _join(member_id="node-2-1-ffffff"),
+    "member id with a slash": _join(member_id="a/b"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_a_malformed_join_request_is_a_record_error(name):
+    with pytest.raises(RecordError):
+        JoinRequest.from_json(MALFORMED[name], 1, "node-1-42-ab12cd")
+
+
+def test_a_plan_is_checked_against_its_round_and_its_fields():
+    plan = Plan(round=4, ranks=["a-1-x", "b-2-y"], spares=["c-3-z"], master_addr="10.0.0.2",
+                master_port=29400, versions={"a-1-x": 5, "b-2-y": 5})
+    raw = plan.to_json().encode()
+    assert Plan.from_json(raw, 4) == plan
+    for bad in (raw.replace(b'"round": 4', b'"round": 5'),
+                raw.replace(b'"master_port": 29400', b'"master_port": -1'),
+                raw.replace(b'"ranks": ["a-1-x", "b-2-y"]', b'"ranks": []'),
+                raw.replace(b'"ranks": ["a-1-x", "b-2-y"]', b'"ranks": ["a-1-x", "a-1-x"]'),
+                raw.replace(b'"b-2-y": 5', b'"b-2-y": "5"'), b"garbage"):
+        assert bad != raw
+        with pytest.raises(RecordError):
+            Plan.from_json(bad, 4)
+
+
+@pytest.mark.parametrize("raw", [b"x", b"-1", b"0", b"\xc2\xb2", b"1e3", b"123456789"])
+def test_a_round_counter_that_is_not_a_round_number_is_an_error_naming_key_and_fix(raw):
+    with pytest.raises(EtcdRecordError, match=r"^the record at /elastic/j/round is malformed .*"
+                                              r"Restrict who can write it"):
+        records.round_number("/elastic/j/round", raw)
+    assert records.round_number("/elastic/j/round", b"12") == 12
+
+
+def test_a_key_with_a_non_ascii_digit_is_no_round():
+    keys = JobKeys("j")
+    assert keys.round_of(keys.rounds + "\u00b2/join/x") is None
+    assert keys.round_of(keys.join(3, "x")) == 3
+
+
+def test_a_skipped_record_is_warned_once_per_key_and_revision(caplog):
+    skipped = SkippedRecords()
+    with caplog.at_level(logging.WARNING, logger="elastic.cluster.records"):
+        for _ in range(3):
+            skipped.skip("/elastic/j/rounds/00000002/join/evil", 7, "not JSON")
+        skipped.skip("/elastic/j/rounds/00000002/join/evil", 8, "not JSON")
+    assert [r.getMessage() for r in caplog.records] == [
+        "skipped the record at /elastic/j/rounds/00000002/join/evil: not JSON"] * 2
