@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from elastic.cluster.plan import CloseRule, JoinRequest, Plan, assign_ranks, should_close
