@@ -37,7 +37,7 @@ import tenacity  # noqa: E402
 
 from elastic.cluster.etcd_channel import (  # noqa: E402
     Client, grpc_options, parse_endpoints, refusal, status_of, uses_tls)
-from elastic.cluster.etcd_tls import channel_credentials, tls_problem  # noqa: E402
+from elastic.cluster.etcd_tls import channel_credentials, plaintext_problem, tls_problem  # noqa: E402
 from elastic.errors import EtcdAccessError, EtcdUnavailableError, FencedError  # noqa: E402
 from elastic.settings import EtcdSecurity  # noqa: E402
 from elastic.timeouts import Timeouts  # noqa: E402
@@ -110,6 +110,7 @@ class EtcdClient:
         self._client: aetcd.Client | None = None
         self._connecting: asyncio.Lock | None = None  # made on the loop thread, on first use
         self._closed = False
+        self._probed_plaintext = False
 
     # -- plumbing ---------------------------------------------------------------------------
     def _submit(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -214,12 +215,18 @@ class EtcdClient:
             raise
 
     def _check_tls(self) -> None:
-        """After a failed connection over TLS: raises if the certificates are the reason.
+        """After a failed connection: raises if TLS is the reason (a certificate refused, or a
+        plaintext URL at a server that speaks TLS only).
 
         Raises:
             EtcdAccessError: the server or this client's certificate was refused.
         """
         if self._credentials is None:
+            if not self._probed_plaintext:  # once: a server that is down is probed quickly
+                self._probed_plaintext = True
+                problem = plaintext_problem(*self._endpoint(), self._rpc_timeout_s)
+                if problem is not None:
+                    raise EtcdAccessError(problem)
             return
         problem = tls_problem(*self._endpoint(), self.security, self._rpc_timeout_s)
         if problem is not None:

@@ -81,6 +81,29 @@ def tls_problem(host: str, port: int, security: EtcdSecurity, timeout_s: float) 
     return None
 
 
+def plaintext_problem(host: str, port: int, timeout_s: float) -> str | None:
+    """After a plaintext connection failed: whether ``host:port`` speaks TLS instead.
+
+    Returns:
+        One sentence naming the fix (an https:// URL), or None when the server does not
+        complete a TLS handshake either (down, refused, or plaintext after all).
+    """
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # only asks whether it speaks TLS; nothing is sent
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as raw, \
+                context.wrap_socket(raw, server_hostname=host):
+            pass
+    except ssl.SSLError as exc:
+        if "ALERT" not in (exc.reason or ""):  # a TLS alert (e.g. "certificate required")
+            return None                        # is an answer in TLS; anything else is not
+    except OSError:
+        return None
+    return (f"etcd at http://{host}:{port} speaks TLS only: use --etcd https://{host}:{port} "
+            "(with --etcd-cacert naming its CA, unless the system's CAs sign it).")
+
+
 def _server_certificate_problem(where: str, security: EtcdSecurity,
                                 exc: ssl.SSLCertVerificationError) -> str:
     trusted = (f"the CA in --etcd-cacert ({security.cacert})" if security.cacert

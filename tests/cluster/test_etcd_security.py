@@ -160,3 +160,29 @@ def test_the_password_comes_from_a_file_or_the_environment_and_is_never_shown(tm
     assert security.password == "from-file"
     assert "from-file" not in repr(security) and "from-file" not in " ".join(security.as_flags())
     assert security.as_env()["ELASTIC_ETCD_PASSWORD"] == "from-file"
+
+
+def test_an_http_url_at_an_etcd_that_speaks_tls_only_asks_for_https(secure_etcd):
+    url = secure_etcd.url.replace("https://", "http://")
+    client = EtcdClient(url, security=EtcdSecurity(), retry_for=RETRY_FOR)
+    started = time.monotonic()
+    try:
+        with pytest.raises(EtcdAccessError, match="speaks TLS only: use --etcd https://"):
+            client.get(f"/elastic/{JOB_A}/x")
+    finally:
+        client.close()
+    assert time.monotonic() - started < PROMPT_S, "the refusal was retried"
+
+
+def test_without_a_ca_file_the_server_is_verified_against_the_default_roots(secure_etcd, pki,
+                                                                           monkeypatch):
+    # gRPC's default roots come from this file when it is set (else the system's store).
+    monkeypatch.setenv("GRPC_DEFAULT_SSL_ROOTS_FILE_PATH", str(pki.ca))
+    security = as_user(pki, "alice", cacert="")
+    client = EtcdClient(secure_etcd.url, security=EtcdSecurity(
+        cert=security.cert, key=security.key, user="alice", password=PASSWORDS["alice"]))
+    try:
+        client.put(f"/elastic/{JOB_A}/roots", "v")
+        assert client.get(f"/elastic/{JOB_A}/roots").value == b"v"
+    finally:
+        client.close()
