@@ -123,6 +123,7 @@ class EmbeddedEtcd:
         binary = self._binary = find_etcd_binary()  # before the directory: none left empty
         if self._own_dir and not self.data_dir:
             self.data_dir = tempfile.mkdtemp(prefix="elastic-etcd-")
+        Path(self.data_dir).mkdir(parents=True, exist_ok=True)  # a --data-dir to be made
         for attempt in range(self._attempts):
             self.client_port, self._peer_port = free_port(), free_port()
             self._spawn(binary, self._peer_port)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import time
 from datetime import timedelta
 
@@ -17,6 +18,7 @@ from elastic.launch.job_config import JobConfig, claim
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership
 from tests.support.cli import WORKERS
+from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.timeout(60)
 WORKER = str(WORKERS / "elastic_worker.py")
@@ -153,3 +155,15 @@ def test_report_on_a_directory_without_events_says_what_to_pass(cli, tmp_path):
     run = cli("report", str(tmp_path / "nothing"))
     assert run.wait(30) == 1
     one_clear_line(run.text(), "--log-dir")
+
+
+def test_elastic_etcd_suggests_a_fresh_job_id_each_time_never_a_shared_one(cli, tmp_path):
+    suggested = []
+    for name in ("first", "second"):
+        run = cli("etcd", "--data-dir", str(tmp_path / name), name=name)
+        assert poll_until(lambda: "--job-id" in run.text(), 30), run.text()
+        run.proc.send_signal(signal.SIGINT)
+        assert run.wait(30) == 0, run.text()
+        suggested.append(re.search(r"--job-id (\S+)", run.text()).group(1))
+    assert suggested[0] != suggested[1] and "myjob" not in suggested
+    assert all(re.fullmatch(r"job-\d{8}-\d{6}-[0-9a-f]{4}", job) for job in suggested), suggested
