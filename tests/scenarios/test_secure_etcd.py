@@ -11,6 +11,8 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+
 from tests.scenarios.test_elastic_recovery import ARGS, check_outcome
 from tests.support.cli import Cli, WORKERS, kill_everything
 from tests.support.tls_etcd import JOB_A, JOB_B, JOB_USERS
@@ -90,3 +92,24 @@ def test_a_launcher_with_flags_passes_them_to_its_workers_and_never_shows_the_pa
             assert PASSWORD.encode() not in cmdline
     finally:
         kill_everything(clis, [log_dir])
+
+
+@pytest.mark.parametrize("problem", ["wrong CA", "wrong password"])
+def test_elastic_run_refused_by_etcd_says_why_in_one_line_and_starts_no_worker(
+        secure_etcd, pki, tmp_path, problem):
+    password = tmp_path / "password"
+    password.write_text(("not-the-password" if problem == "wrong password" else PASSWORD) + "\n")
+    ca = pki.other_ca if problem == "wrong CA" else pki.ca
+    clis = [run_cli(tmp_path, "run", "run", "--etcd", secure_etcd.url, "--job-id", JOB_A,
+                    "--etcd-cacert", str(ca), "--etcd-cert", str(pki.client_cert),
+                    "--etcd-key", str(pki.client_key), "--etcd-user", "alice",
+                    "--etcd-password-file", str(password),
+                    str(WORKERS / "elastic_worker.py"), "--steps", "10")]
+    try:
+        assert clis[0].wait(60) != 0
+        lines = clis[0].text().strip().splitlines()
+        assert len(lines) == 1, lines
+        assert ("--etcd-cacert" if problem == "wrong CA" else "--etcd-password-file") in lines[0]
+        assert "worker" not in lines[0] and "not-the-password" not in lines[0]
+    finally:
+        kill_everything(clis, [])
