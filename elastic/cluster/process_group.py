@@ -79,22 +79,45 @@ def _socket_fds() -> dict[int, int]:
     return found
 
 
-def _is_connected_tcp(fd: int, skip_ports: frozenset[int]) -> bool:
+def _tcp_ports(fd: int) -> tuple[int, int | None] | None:
+    """(local port, remote port) of a TCP socket, remote None while it listens; None for any
+    other kind of fd."""
     try:
         sock = socket.socket(fileno=os.dup(fd))
     except OSError:
-        return False
+        return None
     try:
-        if sock.family not in (socket.AF_INET, socket.AF_INET6):
-            return False
+        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+            return None
+        local = sock.getsockname()[1]
         if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-            return False
-        peer = sock.getpeername()
-        return peer[1] not in skip_ports
+            return local, None
+        return local, sock.getpeername()[1]
     except OSError:
-        return False
+        return None
     finally:
         sock.close()
+
+
+def _group_sockets(new: dict[int, int], listener_ports: set[int],
+                   skip_ports: frozenset[int]) -> list[_SocketId]:
+    """The connections of a gloo group among the sockets ``new`` since it started forming.
+
+    Every pair connection of gloo ends at some rank's listening port, so with ``listener_ports``
+    (every rank's) only the group's own connections are taken; without them (a gloo that
+    listens on no new socket), every connection that is not etcd's.
+    """
+    found = []
+    for fd, inode in new.items():
+        ports = _tcp_ports(fd)
+        if ports is None or ports[1] is None:
+            continue
+        local, remote = ports
+        mine = (local in listener_ports or remote in listener_ports) if listener_ports \
+            else remote not in skip_ports
+        if mine:
+            found.append(_SocketId(fd, inode))
+    return found
 
 
 def _tcp_states() -> dict[int, str]:
@@ -202,12 +225,22 @@ class ProcessGroup:
             # gloo connects the full mesh lazily on some builds: one collective forces it.
             dist.barrier()
         dist.distributed_c10d._set_pg_timeout(self.timeout)
-        after = _socket_fds()
+        new = {fd: inode for fd, inode in _socket_fds().items() if before.get(fd) != inode}
+        listeners = self._listener_ports(new) if self.backend == "gloo" else set()
         with self._lock:
-            self._sockets = [_SocketId(fd, inode) for fd, inode in after.items()
-                             if before.get(fd) != inode
-                             and _is_connected_tcp(fd, self._skip_ports)]
+            self._sockets = _group_sockets(new, listeners, self._skip_ports)
             self._released.clear()
+
+    @staticmethod
+    def _listener_ports(new: dict[int, int]) -> set[int]:
+        """Every rank's gloo listening port (one small all-gather), from the listening socket
+        this rank's group opened; empty when some rank found none."""
+        mine = [p[0] for p in map(_tcp_ports, new) if p is not None and p[1] is None]
+        port = torch.tensor([mine[0] if len(mine) == 1 else 0], dtype=torch.int64)
+        ports = [torch.zeros_like(port) for _ in range(dist.get_world_size())]
+        dist.all_gather(ports, port)
+        found = {int(p.item()) for p in ports}
+        return set() if 0 in found else found
 
     def release(self, reason: str) -> None:
         """Unblocks every collective of this group now; safe from any thread, idempotent."""

@@ -1,0 +1,73 @@
+"""Releasing a gloo group shuts down the group's own connections and nobody else's."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from elastic.cluster import process_group
+from elastic.cluster.process_group import ProcessGroup
+
+
+def _rank(rank: int, store_path: str, results: mp.Queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
+    server = socket.create_server(("127.0.0.1", 0))
+    bystander: list[socket.socket] = []
+    real_barrier = process_group.dist.barrier
+
+    def barrier_with_a_bystander(*args, **kwargs):
+        # Another thread of this process (an upload, say) connects while the group forms.
+        bystander.append(socket.create_connection(server.getsockname()))
+        return real_barrier(*args, **kwargs)
+
+    process_group.dist.barrier = barrier_with_a_bystander
+    group = ProcessGroup("gloo", timeout=datetime.timedelta(seconds=30), skip_ports=frozenset(),
+                         form_timeout=datetime.timedelta(seconds=30))
+    group.form(dist.FileStore(store_path, 2), rank, 2)
+    process_group.dist.barrier = real_barrier
+    accepted, _ = server.accept()
+    group.release("a test")
+    try:
+        dist.all_reduce(torch.ones(2))
+        collective = "no error"
+    except RuntimeError:
+        collective = "failed"
+    try:
+        bystander[0].sendall(b"still here")
+        echoed = accepted.recv(10)
+    except OSError as exc:
+        echoed = f"broken: {exc!r}".encode()
+    results.put((rank, collective, echoed))
+
+
+@pytest.mark.timeout(120)
+def test_release_leaves_a_connection_another_thread_opened_while_the_group_formed(
+        tmp_path: Path):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), results))
+             for r in range(2)]
+    for proc in procs:
+        proc.start()
+    got = {}
+    try:
+        for _ in range(2):
+            rank, collective, echoed = results.get(timeout=90)
+            got[rank] = (collective, echoed)
+    except queue.Empty:
+        pytest.fail(f"ranks reported {got} within 90 s")
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+    assert got == {0: ("failed", b"still here"), 1: ("failed", b"still here")}
