@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import datetime
 import os
-import queue
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from elastic.cluster.process_group import ProcessGroup, is_peer_failure
 from elastic.errors import FencedError, PeerFailureError
+from tests.support.ranks import spawn_ranks
 
 HEALTHY = {"released": False, "transport_broken": False}
 NETWORK_SOUNDING = ["file closed", "Connection closed by peer", "socket timeout", "gloo",
@@ -76,7 +75,7 @@ def test_a_cyclic_cause_chain_ends():
     assert not is_peer_failure(first, **HEALTHY)
 
 
-def _rank(rank: int, store_path: str, scenario: str, results: mp.Queue) -> None:
+def _rank(rank: int, store_path: str, scenario: str, results) -> None:  # noqa: ANN001
     os.environ.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
     store = dist.FileStore(store_path, 2)
     group = ProcessGroup("gloo", timeout=datetime.timedelta(seconds=30), skip_ports=frozenset(),
@@ -105,23 +104,5 @@ def _rank(rank: int, store_path: str, scenario: str, results: mp.Queue) -> None:
 ])
 def test_a_real_gloo_group_tells_a_crashed_peer_from_a_users_error(tmp_path: Path, scenario,
                                                                   expected):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), scenario, results))
-             for r in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        got = {}
-        for _ in expected:
-            rank, kind, verdict = results.get(timeout=90)
-            got[rank] = (kind, verdict)
-        assert got == expected
-    except queue.Empty:
-        pytest.fail(f"ranks reported {got} within 90 s, expected {sorted(expected)}")
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=10)
+    got = spawn_ranks(_rank, 2, str(tmp_path / "store"), scenario, reporting=len(expected))
+    assert got == expected  # a crashed rank never reports

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import datetime
 import os
-import queue
 import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from elastic.cluster import process_group
 from elastic.cluster.process_group import ProcessGroup
+from tests.support.ranks import spawn_ranks
 
 
-def _rank(rank: int, store_path: str, results: mp.Queue) -> None:
+def _rank(rank: int, store_path: str, results) -> None:  # noqa: ANN001 (a spawn queue)
     os.environ.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
     server = socket.create_server(("127.0.0.1", 0))
     bystander: list[socket.socket] = []
@@ -51,23 +50,5 @@ def _rank(rank: int, store_path: str, results: mp.Queue) -> None:
 @pytest.mark.timeout(120)
 def test_release_leaves_a_connection_another_thread_opened_while_the_group_formed(
         tmp_path: Path):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), results))
-             for r in range(2)]
-    for proc in procs:
-        proc.start()
-    got = {}
-    try:
-        for _ in range(2):
-            rank, collective, echoed = results.get(timeout=90)
-            got[rank] = (collective, echoed)
-    except queue.Empty:
-        pytest.fail(f"ranks reported {got} within 90 s")
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=10)
+    got = spawn_ranks(_rank, 2, str(tmp_path / "store"))
     assert got == {0: ("failed", b"still here"), 1: ("failed", b"still here")}
