@@ -17,7 +17,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -37,6 +36,8 @@ import tenacity  # noqa: E402
 
 from elastic.cluster.etcd_channel import (  # noqa: E402
     Client, grpc_options, parse_endpoints, refusal, status_of, uses_tls)
+from elastic.cluster.etcd_values import (  # noqa: E402
+    KeyValue, WatchEvent, deliver, kv_of, utf8_keys)
 from elastic.cluster.etcd_tls import channel_credentials, plaintext_problem, tls_problem  # noqa: E402
 from elastic.errors import EtcdAccessError, EtcdUnavailableError, FencedError  # noqa: E402
 from elastic.settings import EtcdSecurity  # noqa: E402
@@ -48,27 +49,6 @@ T = TypeVar("T")
 _TRANSIENT = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, aetcd.InternalError)
 # Retried after fetching a new token: etcd expired or forgot the one we hold.
 _RETRIED = (*_TRANSIENT, aetcd.exceptions.UnauthenticatedError)
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    """One key as read from etcd."""
-
-    key: str
-    value: bytes
-    mod_revision: int
-    create_revision: int
-    lease: int
-
-
-@dataclass(frozen=True)
-class WatchEvent:
-    """One change seen by a watch: ``kind`` is "put" or "delete"."""
-
-    kind: str
-    key: str
-    value: bytes
-    revision: int
 
 
 class EtcdClient:
@@ -243,13 +223,13 @@ class EtcdClient:
     def get(self, key: str) -> KeyValue | None:
         """Reads one key, or None when it does not exist."""
         got = self._call(lambda c: c.get(key.encode()), f"get {key}")
-        return None if got is None else _kv(got)
+        return None if got is None else kv_of(got)
 
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         """Reads every key under ``prefix``; returns them (sorted by key) and the revision read."""
         result = self._call(lambda c: c.get_prefix(prefix.encode(), sort_order="ascend"),
                             f"get {prefix}*")
-        return _utf8_keys(result.kvs), result.header.revision
+        return utf8_keys(result.kvs), result.header.revision
 
     def delete(self, key: str) -> bool:
         """Deletes one key; returns whether it existed."""
@@ -397,7 +377,7 @@ class EtcdClient:
                     async for event in watch:
                         revision = event.kv.mod_revision + 1
                         backoff_s = first_s
-                        _deliver(event, callback)
+                        deliver(event, callback)
                 finally:
                     stopper.cancel()
             except aetcd.ClientError as exc:
@@ -442,45 +422,6 @@ class EtcdClient:
 async def _cancel_when(stopped: asyncio.Event, watch: Any) -> None:
     await stopped.wait()
     await watch.cancel()
-
-
-def _kv(kv: Any) -> KeyValue:
-    return KeyValue(key=kv.key.decode(), value=bytes(kv.value), mod_revision=kv.mod_revision,
-                    create_revision=kv.create_revision, lease=kv.lease)
-
-
-def _utf8_keys(kvs: Any) -> list[KeyValue]:
-    """The keys of a range read, without those that are not UTF-8 (each skipped with a
-    warning: nothing of ours writes them)."""
-    read = []
-    for raw in kvs:
-        try:
-            read.append(_kv(aetcd.KeyValue(raw)))
-        except UnicodeDecodeError:
-            log.warning("skipping etcd key %r: not UTF-8 (nothing of ours writes it)",
-                        bytes(raw.key)[:80])
-    return read
-
-
-def _event(event: Any) -> WatchEvent:
-    kind = "put" if str(event.kind).endswith("PUT") else "delete"
-    return WatchEvent(kind=kind, key=event.kv.key.decode(), value=bytes(event.kv.value),
-                      revision=event.kv.mod_revision)
-
-
-def _deliver(event: Any, callback: Callable[[list[WatchEvent]], None]) -> None:
-    """Hands one event to a watch's callback; nothing either does can end the watch."""
-    try:
-        seen = _event(event)
-    except UnicodeDecodeError:
-        log.warning("skipping etcd key %r: not UTF-8 (nothing of ours writes it)",
-                    bytes(event.kv.key)[:80])
-        return
-    try:
-        callback([seen])
-    except Exception as exc:  # noqa: BLE001 (a listener's bug must not blind the member)
-        log.warning("a listener failed on %s %s (%s: %s); the watch goes on", seen.kind,
-                    seen.key, type(exc).__name__, exc)
 
 
 def _ranges_without(prefix: bytes, key: bytes) -> list[tuple[bytes, bytes]]:
