@@ -281,6 +281,7 @@ class CheckpointStore:
 
     def _beyond_kept(self, valid: list[CheckpointRef]) -> list[CheckpointRef]:
         """The checkpoints older than the ``keep`` newest that verify; none when fewer verify."""
+        self._verified &= {ref.step for ref in valid}  # forget what is gone
         if self._keep is None or len(valid) <= self._keep:
             return []
         kept: list[CheckpointRef] = []

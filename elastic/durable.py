@@ -121,7 +121,9 @@ class DurableCommits:
         """
         if not self.store.wait(self._hung_after):
             log.warning("durable commit of version %d skipped: the previous write has been "
-                        "running for over %s (hung storage?)", version, self._hung_after)
+                        "running for over %s; check the checkpoint storage, or raise "
+                        "ELASTIC_STORAGE_RETRY if its writes are this slow", version,
+                        self._hung_after)
             if self.events:
                 self.events.emit("checkpoint_skipped", version=version)
             return

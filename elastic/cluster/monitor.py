@@ -44,14 +44,16 @@ class ChangeMonitor:
         self._round: int | None = None
         self._members: frozenset[str] = frozenset()
         self._done: set[str] = set()
+        self._gone: set[str] = set()  # members whose key was deleted since the last arm()
         self._broken = False
 
     def arm(self, topology: Topology, client: EtcdClient) -> None:
         """Starts tracking a newly formed round.
 
-        Events that came while disarmed were dropped, so it reads what they would have said:
-        the next round's joins, and which members of the round are already gone (a member that
-        died between the plan and now would otherwise go unnoticed until the form timeout).
+        Events that came while disarmed were not acted on, so it acts on them now: a member of
+        the round whose key was deleted since the last arm (one that died between the plan and
+        now would otherwise go unnoticed until the form timeout), and the next round's joins
+        (read from etcd).
         """
         with self._lock:
             self._round = topology.round
@@ -60,10 +62,8 @@ class ChangeMonitor:
             self._broken = False
             self.pending.clear()
             self.reason = ""
-        live, _ = client.get_prefix(self._keys.members)
-        live_keys = {kv.key for kv in live}
-        missed = [WatchEvent("delete", self._keys.member(m), b"", 0)
-                  for m in sorted(topology.members) if self._keys.member(m) not in live_keys]
+            gone, self._gone = sorted(self._gone & self._members), set()
+        missed = [WatchEvent("delete", self._keys.member(m), b"", 0) for m in gone]
         joins, _ = client.get_prefix(self._keys.joins(topology.round + 1))
         missed += [WatchEvent("put", kv.key, kv.value, kv.mod_revision) for kv in joins]
         self.on_events(missed)
@@ -77,6 +77,8 @@ class ChangeMonitor:
         """Listener for the membership watch (runs on the etcd thread)."""
         broken = None
         with self._lock:
+            self._gone.update(e.key[len(self._keys.members):] for e in events
+                              if e.kind == "delete" and e.key.startswith(self._keys.members))
             if self._round is None:
                 return
             for event in events:

@@ -99,24 +99,23 @@ def _tcp_ports(fd: int) -> tuple[int, int | None] | None:
         sock.close()
 
 
-def _group_sockets(new: dict[int, int], listener_ports: set[int],
-                   skip_ports: frozenset[int]) -> list[_SocketId]:
-    """The connections of a gloo group among the sockets ``new`` since it started forming.
+def _group_sockets(new: dict[int, int], ends: dict[int, tuple[int, int | None]],
+                   listener_ports: set[int], skip_ports: frozenset[int]) -> list[_SocketId]:
+    """The connections of a gloo group among the sockets ``new`` since it started forming
+    (``ends``: their TCP ports, ``_tcp_ports``).
 
     Every pair connection of gloo ends at some rank's listening port, so with ``listener_ports``
     (every rank's) only the group's own connections are taken; without them (a gloo that
     listens on no new socket), every connection that is not etcd's.
     """
     found = []
-    for fd, inode in new.items():
-        ports = _tcp_ports(fd)
-        if ports is None or ports[1] is None:
+    for fd, (local, remote) in ends.items():
+        if remote is None:
             continue
-        local, remote = ports
         mine = (local in listener_ports or remote in listener_ports) if listener_ports \
             else remote not in skip_ports
         if mine:
-            found.append(_SocketId(fd, inode))
+            found.append(_SocketId(fd, new[fd]))
     return found
 
 
@@ -226,16 +225,17 @@ class ProcessGroup:
             dist.barrier()
         dist.distributed_c10d._set_pg_timeout(self.timeout)
         new = {fd: inode for fd, inode in _socket_fds().items() if before.get(fd) != inode}
-        listeners = self._listener_ports(new) if self.backend == "gloo" else set()
+        ends = {fd: p for fd, p in ((fd, _tcp_ports(fd)) for fd in new) if p is not None}
+        listeners = self._listener_ports(ends) if self.backend == "gloo" else set()
         with self._lock:
-            self._sockets = _group_sockets(new, listeners, self._skip_ports)
+            self._sockets = _group_sockets(new, ends, listeners, self._skip_ports)
             self._released.clear()
 
     @staticmethod
-    def _listener_ports(new: dict[int, int]) -> set[int]:
+    def _listener_ports(ends: dict[int, tuple[int, int | None]]) -> set[int]:
         """Every rank's gloo listening port (one small all-gather), from the listening socket
         this rank's group opened; empty when some rank found none."""
-        mine = [p[0] for p in map(_tcp_ports, new) if p is not None and p[1] is None]
+        mine = [local for local, remote in ends.values() if remote is None]
         port = torch.tensor([mine[0] if len(mine) == 1 else 0], dtype=torch.int64)
         ports = [torch.zeros_like(port) for _ in range(dist.get_world_size())]
         dist.all_gather(ports, port)

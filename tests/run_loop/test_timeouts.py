@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULTS_S = {
     "lease_ttl": 3, "keepalive": 0.75, "settle": 0.5, "node_settle": 1, "rendezvous": 300,
     "admit": 1800, "form": 20, "store": 60, "collective": 1800, "sync": 300, "finish": 300,
-    "progress": 0.5, "storage_retry": 60, "etcd_rpc": 3, "etcd_retry": 10, "etcd_outage": 600, "connect": 5,
+    "progress": 0.5, "storage_retry": 60, "etcd_rpc": 3, "etcd_retry": 10, "etcd_outage": 600,
+    "connect": 5,
     "backoff": 0.05, "backoff_max": 1, "reconnect": 0.2, "etcd_ping": 5, "etcd_ping_timeout": 2,
     "etcd_start": 20, "grace": 30, "restart_grace": 3, "shutdown": 5, "reap": 10, "wake": 1,
     "poll": 0.05,
@@ -33,7 +34,8 @@ DEFAULTS_S = {
 # (shorter, longer, may they be equal): the hierarchy, as README.md states it.
 ORDER = [("keepalive", "lease_ttl", False), ("settle", "rendezvous", False),
          ("node_settle", "rendezvous", False), ("form", "collective", False),
-         ("sync", "collective", True), ("etcd_rpc", "etcd_retry", True), ("etcd_retry", "etcd_outage", True),
+         ("sync", "collective", True), ("etcd_rpc", "etcd_retry", True),
+         ("etcd_retry", "etcd_outage", True),
          ("backoff", "backoff_max", True), ("reconnect", "backoff_max", True)]
 SHORT_SIDE = {short for short, _, _ in ORDER}
 NAMES = [f.name for f in dataclasses.fields(Timeouts)]
@@ -219,7 +221,8 @@ def source_copy(tmp_path: Path) -> Path:
     ("elastic/launch/plain.py", "def f(t):\n    t.join(5)", "join(<literal>)"),
     ("elastic/launch/status.py", "def f(timeout_s=3.0):\n    pass",
      "parameter timeout_s defaults to a literal"),
-    ("elastic/launch/embedded_etcd.py", "import time\ntime.sleep(0.05)", "sleep(<literal>)"),
+    ("elastic/launch/embedded_etcd.py", "from time import sleep\nsleep(0.05)",
+     "sleep(<literal>)"),
     ("elastic/cluster/etcd_store.py", "import tenacity\nw = tenacity.wait_exponential_jitter("
      "max=2.0)", "wait_exponential_jitter(...)"),
     ("elastic/cluster/process_group.py", "def f(backoff_s):\n    return min(1.0, backoff_s)",

@@ -10,8 +10,8 @@ from elastic.cluster.keys import JobKeys
 from tests.scenarios.test_elastic_recovery import ARGS, check_outcome
 
 
-def plant_garbage(client: EtcdClient, keys: JobKeys) -> int:
-    """Writes what no member ever writes under ``keys``; returns the current round."""
+def plant_garbage(client: EtcdClient, keys: JobKeys) -> None:
+    """Writes what no member ever writes under ``keys``, about the current round and the next."""
     current = int(client.get(keys.round).value)
     upcoming = current + 1
     client.put(keys.join(upcoming, "not-json"), b"{this is not json")
@@ -22,7 +22,6 @@ def plant_garbage(client: EtcdClient, keys: JobKeys) -> int:
     client.put(keys.prefix.encode() + b"members/\xff\xfe-not-utf8", b"\xff")
     client.put(keys.done(current, "nobody"), b"\x00\x01")
     client.put(f"{keys.rounds}not-a-number/plan", b"[]")
-    return current
 
 
 def test_garbage_under_the_job_prefix_mid_run_leaves_a_frozen_member_detected_in_time(
