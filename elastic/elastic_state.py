@@ -207,6 +207,8 @@ class ElasticState:
         self._report_progress(version)
         if agreement is not None:
             agreement.finish()
+        if self._cluster is not None:
+            self._cluster.note_committed()
         return version
 
     def check_membership(self) -> None:

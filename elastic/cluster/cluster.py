@@ -20,7 +20,7 @@ from elastic.cluster.etcd_client import EtcdClient, parse_endpoints
 from elastic.cluster.etcd_store import EtcdStore
 from elastic.events import EventLog, Stopwatch
 from elastic.cluster.keys import JobKeys
-from elastic.cluster.lease_file import append_lease
+from elastic.cluster.lease_file import append_committed, append_lease
 from elastic.cluster.membership import EtcdMembership
 from elastic.cluster.monitor import ChangeMonitor
 from elastic.cluster.process_group import ProcessGroup, resolve_backend
@@ -60,6 +60,7 @@ class Cluster:
         self.topology: Topology | None = None
         self.links = RoundLinks(self.group, AgreementChannel(0, 1, self.group.timeout))
         self.skipped = SkippedRecords()  # malformed records read from etcd, warned once each
+        self._said_committed = False
         self.membership: EtcdMembership
         self.rendezvous: Rendezvous
         self.monitor: ChangeMonitor
@@ -201,6 +202,12 @@ class Cluster:
                     self.keys.fence, text[:40], floor)
         self.client.put(self.keys.fence, str(floor))
         return floor
+
+    def note_committed(self) -> None:
+        """Tells the launcher, once, that this worker committed (it made progress)."""
+        if self.settings.lease_file is not None and not self._said_committed:
+            self._said_committed = True
+            append_committed(self.settings.lease_file)
 
     def publish_checkpoint(self, ref: Any) -> None:
         """Records the newest durable checkpoint in etcd (for ``elastic status``)."""

@@ -325,11 +325,12 @@ class Launcher:
                 if code == 0:
                     continue
                 self._revoke(worker.pid, code)
+                committed = self.leases.has_committed(worker.pid)
                 self.leases.forget(worker.pid)
                 joined = self.joined is not None and self.joined.has_joined(worker.pid)
                 finished = self.joined is not None and self.joined.has_finished(worker.pid)
                 refusal = restarts.refusal(worker.local_rank, worker.last_error_line(), joined,
-                                           finished)
+                                           finished, committed)
                 if refusal:
                     _say(refusal)
                     continue

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from elastic.cluster.lease_file import read_leases
+from elastic.cluster.lease_file import has_committed, read_leases
 
 
 class LeaseFiles:
@@ -35,6 +35,11 @@ class LeaseFiles:
         """The leases worker ``pid`` reported (empty: none, or not a worker of ours)."""
         path = self._paths.get(pid)
         return read_leases(path) if path else []
+
+    def has_committed(self, pid: int) -> bool:
+        """Whether worker ``pid`` reported a commit."""
+        path = self._paths.get(pid)
+        return has_committed(path) if path else False
 
     def forget(self, pid: int) -> None:
         path = self._paths.pop(pid, None)

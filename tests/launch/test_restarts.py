@@ -19,11 +19,18 @@ def test_a_worker_failing_before_joining_the_same_way_twice_is_not_restarted_a_t
     assert restarts.failed == 1 and restarts.used == 1
 
 
-def test_a_worker_that_had_joined_is_restarted_even_when_its_error_repeats():
+def test_a_worker_that_had_committed_is_restarted_even_when_its_error_repeats():
+    restarts = Restarts(max_restarts=5)
+    assert restarts.refusal(0, "RuntimeError: boom", joined=True, committed=True) == ""
+    assert restarts.refusal(0, "RuntimeError: boom", joined=True, committed=True) == ""
+    assert restarts.refusal(0, "RuntimeError: boom", joined=False) == ""
+
+
+def test_a_worker_that_joined_but_fails_the_same_way_before_its_first_commit_is_not_restarted():
     restarts = Restarts(max_restarts=5)
     assert restarts.refusal(0, "RuntimeError: boom", joined=True) == ""
-    assert restarts.refusal(0, "RuntimeError: boom", joined=True) == ""
-    assert restarts.refusal(0, "RuntimeError: boom", joined=False) == ""
+    said = restarts.refusal(0, "RuntimeError: boom", joined=True)
+    assert "failed the same way again before its first commit" in said
 
 
 def test_different_errors_or_different_slots_do_not_count_as_a_repeat():
@@ -37,6 +44,7 @@ def test_different_errors_or_different_slots_do_not_count_as_a_repeat():
 
 def test_restarts_stop_when_max_restarts_is_used_up():
     restarts = Restarts(max_restarts=1)
-    assert restarts.refusal(0, "a", joined=True) == ""
-    assert "--max-restarts (1) is used up" in restarts.refusal(1, "b", joined=True)
+    assert restarts.refusal(0, "a", joined=True, committed=True) == ""
+    assert "--max-restarts (1) is used up" in restarts.refusal(1, "b", joined=True,
+                                                                committed=True)
     assert restarts.failed == 1

@@ -1,6 +1,6 @@
 """The workers' output as the launcher prints it: whole lines with torchrun-like prefixes,
 optional copies in files, a filter on local ranks, and no endless restarts of a script that
-fails the same way before it ever joins."""
+fails the same way before it ever joins or commits."""
 
 from __future__ import annotations
 
@@ -67,6 +67,19 @@ def test_a_script_that_fails_the_same_way_before_joining_is_restarted_once_not_m
     assert "ValueError: the script failed before it joined (on purpose)" in said
     assert "not restarting it" in said
     assert len(text.splitlines()) <= 25, text
+
+
+def test_a_script_that_joins_then_fails_the_same_way_before_its_first_commit_is_restarted_once(
+        cli, etcd):
+    run = cli("run", "--etcd", etcd.url, "--job-id", f"first-step-{os.getpid()}",
+              "--max-restarts", "5", FAILS, "--when", "first-step")
+    assert run.wait(90) == 1, run.text()
+    text = run.text()
+    assert text.count("restarting worker") == 1, text
+    [said] = [line for line in text.splitlines() if "failed the same way again" in line]
+    assert "before its first commit" in said and "not restarting it" in said
+    assert "ValueError: the script failed in its first step (on purpose)" in said
+    assert len(text.splitlines()) <= 50, text  # two tracebacks and six lines of ours
 
 
 def test_a_torchrun_style_command_line_runs_with_one_note_per_flag_not_needed(cli):
