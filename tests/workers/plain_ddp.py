@@ -1,6 +1,11 @@
 """A plain DDP script (no ElasticState): what torchrun would run. Writes one result per rank.
 
 With ``CRASH_RANK`` set, that rank SIGKILLs itself at step 5 of the first generation.
+
+It ends the way torch asks a script to: every rank done (a barrier), the DDP model released,
+then ``destroy_process_group``. A gloo group still referenced by a live DDP reducer is destroyed
+during interpreter teardown instead, which can abort the process ("terminate called without an
+active exception") after it trained correctly.
 """
 
 import json
@@ -30,4 +35,7 @@ out = os.path.join(sys.argv[1], f"plain-{rank}.json")
 with open(out, "w") as f:
     json.dump({"rank": rank, "world": world, "restart": restart, "params": flat,
                "master": os.environ["MASTER_ADDR"]}, f)
+print(f"rank {rank} finished training", file=sys.stderr, flush=True)
+dist.barrier()
+del model, opt
 dist.destroy_process_group()
