@@ -136,6 +136,7 @@ class WorkerSettings:
     etcd_security: EtcdSecurity = EtcdSecurity()
     lease_file: str | None = None
     resume_finished: bool = False
+    standby: bool = False
 
     @staticmethod
     def resolve(*, etcd: str | None, job_id: str | None, min_workers: int | None,
@@ -162,6 +163,7 @@ class WorkerSettings:
             etcd_security=EtcdSecurity.resolve(),
             lease_file=env.get("ELASTIC_LEASE_FILE") or None,
             resume_finished=env.get("ELASTIC_RESUME_FINISHED", "") not in ("", "0"),
+            standby=env.get("ELASTIC_STANDBY", "") not in ("", "0"),
         )
         settings.validate()
         return settings

@@ -56,7 +56,8 @@ class Cluster:
                                   skip_ports=etcd_ports, form_timeout=timeouts.form,
                                   advertise_addr=settings.advertise_addr)
         self.config = RendezvousConfig(min_workers=settings.min_workers,
-                                       max_workers=settings.max_workers, timeouts=timeouts)
+                                       max_workers=settings.max_workers, timeouts=timeouts,
+                                       standby=settings.standby)
         self.topology: Topology | None = None
         self.links = RoundLinks(self.group, AgreementChannel(0, 1, self.group.timeout))
         self.skipped = SkippedRecords()  # malformed records read from etcd, warned once each

@@ -14,7 +14,8 @@ from elastic.cluster import records
 from elastic.cluster.records import MAX_ROUND, MAX_VERSION, RecordError
 
 REASONS = frozenset({"start", "change", "failure", "spare"})
-_JOIN_FIELDS = {"member_id": True, "version": True, "reason": True, "addr": True, "port": True}
+_JOIN_FIELDS = {"member_id": True, "version": True, "reason": True, "addr": True, "port": True,
+                "standby": False}
 _PLAN_FIELDS = {"round": True, "ranks": True, "spares": False, "master_addr": False,
                 "master_port": False, "versions": False}
 
@@ -25,7 +26,9 @@ class JoinRequest:
 
     ``reason`` is one of "start" (a new process), "change" (a running member at an agreed
     re-formation), "failure" (a running member whose group broke), "spare" (a member left out by
-    ``max_workers`` asking again).
+    ``max_workers`` asking again, or a warm spare). ``standby`` marks a warm spare
+    (``elastic run --spares``): it takes a place in a round only when a member of the previous
+    round is gone, never to grow the world.
     """
 
     member_id: str
@@ -34,6 +37,7 @@ class JoinRequest:
     addr: str
     port: int
     revision: int = 0
+    standby: bool = False
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -57,7 +61,8 @@ class JoinRequest:
                            reason=records.one_of("reason", data["reason"], REASONS),
                            addr=records.address("addr", data["addr"]),
                            port=records.integer("port", data["port"], 1, 65535),
-                           revision=revision)
+                           revision=revision,
+                           standby=records.boolean("standby", data.get("standby", False)))
 
 
 @dataclass(frozen=True)
@@ -137,7 +142,8 @@ def should_close(requests: list[JoinRequest], live: set[str], has_previous: bool
     if len(joined) < rule.min_workers:
         return False
     complete = live <= joined
-    full = rule.max_workers is not None and len(joined) >= rule.max_workers
+    core = sum(not r.standby for r in requests)
+    full = rule.max_workers is not None and core >= rule.max_workers
     settled = quiet_s >= rule.settle_s
     if complete and (has_previous or full or settled):
         return True
@@ -146,18 +152,26 @@ def should_close(requests: list[JoinRequest], live: set[str], has_previous: bool
 
 
 def assign_ranks(requests: list[JoinRequest], previous: list[str], round_: int,
-                 max_workers: int | None) -> Plan:
+                 max_workers: int | None, min_workers: int = 1) -> Plan:
     """Orders the requests into ranks: the newest commit first (it becomes rank 0, the source of
     the state), then members of the previous round in their old order, then by arrival.
-    Members beyond ``max_workers`` become spares.
+    Members beyond ``max_workers`` become spares. A warm spare (``standby``) that was not in the
+    previous round is taken only to fill the place of a previous member that is gone (or to
+    reach ``min_workers``); the others stay spares.
     """
     if not requests:
         raise ValueError("A round needs at least one join request.")
     old_rank = {member: i for i, member in enumerate(previous)}
     ordered = sorted(requests, key=lambda r: (-r.version, old_rank.get(r.member_id, len(previous)),
                                               r.revision, r.member_id))
-    cut = len(ordered) if max_workers is None else max_workers
-    chosen, spares = ordered[:cut], ordered[cut:]
+    waiting = [r for r in ordered if r.standby and r.member_id not in old_rank]
+    candidates = [r for r in ordered if r not in waiting]
+    places = max(len(previous), min_workers) - len(candidates)
+    candidates += waiting[:max(0, places)]
+    candidates.sort(key=ordered.index)
+    cut = len(candidates) if max_workers is None else max_workers
+    chosen = candidates[:cut]
+    spares = [r for r in ordered if r not in chosen]
     return Plan(round=round_, ranks=[r.member_id for r in chosen],
                 spares=[r.member_id for r in spares], master_addr=chosen[0].addr,
                 master_port=chosen[0].port, versions={r.member_id: r.version for r in requests})

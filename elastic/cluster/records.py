@@ -69,6 +69,17 @@ def integer(name: str, value: Any, low: int, high: int) -> int:
     return value
 
 
+def boolean(name: str, value: Any) -> bool:
+    """``value`` if it is true or false.
+
+    Raises:
+        RecordError: otherwise.
+    """
+    if type(value) is not bool:
+        raise RecordError(f"{name} is {_show(value)}, not true or false")
+    return value
+
+
 def member_id(name: str, value: Any) -> str:
     """``value`` if it can be a member id (``host-pid-hex``): printable, no '/' or space.
 

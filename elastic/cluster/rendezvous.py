@@ -36,6 +36,7 @@ class RendezvousConfig:
     min_workers: int = 1
     max_workers: int | None = None
     timeouts: Timeouts = Timeouts()
+    standby: bool = False  # this member is a warm spare (``elastic run --spares``)
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -80,6 +81,7 @@ class Rendezvous:
                                config.timeouts.settle.total_seconds())
         self._changed = threading.Condition()
         self._epoch = 0
+        self.standby = config.standby  # a warm spare until a round takes it
         membership.add_listener(self._on_events)
 
     def _on_events(self, events: list[WatchEvent]) -> None:
@@ -138,8 +140,10 @@ class Rendezvous:
             self._membership.check_not_fenced()
             latest, revision = self._read_round_key()
             n = latest + 1
-            request = JoinRequest(self._membership.member_id, version, reason,
-                                  self._membership.advertise_addr, port)
+            # A warm spare's joins never ask the running members to re-form.
+            request = JoinRequest(self._membership.member_id, version,
+                                  "spare" if self.standby else reason,
+                                  self._membership.advertise_addr, port, standby=self.standby)
             self._client.put(self._keys.join(n, self._membership.member_id), request.to_json(),
                              lease=self._membership.lease)
             plan = self._wait_for_plan(n, revision, started, cancelled)
@@ -147,6 +151,7 @@ class Rendezvous:
                 log.info("round %d was overtaken by later rounds; asking for the newest", n)
                 continue
             if self._membership.member_id in plan.ranks:
+                self.standby = False
                 return self._topology(plan)
             if self._membership.member_id in plan.spares:
                 return None
@@ -251,7 +256,7 @@ class Rendezvous:
         exists and ``round`` is still what this member read (``n - 1``), so that ``round`` only
         moves forward, even for a member that was delayed past later rounds."""
         plan = assign_ranks(requests, previous.ranks if previous else [], n,
-                            self.config.max_workers)
+                            self.config.max_workers, self.config.min_workers)
         if self._client.create(self._keys.plan(n), plan.to_json(),
                                also={self._keys.round: str(n)},
                                unchanged=(self._keys.round, round_revision)):

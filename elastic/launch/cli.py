@@ -28,7 +28,7 @@ from elastic.timeouts import Timeouts  # the standard library only: keeps `--hel
 USAGE_ERROR = 2
 # The flags of the timeout table (elastic/timeouts.py), in seconds: field -> flag.
 _TIMEOUT_FLAGS = {field: str(Timeouts.flag_name(field)) for field in Timeouts.FLAGS}
-_VALUE_OPTIONS = {"--etcd", "--job-id", "-n", "--nproc-per-node", "--min-workers",
+_VALUE_OPTIONS = {"--etcd", "--job-id", "-n", "--nproc-per-node", "--spares", "--min-workers",
                   "--max-workers", "--max-restarts", "--checkpoint", "--backend",
                   "--advertise-addr", "--log-dir", "--tee", "--local-ranks-filter",
                   *_TIMEOUT_FLAGS.values(), *EtcdSecurity.FLAGS.values()}
@@ -111,6 +111,9 @@ def _run_parser() -> _Parser:
     p.add_argument("--job-id", help="the job's name in etcd (default: a fresh id)")
     p.add_argument("-n", "--nproc-per-node", type=int, default=1, dest="nproc",
                    help="worker processes on this node (default 1)")
+    p.add_argument("--spares", type=int, default=0, metavar="K",
+                   help="warm spare workers on this node: started, imported and registered, "
+                        "they train only in place of a worker that died (default 0)")
     p.add_argument("--min-workers", type=int, default=1, help="fewest workers to train with")
     p.add_argument("--max-workers", type=int, help="most workers; extra ones wait as spares")
     p.add_argument("--max-restarts", type=int, default=3,
@@ -195,7 +198,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     try:
         spec = LaunchSpec(
             command=command, target=target, etcd=args.etcd or "", job_id=job_id,
-            nproc=args.nproc, min_workers=args.min_workers,
+            nproc=args.nproc, spares=args.spares, min_workers=args.min_workers,
             max_workers=args.max_workers, max_restarts=args.max_restarts,
             checkpoint=args.checkpoint, backend=args.backend, advertise_addr=args.advertise_addr,
             log_dir=log_dir, timeouts=_timeouts(args), plain=args.plain,
@@ -271,8 +274,9 @@ def _launch(spec, embedded) -> int:  # noqa: ANN001 (imported lazily: EmbeddedEt
             launcher.watch_etcd(embedded.process, str(embedded.log_path))
         where = "embedded etcd" if embedded else "etcd"
         verb = "started" if first else "joined"
+        spares = f" and {spec.spares} warm spare(s)" if spec.spares else ""
         print(f"elastic: {verb} job {spec.job_id} on {where} {spec.etcd} with {spec.nproc} "
-              f"worker(s) on this node. To add a worker from another terminal:\n"
+              f"worker(s){spares} on this node. To add a worker from another terminal:\n"
               f"    {join_command(spec)}", file=sys.stderr, flush=True)
         code = launcher.run()
     finally:

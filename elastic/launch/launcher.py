@@ -49,6 +49,8 @@ class LaunchSpec:
         etcd: comma-separated etcd client URLs.
         job_id: the job's id.
         nproc: workers on this node.
+        spares: warm spare workers on this node (``--spares``): started beside the ``nproc``
+            workers, they take a round only in place of a member that is gone.
         min_workers: fewest workers to train with.
         max_workers: most workers to train with.
         max_restarts: restarts of crashed workers (plain: of generations) before giving up.
@@ -68,6 +70,7 @@ class LaunchSpec:
     etcd: str
     job_id: str
     nproc: int = 1
+    spares: int = 0
     min_workers: int = 1
     max_workers: int | None = None
     max_restarts: int = 3
@@ -91,6 +94,11 @@ class LaunchSpec:
                              f"({self.min_workers}).")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts ({self.max_restarts}) must be >= 0.")
+        if self.spares < 0:
+            raise ValueError(f"--spares ({self.spares}) must be >= 0.")
+        if self.spares and self.plain:
+            raise ValueError("--spares works with elastic workers only: --plain restarts every "
+                             "worker at each failure, so a spare would gain nothing.")
 
     def job_config(self) -> JobConfig:
         return JobConfig(mode="plain" if self.plain else "elastic", target=self.target,
@@ -98,8 +106,8 @@ class LaunchSpec:
                          checkpoint=self.checkpoint, backend=self.backend,
                          nproc=self.nproc if self.plain else None)
 
-    def worker_env(self, local_rank: int) -> dict[str, str]:
-        """The ELASTIC_* variables (and LOCAL_RANK) of one worker."""
+    def worker_env(self, local_rank: int, standby: bool = False) -> dict[str, str]:
+        """The ELASTIC_* variables (and LOCAL_RANK) of one worker (``standby``: a warm spare)."""
         env = {
             "ELASTIC_ETCD": self.etcd, "ELASTIC_JOB_ID": self.job_id,
             "ELASTIC_MIN_WORKERS": str(self.min_workers),
@@ -110,6 +118,8 @@ class LaunchSpec:
             **self.timeouts.as_env(), **self.security.as_env(),
             **socket_interface_env(self.advertise_addr, self.env),
         }
+        if standby:
+            env["ELASTIC_STANDBY"] = "1"
         if self.caps_threads:
             env["OMP_NUM_THREADS"] = "1"
         if "PYTHONUNBUFFERED" not in self.env:  # its lines reach the console as it prints them
@@ -121,7 +131,7 @@ class LaunchSpec:
         """Whether workers get ``OMP_NUM_THREADS=1``: several workers share this node and the
         user did not choose a thread count (each would otherwise start one intra-op thread per
         core and they would fight over the cores; torchrun does the same)."""
-        return self.nproc > 1 and "OMP_NUM_THREADS" not in self.env
+        return self.nproc + self.spares > 1 and "OMP_NUM_THREADS" not in self.env
 
 
 class EtcdExit:
@@ -273,8 +283,8 @@ class Launcher:
         assert self.client is not None and self.membership is not None, "connect() first"
         restore = self.stop.install()
         if self.spec.caps_threads:
-            _say(f"OMP_NUM_THREADS=1 for each of the {self.spec.nproc} workers (set "
-                 "OMP_NUM_THREADS to choose another thread count)")
+            _say(f"OMP_NUM_THREADS=1 for each of the {self.spec.nproc + self.spec.spares} "
+                 "workers (set OMP_NUM_THREADS to choose another thread count)")
         try:
             if self.spec.plain:
                 from elastic.launch.plain import PlainGenerations  # noqa: PLC0415 (torch import)
@@ -310,8 +320,8 @@ class Launcher:
         self.leases.close()
 
     def _run_elastic(self) -> int:
-        for local_rank in range(self.spec.nproc):
-            self._start(local_rank)
+        for local_rank in range(self.spec.nproc + self.spec.spares):
+            self._start(local_rank, standby=local_rank >= self.spec.nproc)
         restarts = Restarts(self.spec.max_restarts)
         while True:
             self.procs.changed.wait(timeout=self.spec.timeouts.wake.total_seconds())
@@ -334,16 +344,22 @@ class Launcher:
                 if refusal:
                     _say(refusal)
                     continue
-                _say(f"restarting worker local_rank={worker.local_rank} "
-                     f"(restart {restarts.used} of {self.spec.max_restarts})")
-                self._start(worker.local_rank)
+                if self.spec.spares:
+                    _say(f"a warm spare takes the place of worker local_rank="
+                         f"{worker.local_rank}; starting a new spare in its slot (restart "
+                         f"{restarts.used} of {self.spec.max_restarts})")
+                else:
+                    _say(f"restarting worker local_rank={worker.local_rank} "
+                         f"(restart {restarts.used} of {self.spec.max_restarts})")
+                self._start(worker.local_rank, standby=self.spec.spares > 0)
             if not self.procs.running():
                 return 1 if restarts.failed else 0
 
-    def _start(self, local_rank: int) -> None:
-        """Starts one worker, with a file of its own to report its leases in."""
+    def _start(self, local_rank: int, standby: bool = False) -> None:
+        """Starts one worker (``standby``: a warm spare), with a file of its own to report its
+        leases in."""
         path = self.leases.new_path(local_rank)
-        worker = self.procs.start(local_rank, {**self.spec.worker_env(local_rank),
+        worker = self.procs.start(local_rank, {**self.spec.worker_env(local_rank, standby),
                                                "ELASTIC_LEASE_FILE": path})
         self.leases.assign(worker.pid, path)
 

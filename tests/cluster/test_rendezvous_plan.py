@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic.cluster.plan import CloseRule, JoinRequest, Plan, assign_ranks, should_close
+from elastic.cluster.records import RecordError
 
 RULE = CloseRule(min_workers=1, max_workers=None, settle_s=0.5)
 
@@ -174,3 +175,45 @@ def test_full_ties_fall_back_to_the_member_id_so_every_member_computes_the_same_
 
 def test_the_plan_carries_its_round_number():
     assert assign_ranks([req("a")], [], 17, None).round == 17
+
+
+def spare(member: str, version: int = 0, revision: int = 0) -> JoinRequest:
+    return JoinRequest(member, version, "spare", "127.0.0.1", 1, revision, standby=True)
+
+
+def test_a_warm_spare_stays_out_of_a_first_round_however_many_places_are_free():
+    plan = assign_ranks([req("a", revision=1), req("b", revision=2), spare("s", revision=3)],
+                        [], 1, None)
+    assert plan.ranks == ["a", "b"] and plan.spares == ["s"]
+
+
+def test_a_warm_spare_takes_the_place_of_a_member_that_is_gone_and_only_one_place():
+    plan = assign_ranks([req("b", 5), spare("s", revision=3), spare("t", revision=4)],
+                        ["a", "b"], 2, None)
+    assert plan.ranks == ["b", "s"] and plan.spares == ["t"]
+
+
+def test_a_warm_spare_in_the_previous_round_keeps_its_place():
+    plan = assign_ranks([req("b", 5), spare("s", 5), req("new", revision=9)], ["b", "s"], 3, None)
+    assert plan.ranks == ["b", "s", "new"] and plan.spares == []
+
+
+def test_warm_spares_fill_up_to_min_workers_and_never_past_max_workers():
+    assert assign_ranks([req("a"), spare("s", revision=1), spare("t", revision=2)], [], 1, None,
+                        min_workers=2).ranks == ["a", "s"]
+    assert assign_ranks([req("a"), spare("s")], ["a", "x", "y"], 2, 2).ranks == ["a", "s"]
+
+
+def test_warm_spares_do_not_make_a_first_round_full():
+    rule = CloseRule(min_workers=1, max_workers=2, settle_s=5.0)
+    requests = [req("a"), spare("s", revision=1)]
+    assert not should_close(requests, {"a", "s"}, False, 0.0, rule)
+    assert should_close(requests + [req("b", revision=2)], {"a", "b", "s"}, False, 0.0, rule)
+
+
+def test_a_join_request_that_says_standby_in_anything_but_a_boolean_is_refused():
+    raw = b'{"member_id": "m", "version": 0, "reason": "spare", "addr": "127.0.0.1", ' \
+          b'"port": 1, "standby": 1}'
+    with pytest.raises(RecordError, match="standby is 1, not true or false"):
+        JoinRequest.from_json(raw, 1, "m")
+    assert JoinRequest.from_json(raw.replace(b"1}", b"true}"), 1, "m").standby

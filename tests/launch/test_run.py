@@ -129,6 +129,30 @@ def test_a_crashed_worker_has_its_lease_revoked_at_once_and_is_restarted(cli, et
     assert run.wait(40) == 0, run.text()
 
 
+def test_a_warm_spare_takes_a_killed_workers_place_and_a_new_spare_is_started(cli, etcd,
+                                                                              tmp_path):
+    log_dir = tmp_path / "events"
+    run = cli("run", "--etcd", etcd.url, "--job-id", f"spares-{os.getpid()}", "-n", "2",
+              "--spares", "1", "--max-restarts", "1", "--log-dir", str(log_dir), WORKER,
+              "--steps", "100000")
+    trained = lambda: {e["pid"] for e in events(log_dir)  # noqa: E731
+                       if e["event"] == "resumed" and e["world_size"] == 2}
+    # A spare that registered after the first round formed waits in the next round's joins.
+    wait_until(lambda: len(trained()) == 2 and len(worker_pids(log_dir)) == 3, 60,
+               "world 2 and a registered spare", [run])
+    original = worker_pids(log_dir)
+    [spare] = original - trained()
+    assert "with 2 worker(s) and 1 warm spare(s)" in run.text()
+    os.kill(min(trained()), signal.SIGKILL)
+    wait_until(lambda: spare in trained(), 60, "the spare to train in world 2", [run])
+    wait_until(lambda: worker_pids(log_dir) - original, 60, "a new spare", [run])
+    assert max(e["world_size"] for e in events(log_dir) if e["event"] == "resumed") == 2, \
+        "a spare grew the world"
+    assert "a warm spare takes the place of worker local_rank=" in run.text()
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(40) == 0, run.text()
+
+
 def test_a_plain_ddp_script_runs_unchanged_and_survives_a_crash_by_restart(cli, etcd, tmp_path):
     run = cli("run", "--plain", "--etcd", etcd.url, "--job-id", f"plain-{os.getpid()}",
               "-n", "2", "--max-restarts", "1", str(WORKERS / "plain_ddp.py"), str(tmp_path),
