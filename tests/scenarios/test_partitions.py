@@ -1,0 +1,140 @@
+"""Partitions between machines: three worker hosts and an etcd host, made of network namespaces
+joined by a bridge (``tests/support/netns_hosts.py``); a host is cut from etcd only, then from
+everything, and healed each time.
+
+What must hold: the majority goes on without the cut host within the lease TTL plus a little;
+the cut host never trains again under its old identity; after healing it comes back as a new
+member and the world is whole again. (A host cut from its peers but not from etcd is the one
+case not covered: see the README's "Known limits".)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elastic.launch.embedded_etcd import find_etcd_binary
+from tests.support.cli import WORKERS, events, wait_until
+from tests.support.harness import REPO
+from tests.support.netns_hosts import Hosts, skip_without_namespaces
+
+pytestmark = pytest.mark.timeout(240)
+TTL_S = 2.0
+HOSTS = ["etcd", "h1", "h2", "h3"]
+
+
+class Job:
+    """etcd on host ``etcd`` and one worker on each of h1..h3; every process in its own session,
+    ended by pid."""
+
+    def __init__(self, hosts: Hosts, tmp: Path) -> None:
+        self.hosts, self.tmp, self.log_dir = hosts, tmp, tmp / "events"
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        etcd_ip = hosts.addresses["etcd"]
+        self.url = f"http://{etcd_ip}:2379"
+        self._start("etcd", [find_etcd_binary(), "--name", "e", "--data-dir", str(tmp / "etcd"),
+                             "--listen-client-urls", self.url, "--advertise-client-urls",
+                             self.url, "--listen-peer-urls", f"http://{etcd_ip}:2380",
+                             "--initial-advertise-peer-urls", f"http://{etcd_ip}:2380",
+                             "--initial-cluster", f"e=http://{etcd_ip}:2380"], {})
+        for host in ("h1", "h2", "h3"):
+            self._start(host, [sys.executable, str(WORKERS / "elastic_worker.py"), "--steps",
+                               "1000000", "--step-ms", "20"], {
+                "PYTHONPATH": str(REPO), "ELASTIC_ETCD": self.url, "ELASTIC_JOB_ID": "part",
+                "ELASTIC_ADVERTISE_ADDR": hosts.addresses[host], "GLOO_SOCKET_IFNAME": "eth0",
+                "ELASTIC_LEASE_TTL": str(TTL_S), "ELASTIC_LOG_DIR": str(self.log_dir),
+                "OMP_NUM_THREADS": "1"})
+
+    def _start(self, host: str, argv: list[str], extra: dict[str, str]) -> None:
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME", "ELASTIC_ETCD")}
+        env.update(extra)
+        log = open(self.tmp / f"{host}.log", "wb")
+        self.procs[host] = subprocess.Popen(self.hosts.command(host, *argv), env=env, stdout=log,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=True)
+        log.close()
+
+    def pid(self, host: str) -> int:
+        return self.procs[host].pid  # `ip netns exec` execs the command: the same pid
+
+    def resumed(self, host: str, since: float, world: int) -> list[dict]:
+        return [e for e in events(self.log_dir) if e["event"] == "resumed"
+                and e["pid"] == self.pid(host) and e["t"] > since and e["world_size"] == world]
+
+    def member(self, host: str) -> str:
+        joined = [e for e in events(self.log_dir) if e["pid"] == self.pid(host)
+                  and e["event"] in ("joined", "reregistered")]
+        return joined[-1]["member"]
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {host}\n{(self.tmp / f'{host}.log').read_text()[-1500:]}"
+                         for host in self.procs)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[Job]:
+    skip_without_namespaces()
+    hosts = Hosts(HOSTS)
+    try:
+        running = Job(hosts, tmp_path)
+        try:
+            yield running
+        finally:
+            running.stop()
+    finally:
+        hosts.close()
+
+
+def wait_for(job: Job, condition, timeout: float, what: str) -> None:
+    try:
+        wait_until(condition, timeout, what)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{job.logs()}") from None
+
+
+def cut_and_heal(job: Job, peers_too: bool) -> float:
+    """Cuts h1 (from etcd; with ``peers_too`` from h2 and h3 as well), checks the majority and
+    the cut host, heals, and waits for the whole world; returns the majority's recovery time."""
+    old_member = job.member("h1")
+    cut_at = time.time()
+    job.hosts.cut("h1", "etcd")
+    if peers_too:
+        job.hosts.cut("h1", "h2")
+        job.hosts.cut("h1", "h3")
+    wait_for(job, lambda: job.resumed("h2", cut_at, 2) and job.resumed("h3", cut_at, 2), 30,
+             "h2 and h3 to go on in a world of 2")
+    went_on = max(job.resumed(h, cut_at, 2)[0]["t"] for h in ("h2", "h3")) - cut_at
+    healed_at = time.time()
+    assert not [e for e in events(job.log_dir) if e["pid"] == job.pid("h1")
+                and e["t"] > cut_at and e["event"] == "resumed"], "h1 trained while cut off"
+    job.hosts.heal()
+    wait_for(job, lambda: all(job.resumed(h, healed_at, 3) for h in ("h1", "h2", "h3")), 60,
+             "the healed host to rejoin a world of 3")
+    assert job.member("h1") != old_member, "h1 came back under its old identity"
+    return went_on
+
+
+def test_a_host_cut_from_etcd_or_from_everything_is_dropped_in_a_lease_and_rejoins_when_healed(
+        job: Job):
+    wait_for(job, lambda: all(job.resumed(h, 0, 3) for h in ("h1", "h2", "h3")), 90,
+             "a world of 3")
+    from_etcd = cut_and_heal(job, peers_too=False)
+    from_all = cut_and_heal(job, peers_too=True)
+    print(f"the majority went on {from_etcd:.2f} s after h1 was cut from etcd, "
+          f"{from_all:.2f} s after it was cut from everything (lease TTL {TTL_S:g} s)")
+    # TTL + 1 s is the target (benchmarks/soak.py); the bound leaves room for a loaded CI box.
+    assert from_etcd < TTL_S + 4 and from_all < TTL_S + 4, (from_etcd, from_all)
