@@ -153,6 +153,36 @@ def test_a_warm_spare_takes_a_killed_workers_place_and_a_new_spare_is_started(cl
     assert run.wait(40) == 0, run.text()
 
 
+def test_a_launched_job_trains_through_an_etcd_freeze_longer_than_the_lease_with_no_restart(
+        cli, private_etcd, tmp_path):
+    log_dir = tmp_path / "events"
+    run = cli("run", "--etcd", private_etcd.url, "--job-id", f"freeze-{os.getpid()}", "-n", "2",
+              "--lease-ttl", "2", "--log-dir", str(log_dir), WORKER, "--steps", "100000")
+    wait_until(lambda: 2 in resumed_worlds(log_dir), 60, "world 2", [run])
+    workers = worker_pids(log_dir)
+    steps = lambda since: [e["step"] for e in events(log_dir)  # noqa: E731
+                           if e["event"] == "progress" and e["t"] > since]
+    private_etcd.pause()
+    frozen_at = time.monotonic()
+    try:
+        frozen_wall = time.time()
+        wait_until(lambda: time.monotonic() - frozen_at > 12, 20, "12 s of frozen etcd", [run])
+        assert run.proc.poll() is None, run.text()
+        trained = steps(frozen_wall)
+    finally:
+        private_etcd.resume()
+    assert len(trained) > 5 and trained == sorted(trained), "training stalled while etcd froze"
+    thawed = time.time()
+    wait_until(lambda: len(steps(thawed)) > 5, 60, "training after the thaw", [run])
+    assert "restarting" not in run.text() and "revoked" not in run.text(), run.text()
+    # The leases ran out inside the frozen etcd: the same two processes may re-form once, as
+    # new members; none is restarted and the world ends whole.
+    wait_until(lambda: resumed_worlds(log_dir)[-1] == 2, 60, "a world of 2 again", [run])
+    assert worker_pids(log_dir) == workers, "a worker process was replaced"
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(40) == 0, run.text()
+
+
 def test_a_plain_ddp_script_runs_unchanged_and_survives_a_crash_by_restart(cli, etcd, tmp_path):
     run = cli("run", "--plain", "--etcd", etcd.url, "--job-id", f"plain-{os.getpid()}",
               "-n", "2", "--max-restarts", "1", str(WORKERS / "plain_ddp.py"), str(tmp_path),
