@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from elastic.cluster.admission import Admission, RoundAddress, introduce
+from elastic.cluster.fork_guard import guard as fork_guard
 from elastic.errors import AdvertiseAddressError, PeerFailureError
 
 log = logging.getLogger(__name__)
@@ -166,6 +167,7 @@ class AgreementChannel:
                 conn.close()
                 raise OSError(f"released while connecting: {self._released}")
             self._peers[rank] = conn
+        fork_guard.hold([conn.fileno()])  # a forked DataLoader worker must not keep it open
 
     # -- one agreement ----------------------------------------------------------------------
     def start(self, pending: bool, leaving: bool) -> None:
@@ -241,6 +243,7 @@ class AgreementChannel:
                 self._released = "closed"
             sockets = self._sockets()
             self._peers, self._listener = {}, None
+        fork_guard.release([sock.fileno() for sock in sockets])
         for sock in sockets:
             sock.close()
 

@@ -23,6 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastic.cluster.fork_guard import guard as fork_guard
 from elastic.cluster.interfaces import socket_interface_env
 from elastic.errors import FencedError, PeerFailureError
 
@@ -187,6 +188,7 @@ class ProcessGroup:
         self.form_timeout = form_timeout
         self._skip_ports = skip_ports
         self._sockets: list[_SocketId] = []
+        self._held: list[int] = []  # every socket the formation opened, let go of in children
         self._lock = threading.Lock()
         self._released = threading.Event()
 
@@ -225,10 +227,12 @@ class ProcessGroup:
             dist.barrier()
         dist.distributed_c10d._set_pg_timeout(self.timeout)
         new = {fd: inode for fd, inode in _socket_fds().items() if before.get(fd) != inode}
+        fork_guard.hold(list(new))  # a forked DataLoader worker must not keep them open
         ends = {fd: p for fd, p in ((fd, _tcp_ports(fd)) for fd in new) if p is not None}
         listeners = self._listener_ports(ends) if self.backend == "gloo" else set()
         with self._lock:
             self._sockets = _group_sockets(new, ends, listeners, self._skip_ports)
+            self._held = list(new)
             self._released.clear()
 
     @staticmethod
@@ -275,6 +279,8 @@ class ProcessGroup:
         """Destroys the default group (after release() if a peer may be stuck)."""
         with self._lock:
             self._sockets = []
+            held, self._held = self._held, []
+        fork_guard.release(held)
         if dist.is_initialized():
             dist.destroy_process_group()
         self._released.clear()
