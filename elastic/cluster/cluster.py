@@ -58,6 +58,7 @@ class Cluster:
         self.config = RendezvousConfig(min_workers=settings.min_workers,
                                        max_workers=settings.max_workers, timeouts=timeouts)
         self.topology: Topology | None = None
+        self._last: Topology | None = None  # the round of the retired channel
         self.links = RoundLinks(self.group, AgreementChannel(0, 1, self.group.timeout))
         self.skipped = SkippedRecords()  # malformed records read from etcd, warned once each
         self.membership: EtcdMembership
@@ -133,7 +134,8 @@ class Cluster:
                 reason = "start"
             with Stopwatch() as waited:
                 try:
-                    topology = self.rendezvous.join(reason, version, free_port(), cancelled)
+                    topology = self.rendezvous.join(reason, version, free_port(), cancelled,
+                                                    self._members_gone)
                 except FencedError as exc:
                     self.membership.fence(str(exc))  # a write found the lease gone
                     continue
@@ -169,8 +171,18 @@ class Cluster:
             raise PeerFailureError(f"forming the group of round {topology.round} failed: "
                                    f"{exc}") from exc
 
+    def _members_gone(self, n: int) -> list[str]:
+        """The members of round ``n - 1`` whose agreement connection to this worker ended (dead
+        by direct evidence), when this worker was in that round; else none."""
+        last = self._last
+        if last is None or last.round != n - 1:
+            return []
+        return [last.members[rank] for rank in self.channel.peers_gone()]
+
     def _drop_group(self) -> None:
         self.links.drop()
+        if self.topology is not None:
+            self._last = self.topology
         self.topology = None
 
     def confirm_lease(self) -> bool:
@@ -220,7 +232,8 @@ class Cluster:
     def close(self) -> None:
         """Destroys the group, leaves the job (revoking the lease) and closes the client."""
         self.monitor.disarm()
-        self._drop_group()
+        self.links.close()
+        self.topology = None
         self.membership.leave()
         self.events.emit("left")
         self.client.close()

@@ -42,3 +42,23 @@ def test_survivors_of_a_killed_worker_resume_at_once_even_when_it_had_dataloader
         f"workers): they waited for something other than the dead worker's connections")
     assert job.wait_exit(0) == 0 and job.wait_exit(2) == 0
     check_outcome(job, [0, 2])
+
+
+def test_a_member_inside_a_long_step_is_not_left_out_of_the_survivors_round(make_job):
+    slow_ms = 3000
+    job = make_job(ARGS + ["--step-ms", "30"],
+                   {"FAULTS": "kill:1:20,slow:2:20", "SLOW_STEP_MS": str(slow_ms),
+                    "ELASTIC_LEASE_TTL": str(LEASE_TTL_S)})
+    job.start_together(range(3))
+    assert job.wait_exit(1) == -signal.SIGKILL
+    recovery_s = _recovery_after(job, "kill", 1)
+    assert job.wait_exit(0) == 0 and job.wait_exit(2) == 0
+    check_outcome(job, [0, 2])
+    fired_at = job.fired("kill", 1)["t"]
+    worlds = [e["world_size"] for e in job.events()
+              if e["event"] == "round_formed" and e["t"] > fired_at]
+    assert worlds and min(worlds) == 2, (
+        f"a round formed without the member inside its long step: worlds {worlds}")
+    assert recovery_s < slow_ms / 1000 + FAST_S < LEASE_TTL_S, (
+        f"the survivors resumed {recovery_s:.2f} s after the kill: they waited for the dead "
+        "worker's lease, not only for the slow member")

@@ -7,7 +7,7 @@ the rollback), progress goes to ``progress-{index}.jsonl``, the final parameters
 ``raise`` is a bug in the user's own code: a ``RuntimeError`` whose message reads like a network
 error;
 ``stop-commit`` freezes the worker right before its commit, so that the others wait for it inside
-the commit's membership agreement.
+the commit's membership agreement; ``slow`` makes one step last ``SLOW_STEP_MS`` (3000) longer.
 """
 
 from __future__ import annotations
@@ -73,6 +73,9 @@ def fire_faults(state: ElasticState, out: Path, index: int, at_commit: bool = Fa
                                       "world": state.world_size, "t": time.time()}))
         if kind == "raise":
             raise RuntimeError("file closed: the user's own error (connection, socket, timeout)")
+        if kind == "slow":  # one long step (no collective in it): a live member, only slow
+            compute_for(float(os.environ.get("SLOW_STEP_MS", "3000")))
+            continue
         sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP,
                "stop-commit": signal.SIGSTOP}[kind]
         os.kill(os.getpid(), sig)
