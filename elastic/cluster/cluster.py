@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,8 @@ from elastic.cluster.keys import JobKeys
 from elastic.cluster.lease_file import append_lease
 from elastic.cluster.membership import EtcdMembership
 from elastic.cluster.monitor import ChangeMonitor
-from elastic.cluster.process_group import ProcessGroup, resolve_backend
+from elastic.cluster.device import claim_device, default_lock_dir
+from elastic.cluster.process_group import ProcessGroup, cuda_device_count, resolve_backend
 from elastic.cluster.records import SkippedRecords
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
 from elastic.cluster.round_links import RoundLinks
@@ -52,9 +54,13 @@ class Cluster:
         self.client = EtcdClient(settings.etcd, timeouts=timeouts,
                                  security=settings.etcd_security)
         etcd_ports = frozenset(port for _, port in parse_endpoints(settings.etcd))
-        self.group = ProcessGroup(resolve_backend(settings.backend), timeout=timeouts.collective,
+        backend = resolve_backend(settings.backend)
+        self.device = claim_device(os.environ, cuda_device_count(), default_lock_dir()) \
+            if backend == "nccl" else None
+        self.group = ProcessGroup(backend, timeout=timeouts.collective,
                                   skip_ports=etcd_ports, form_timeout=timeouts.form,
-                                  advertise_addr=settings.advertise_addr)
+                                  advertise_addr=settings.advertise_addr,
+                                  device_index=self.device.index if self.device else None)
         self.config = RendezvousConfig(min_workers=settings.min_workers,
                                        max_workers=settings.max_workers, timeouts=timeouts)
         self.topology: Topology | None = None
