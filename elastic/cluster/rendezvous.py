@@ -218,8 +218,10 @@ class Rendezvous:
         re-formation's (``roll_call.may_close``, with the credible reports of deaths)."""
         if previous is None:
             return should_close(requests, live, False, quiet_s, self._rule)
-        roll = RollCall(previous.ranks, self._dead(n, previous), waited_s,
-                        self.config.timeouts.rejoin.total_seconds())
+        rejoin_s = self.config.timeouts.rejoin.total_seconds()
+        roll = RollCall(previous.ranks, frozenset(), waited_s, rejoin_s)
+        if roll.missing({r.member_id for r in requests}, live):  # only then read the reports
+            roll = RollCall(previous.ranks, self._dead(n, previous), waited_s, rejoin_s)
         if may_close(requests, live, roll, quiet_s, self._rule):
             missing = roll.missing({r.member_id for r in requests}, live)
             if missing:

@@ -62,3 +62,26 @@ def test_a_member_inside_a_long_step_is_not_left_out_of_the_survivors_round(make
     assert recovery_s < slow_ms / 1000 + FAST_S < LEASE_TTL_S, (
         f"the survivors resumed {recovery_s:.2f} s after the kill: they waited for the dead "
         "worker's lease, not only for the slow member")
+
+
+@pytest.mark.parametrize("victim_rank", [0, 2])
+def test_survivors_of_a_killed_rank_close_their_round_without_the_settle_window(make_job,
+                                                                                victim_rank):
+    """The settle window is only for unknown joiners: with a long one (3 s), survivors that saw
+    the dead member's connection end (rank 0 sees any rank's; every rank sees rank 0's) still
+    re-form at once."""
+    who = f"r{victim_rank}"
+    job = make_job(ARGS + ["--step-ms", "30"],
+                   {"FAULTS": f"kill:{who}:20", "ELASTIC_LEASE_TTL": str(LEASE_TTL_S),
+                    "ELASTIC_SETTLE": "3"})
+    job.start_together(range(3))
+    job.wait_until(lambda: (job.out / f"fired-kill-{who}").exists(), 90, "the kill")
+    victim = job.fired("kill", who)["index"]
+    assert job.wait_exit(victim) == -signal.SIGKILL
+    recovery_s = _recovery_after(job, "kill", who)
+    assert recovery_s < FAST_S, (
+        f"the survivors resumed {recovery_s:.2f} s after rank {victim_rank} was killed: they "
+        "waited for the settle window or the lease")
+    survivors = [i for i in range(3) if i != victim]
+    assert all(job.wait_exit(i) == 0 for i in survivors)
+    check_outcome(job, survivors)
