@@ -14,6 +14,10 @@ Measured (wall clock, from the workers' per-step progress lines):
 - steady state: steps/s of 2 workers, ours with commit() every 10 and every step, against the same
   loop as plain DDP under torchrun.
 
+``--recovery-only`` runs the failure cases only, per rep: SIGKILL with no launcher, the same
+under torchrun, SIGKILL under ``elastic run`` (whose launcher revokes the dead worker's lease),
+and SIGSTOP (lease TTL 2 s).
+
 ``--throughput-only`` runs the steady-state pair only (order alternating per rep; ``--batch``,
 ``--steps``, ``--pin`` to bind worker i to core i) and adds what one commit costs rank 0: the
 median step interval that holds a commit minus the median of the others. ``--control`` swaps
@@ -145,6 +149,25 @@ def ours_fault(out: Path, sig: signal.Signals, lease_ttl: str = "2") -> float:
         etcd.stop()
 
 
+def ours_launcher_kill(out: Path) -> float:
+    """SIGKILL of rank 1 of 4 workers under ``elastic run`` (embedded etcd): its launcher sees
+    the worker die and revokes its lease -> the first step in world 3."""
+    procs = Procs(out)
+    try:
+        launcher = Path(sys.executable).with_name("elastic")
+        procs.start([str(launcher), "run", "-n", "4", "--log-dir", str(out / "events"),
+                     "elastic_worker.py", "--out", str(out)], env_for())
+        wait_for(lambda: steps_of(out, 30, 4), 120, "4 workers under elastic run at step 30")
+        victim = next(p["pid"] for p in reversed(read_progress(out)) if p["rank"] == 1)
+        killed_at = time.time()
+        os.kill(victim, signal.SIGKILL)
+        first = wait_for(lambda: next((p for p in read_progress(out) if p["t"] > killed_at
+                                       and p["world"] == 3), None), 60, "a step in world 3")
+        return first["t"] - killed_at
+    finally:
+        procs.kill_all()
+
+
 def torchrun_kill(out: Path, rdzv: str = "c10d") -> float:
     procs = Procs(out)
     try:
@@ -242,6 +265,9 @@ def main() -> None:
     parser.add_argument("--out", "--json", type=Path, default=None,
                         help="where to write the JSON result (default: runs/recovery.json, or "
                              "runs/throughput.json with --throughput-only; runs/ is untracked)")
+    parser.add_argument("--recovery-only", action="store_true",
+                        help="only the failure cases: SIGKILL without and with a launcher, "
+                             "torchrun's restart, SIGSTOP")
     parser.add_argument("--throughput-only", action="store_true",
                         help="only the steady-state comparison, order alternating per rep")
     parser.add_argument("--batch", type=int, default=32,
@@ -265,10 +291,14 @@ def main() -> None:
         inner = f"ip link set lo up && exec {sys.executable} {Path(__file__)} " \
                 f"--reps {args.reps} --out {shlex.quote(str(args.out))}" \
                 + (" --throughput-only" if args.throughput_only else "") \
+                + (" --recovery-only" if args.recovery_only else "") \
                 + (" --pin" if args.pin else "") + (" --control" if args.control else "") \
                 + f" --batch {args.batch} --steps {args.steps} --commit-part {args.commit_part}"
         os.execvpe("unshare", ["unshare", "-n", "sh", "-c", inner],
                    dict(os.environ, BENCH_NETNS="1"))
+    if args.recovery_only:
+        recovery_only(args.reps, args.out)
+        return
     if args.throughput_only:
         throughput_only(args.reps, args.out, args.pin, args.batch, args.steps,
                         args.control, args.commit_part)
@@ -299,6 +329,34 @@ def main() -> None:
     args.out.write_text(json.dumps(results, indent=1))
     report(results)
     print(f"wrote {args.out}")
+
+
+def recovery_only(reps: int, json_path: Path) -> None:
+    """The failure cases only, each rep in the same order; medians and the ratio to torchrun."""
+    root = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
+    results: dict[str, list[float]] = {k: [] for k in (
+        "ours_kill_s", "torchrun_kill_s", "ours_launcher_kill_s", "ours_node_loss_s")}
+    try:
+        for rep in range(reps):
+            d = root / f"rep{rep}"
+            results["ours_kill_s"].append(ours_fault(mk(d / "kill"), signal.SIGKILL))
+            results["torchrun_kill_s"].append(torchrun_kill(mk(d / "torchrun")))
+            results["ours_launcher_kill_s"].append(ours_launcher_kill(mk(d / "launcher")))
+            results["ours_node_loss_s"].append(ours_fault(mk(d / "stop"), signal.SIGSTOP))
+            print(f"rep {rep}: " + ", ".join(f"{k}={v[-1]:.3f}" for k, v in results.items()),
+                  flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(results, indent=1))
+    med = {k: statistics.median(v) for k, v in results.items()}
+    print("\n| measure | median | all runs |\n|---|---|---|")
+    for key, values in results.items():
+        print(f"| {key} | {med[key]:.3f} | {', '.join(f'{v:.3f}' for v in values)} |")
+    ratios = [t / o for o, t in zip(results["ours_kill_s"], results["torchrun_kill_s"])]
+    print(f"\nrecovery ratio torchrun/ours: {med['torchrun_kill_s'] / med['ours_kill_s']:.1f}x "
+          f"(medians); per rep {', '.join(f'{r:.1f}x' for r in ratios)}")
+    print(f"wrote {json_path}")
 
 
 def throughput_only(reps: int, json_path: Path, pin: bool, batch: int, steps: int,

@@ -22,6 +22,7 @@ _PUBLIC = {
     "AdvertiseAddressError": "elastic.errors",
     "CheckpointError": "elastic.checkpoint.errors",
     "CheckpointStore": "elastic.checkpoint",
+    "DeviceUnavailableError": "elastic.errors",
     "ElasticError": "elastic.errors",
     "ElasticInterrupt": "elastic.errors",
     "ElasticSampler": "elastic.state",

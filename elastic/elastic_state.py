@@ -135,7 +135,10 @@ class ElasticState:
 
     @property
     def local_rank(self) -> int:
-        return self._settings.local_rank
+        """The GPU index of this worker: ``LOCAL_RANK``, or for an NCCL worker started by hand
+        without it, the GPU it claimed (``elastic.cluster.device``)."""
+        device = self._cluster.device if self._cluster else None
+        return device.index if device is not None else self._settings.local_rank
 
     @property
     def generation(self) -> int:

@@ -38,6 +38,10 @@ class AdvertiseAddressError(ElasticError):
     """The advertised address is not an address of this machine, so nothing can listen on it."""
 
 
+class DeviceUnavailableError(ElasticError):
+    """No GPU this worker may use: none visible, ``LOCAL_RANK`` beyond them, or all held."""
+
+
 class EtcdRecordError(ElasticError):
     """A record in the job's etcd prefix that the job cannot go on without is malformed."""
 

@@ -33,9 +33,9 @@ class Timeouts:
     """Every timeout and interval of a worker and its launcher; see each field.
 
     The order it enforces (``validate``): 2 x keepalive < lease_ttl; settle and node_settle <
-    rendezvous; form < collective; sync <= collective; etcd_rpc <= etcd_retry <= etcd_outage;
-    backoff and reconnect <= backoff_max. A frozen or cut-off worker is dropped within lease_ttl (+ settle
-    before its survivors' round closes, + form while they connect).
+    rendezvous; settle < rejoin; form < collective; sync <= collective; etcd_rpc <= etcd_retry
+    <= etcd_outage; backoff and reconnect <= backoff_max. A frozen or cut-off worker is dropped
+    within lease_ttl (+ form while its survivors connect); a killed one at once.
     """
 
     # -- membership and rounds --------------------------------------------------------------
@@ -48,10 +48,17 @@ class Timeouts:
     (``ELASTIC_KEEPALIVE``): how often the lease is renewed. Under half the lease TTL."""
     settle: timedelta = _entry(0.5)
     """Default 0.5 s (``ELASTIC_SETTLE``, ``--settle``): how long a round that could close waits
-    for more join requests, so that a node's workers leaving together make one round."""
+    for unknown joiners (live members outside the last round that have not asked yet), so that a
+    node's workers starting together make one round. Never used to leave out a member of the
+    last round (see ``rejoin``)."""
     node_settle: timedelta = _entry(1)
     """Default 1 s (``ELASTIC_NODE_SETTLE``): the settle window of ``--plain`` generations,
     whose rounds are of whole nodes."""
+    rejoin: timedelta = _entry(120, "ELASTIC_REJOIN_TIMEOUT")
+    """Default 120 s (``ELASTIC_REJOIN_TIMEOUT``, ``--rejoin-timeout``): how long a re-formation
+    waits for a live member of the previous round (one inside a long step, say) that has not
+    asked to join; a member that died is not waited for (its connection ended, or its lease is
+    gone), so this bounds only a live member that never comes back."""
     rendezvous: timedelta = _entry(300, "ELASTIC_RENDEZVOUS_TIMEOUT")
     """Default 300 s (``ELASTIC_RENDEZVOUS_TIMEOUT``, ``--rendezvous-timeout``): how long a
     round may wait for ``min_workers`` before ``RendezvousTimeoutError``."""
@@ -141,6 +148,7 @@ class Timeouts:
     FLAGS = MappingProxyType({
         "lease_ttl": "seconds without a keepalive before a worker is dropped",
         "settle": "seconds a round waits for more joiners once it could close",
+        "rejoin": "seconds a re-formation waits for a live member of the last round",
         "rendezvous": "seconds a round may wait for --min-workers",
         "form": "seconds forming a round's process group may take",
         "collective": "backstop on any collective, behind the failure detectors",
@@ -214,6 +222,7 @@ class Timeouts:
         self._check("keepalive", "lease_ttl", factor=2)
         self._check("settle", "rendezvous")
         self._check("node_settle", "rendezvous")
+        self._check("settle", "rejoin")
         self._check("form", "collective")
         self._check("sync", "collective", or_equal=True)
         self._check("etcd_rpc", "etcd_retry", or_equal=True)

@@ -15,6 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from elastic.state.device_copy import copy_to_host, host_buffer
+
 __all__ = ["Stateful", "is_stateful", "snapshot", "rebuild_mapping", "rebuild_sequence"]
 
 _IMMUTABLE = frozenset({int, float, complex, bool, str, bytes, type(None)})
@@ -144,20 +146,22 @@ def _fits(buffer: Any, src: torch.Tensor) -> bool:
 
 
 def _snapshot_tensor(tensor: torch.Tensor, previous: Any) -> torch.Tensor:
-    """Copies one tensor to CPU, into ``previous`` when it fits."""
+    """Copies one tensor to CPU, into ``previous`` when it fits (a GPU tensor's new buffer is
+    pinned, so that later commits copy into it asynchronously: ``device_copy``)."""
     src = tensor.detach()
     if _fits(previous, src):
         return previous.copy_(src)
     if src.layout != torch.strided:
         return src.to("cpu", copy=True)
-    return torch.empty_like(src, device="cpu").copy_(src)
+    return host_buffer(src).copy_(src)
 
 
 class _Copies:
     """The tensor copies of one in-place refresh, run together at the end.
 
-    Batched into one ``torch._foreach_copy_`` where every source is on the CPU (one call
-    instead of one per tensor); a refresh that fails half-way drops them unrun.
+    Sources on the CPU go in one ``torch._foreach_copy_`` (one call instead of one per
+    tensor); sources on a GPU are copied without blocking on a side stream, and waited for once
+    (``device_copy.copy_to_host``). A refresh that fails half-way drops them unrun.
     """
 
     def __init__(self) -> None:
@@ -171,12 +175,14 @@ class _Copies:
     def run(self) -> None:
         if not self.buffers:
             return
+        pairs = list(zip(self.buffers, self.sources))
+        on_host = [(b, s) for b, s in pairs if s.is_cpu]
+        on_devices = [(b, s) for b, s in pairs if not s.is_cpu]
         with torch.no_grad():
-            if all(src.is_cpu for src in self.sources):
-                torch._foreach_copy_(self.buffers, self.sources)
-                return
-            for buffer, src in zip(self.buffers, self.sources):
-                buffer.copy_(src)
+            if on_host:
+                torch._foreach_copy_([b for b, _ in on_host], [s for _, s in on_host])
+            if on_devices:
+                copy_to_host(on_devices)
 
 
 def _refresh(tree: Any, previous: Any, copies: _Copies) -> bool:

@@ -9,8 +9,16 @@ One channel per round: rank 0 listens on its advertised address, on a port it pu
 round's store with a fresh secret; every other rank connects and proves that it knows the
 round's secret (``admission``), so that a stale worker of another round, a replayed hello, a
 stranger and a connection that never speaks are turned away without holding the round up, and
-only the round's ranks vote. ``release`` (from any thread) shuts every socket down, so that a
-rank blocked in an exchange with a frozen or dead peer returns at once. No torch.
+only the round's ranks vote. ``release`` (from any thread) tells the peers that this rank let
+go of the round (an ``_ABANDON`` message in place of flags, so that a peer blocked on this rank
+returns at once) and shuts the receiving side of every socket down, so that a rank blocked in
+an exchange with a frozen or dead peer returns at once.
+
+The connections are also a detector: when a process dies its kernel closes its sockets, so the
+connection between it and rank 0 ends at once. Releasing sends nothing to the peer (only the
+receiving side is shut), and a released channel is closed only once its holder's next round has
+formed; so until then, a connection that the peer ended (``peers_gone``) means that the peer's
+process is gone, never that it is re-forming. No torch.
 """
 
 from __future__ import annotations
@@ -26,13 +34,16 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from elastic.cluster.admission import Admission, RoundAddress, introduce
+from elastic.cluster.fork_guard import guard as fork_guard
 from elastic.errors import AdvertiseAddressError, PeerFailureError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _STORE_KEY = "elastic/agreement"
+_TCP_ESTABLISHED = 1  # tcpi_state, the first byte of the kernel's struct tcp_info
 _FLAGS = struct.Struct("!BB")  # change pending, leaving
+_ABANDON = _FLAGS.pack(0xFF, 0xFF)  # in place of flags: the sender released the round
 
 
 class AddressBook(Protocol):
@@ -166,6 +177,7 @@ class AgreementChannel:
                 conn.close()
                 raise OSError(f"released while connecting: {self._released}")
             self._peers[rank] = conn
+        fork_guard.hold([conn.fileno()])  # a forked DataLoader worker must not keep it open
 
     # -- one agreement ----------------------------------------------------------------------
     def start(self, pending: bool, leaving: bool) -> None:
@@ -205,6 +217,8 @@ class AgreementChannel:
         data = _receive_exactly(sock, _FLAGS.size)
         if len(data) < _FLAGS.size:
             raise ConnectionResetError("the connection was closed")
+        if data == _ABANDON:
+            raise ConnectionResetError("the peer released the round")
         pending, leaving = _FLAGS.unpack(data)
         return pending, leaving
 
@@ -228,11 +242,34 @@ class AgreementChannel:
             self._released = reason
             if self._admission is not None:
                 self._admission.abort(reason)
+            for sock in self._peers.values():
+                try:  # never blocks: the message is 2 bytes, the buffer holds at most a few
+                    sock.send(_ABANDON, socket.MSG_DONTWAIT)
+                except OSError:
+                    pass  # the peer is gone already, or its buffer is full: it is not waiting
             for sock in self._sockets():
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
+                try:  # the receiving side only: the peer must not see this as our death
+                    sock.shutdown(socket.SHUT_RD)
                 except OSError:
                     pass  # not connected (a listener) or already reset by the peer
+
+    def peers_gone(self) -> list[int]:
+        """The ranks whose connection the peer ended (rank 0: any rank; another rank: rank 0).
+
+        Until this channel is closed, such a peer's process is gone: no live member ends its
+        connection before its next round formed.
+        """
+        with self._lock:
+            peers = dict(self._peers)
+        gone = []
+        for rank, sock in sorted(peers.items()):
+            try:
+                state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+            except OSError:
+                continue  # closed by this side: nothing to tell
+            if state != _TCP_ESTABLISHED:
+                gone.append(rank)
+        return gone
 
     def close(self) -> None:
         """Closes every socket (after ``release``, or once the round ended normally)."""
@@ -241,6 +278,7 @@ class AgreementChannel:
                 self._released = "closed"
             sockets = self._sockets()
             self._peers, self._listener = {}, None
+        fork_guard.release([sock.fileno() for sock in sockets])
         for sock in sockets:
             sock.close()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,8 @@ from elastic.cluster.keys import JobKeys
 from elastic.cluster.lease_file import append_committed, append_lease
 from elastic.cluster.membership import EtcdMembership
 from elastic.cluster.monitor import ChangeMonitor
-from elastic.cluster.process_group import ProcessGroup, resolve_backend
+from elastic.cluster.device import claim_device, default_lock_dir
+from elastic.cluster.process_group import ProcessGroup, cuda_device_count, resolve_backend
 from elastic.cluster.records import SkippedRecords
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
 from elastic.cluster.round_links import RoundLinks
@@ -52,13 +54,18 @@ class Cluster:
         self.client = EtcdClient(settings.etcd, timeouts=timeouts,
                                  security=settings.etcd_security)
         etcd_ports = frozenset(port for _, port in parse_endpoints(settings.etcd))
-        self.group = ProcessGroup(resolve_backend(settings.backend), timeout=timeouts.collective,
+        backend = resolve_backend(settings.backend)
+        self.device = claim_device(os.environ, cuda_device_count(), default_lock_dir()) \
+            if backend == "nccl" else None
+        self.group = ProcessGroup(backend, timeout=timeouts.collective,
                                   skip_ports=etcd_ports, form_timeout=timeouts.form,
-                                  advertise_addr=settings.advertise_addr)
+                                  advertise_addr=settings.advertise_addr,
+                                  device_index=self.device.index if self.device else None)
         self.config = RendezvousConfig(min_workers=settings.min_workers,
                                        max_workers=settings.max_workers, timeouts=timeouts,
                                        standby=settings.standby)
         self.topology: Topology | None = None
+        self._last: Topology | None = None  # the round of the retired channel
         self.links = RoundLinks(self.group, AgreementChannel(0, 1, self.group.timeout))
         self.skipped = SkippedRecords()  # malformed records read from etcd, warned once each
         self._said_committed = False
@@ -135,7 +142,8 @@ class Cluster:
                 reason = "start"
             with Stopwatch() as waited:
                 try:
-                    topology = self.rendezvous.join(reason, version, free_port(), cancelled)
+                    topology = self.rendezvous.join(reason, version, free_port(), cancelled,
+                                                    self._members_gone)
                 except FencedError as exc:
                     self.membership.fence(str(exc))  # a write found the lease gone
                     continue
@@ -171,8 +179,18 @@ class Cluster:
             raise PeerFailureError(f"forming the group of round {topology.round} failed: "
                                    f"{exc}") from exc
 
+    def _members_gone(self, n: int) -> list[str]:
+        """The members of round ``n - 1`` whose agreement connection to this worker ended (dead
+        by direct evidence), when this worker was in that round; else none."""
+        last = self._last
+        if last is None or last.round != n - 1:
+            return []
+        return [last.members[rank] for rank in self.channel.peers_gone()]
+
     def _drop_group(self) -> None:
         self.links.drop()
+        if self.topology is not None:
+            self._last = self.topology
         self.topology = None
 
     def confirm_lease(self) -> bool:
@@ -228,7 +246,8 @@ class Cluster:
     def close(self) -> None:
         """Destroys the group, leaves the job (revoking the lease) and closes the client."""
         self.monitor.disarm()
-        self._drop_group()
+        self.links.close()
+        self.topology = None
         self.membership.leave()
         self.events.emit("left")
         self.client.close()

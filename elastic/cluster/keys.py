@@ -7,6 +7,9 @@ Layout under ``/elastic/{job_id}/``:
 - ``rounds/{n}/join/{member}``: lease-bound request to be in round ``n``.
 - ``rounds/{n}/plan``: the agreed world of round ``n``, created once by compare-and-swap.
 - ``rounds/{n}/done/{member}``: the member returned from the training function.
+- ``rounds/{n}/gone/{member}``: bound to the lease of a member of round ``n - 1`` that saw
+  ``member``'s connection of round ``n - 1`` end (its process is gone); the value is the
+  reporter's id.
 - ``rounds/{n}/store/``: the torch.distributed store of round ``n`` (fresh per round).
 - ``commit``: the newest commit version and the newest durable checkpoint, for ``elastic status``.
 - ``config``: the job's configuration, written by the first launcher.
@@ -90,6 +93,12 @@ class JobKeys:
 
     def done(self, n: int, member_id: str) -> str:
         return f"{self.dones(n)}{member_id}"
+
+    def gones(self, n: int) -> str:
+        return f"{self.round_prefix(n)}gone/"
+
+    def gone(self, n: int, member_id: str) -> str:
+        return f"{self.gones(n)}{member_id}"
 
     def store(self, n: int) -> str:
         return f"{self.round_prefix(n)}store/"

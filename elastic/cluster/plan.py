@@ -145,10 +145,9 @@ def should_close(requests: list[JoinRequest], live: set[str], has_previous: bool
     core = sum(not r.standby for r in requests)
     full = rule.max_workers is not None and core >= rule.max_workers
     settled = quiet_s >= rule.settle_s
-    if complete and (has_previous or full or settled):
-        return True
-    # Survivors of a failure need not wait for a dead member's lease to run out.
-    return settled and any(r.reason == "failure" for r in requests)
+    # A re-formation has its own rule (``roll_call.may_close``): a window passing never leaves
+    # out a member of the last round.
+    return complete and (has_previous or full or settled)
 
 
 def assign_ranks(requests: list[JoinRequest], previous: list[str], round_: int,

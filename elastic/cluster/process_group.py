@@ -4,7 +4,12 @@ No etcd here: the caller hands in a store, rank and world size. ``release()`` ma
 another thread (the membership watcher) to unblock a collective that waits on a peer which is
 gone or frozen:
 
-- NCCL: the communicators are aborted.
+- NCCL: the communicators are aborted, on a thread of its own (an abort can take a while, and
+  ``release`` is called from the etcd client's event loop, whose keepalives must not stall);
+  ``destroy`` waits for it. Before the first group, ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``
+  (``device.nccl_env``), and the group is made with ``device_id``, so that NCCL creates its
+  communicators while every member is known alive (inside ``init_process_group``, where
+  ``form_timeout`` bounds it), not inside the first collective.
 - gloo (torch 2.13 has no abort that unblocks an in-flight collective): the group's own connected
   sockets, recorded when it was formed, are shut down. Their identity is checked by inode before
   use, so a reused descriptor number is never touched; gloo's listening socket is never touched
@@ -17,12 +22,15 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from elastic.cluster.device import apply_nccl_env
+from elastic.cluster.fork_guard import guard as fork_guard
 from elastic.cluster.interfaces import socket_interface_env
 from elastic.errors import FencedError, PeerFailureError
 
@@ -45,6 +53,21 @@ def resolve_backend(backend: str) -> str:
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend 'nccl' needs CUDA, and none is available: use gloo or auto.")
     return backend
+
+
+def cuda_device_count() -> int:
+    """How many GPUs this process sees."""
+    return torch.cuda.device_count()
+
+
+def _abort_nccl() -> None:
+    """Aborts the default group's NCCL communicators (unblocks every collective on them)."""
+    group = dist.group.WORLD
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        abort(group)
+    elif group is not None:
+        group.abort()
 
 
 def _reset_group_names() -> None:
@@ -177,16 +200,27 @@ class ProcessGroup:
             runs under this short timeout and the group gets ``timeout`` once it is formed.
         advertise_addr: the address peers reach this worker on; gloo and NCCL listen on its
             interface only (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``, unless set already).
+        device_index: the GPU of an NCCL group (``device.claim_device``); None for gloo.
+        abort: how an NCCL group's communicators are aborted (torch's abort by default; a test
+            passes its own).
     """
 
     def __init__(self, backend: str, timeout: timedelta, skip_ports: frozenset[int],
-                 form_timeout: timedelta, advertise_addr: str = "127.0.0.1") -> None:
+                 form_timeout: timedelta, advertise_addr: str = "127.0.0.1",
+                 device_index: int | None = None,
+                 abort: Callable[[], None] | None = None) -> None:
+        if backend == "nccl" and device_index is None:
+            raise ValueError("an nccl ProcessGroup needs a device_index (device.claim_device).")
         self.backend = backend
         self.advertise_addr = advertise_addr
+        self.device_index = device_index
+        self._abort = abort or _abort_nccl
+        self._aborting: threading.Thread | None = None
         self.timeout = timeout
         self.form_timeout = form_timeout
         self._skip_ports = skip_ports
         self._sockets: list[_SocketId] = []
+        self._held: list[int] = []  # every socket the formation opened, let go of in children
         self._lock = threading.Lock()
         self._released = threading.Event()
 
@@ -215,20 +249,25 @@ class ProcessGroup:
         # torch reads the interface from the environment only; a user's choice is kept.
         os.environ.update(socket_interface_env(self.advertise_addr, os.environ))
         before = _socket_fds()
+        device = None
         if self.backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            apply_nccl_env(os.environ)  # read by torch when the group is made
+            device = torch.device("cuda", self.device_index)
+            torch.cuda.set_device(device)
         _reset_group_names()
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
-                                timeout=self.form_timeout)
+                                timeout=self.form_timeout, device_id=device)
         if self.backend == "gloo":
             # gloo connects the full mesh lazily on some builds: one collective forces it.
             dist.barrier()
         dist.distributed_c10d._set_pg_timeout(self.timeout)
         new = {fd: inode for fd, inode in _socket_fds().items() if before.get(fd) != inode}
+        fork_guard.hold(list(new))  # a forked DataLoader worker must not keep them open
         ends = {fd: p for fd, p in ((fd, _tcp_ports(fd)) for fd in new) if p is not None}
         listeners = self._listener_ports(ends) if self.backend == "gloo" else set()
         with self._lock:
             self._sockets = _group_sockets(new, ends, listeners, self._skip_ports)
+            self._held = list(new)
             self._released.clear()
 
     @staticmethod
@@ -251,7 +290,9 @@ class ProcessGroup:
             sockets, self._sockets = self._sockets, []
         log.info("releasing process group: %s", reason)
         if self.backend == "nccl":
-            self._abort_nccl()
+            self._aborting = threading.Thread(target=self._abort, name="elastic-nccl-abort",
+                                              daemon=True)
+            self._aborting.start()
             return
         current = _socket_fds()
         for sock_id in sockets:
@@ -263,18 +304,19 @@ class ProcessGroup:
             except OSError as exc:
                 log.debug("shutdown of fd %d: %r", sock_id.fd, exc)
 
-    def _abort_nccl(self) -> None:
-        group = dist.group.WORLD
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if abort is not None:
-            abort(group)
-        elif group is not None:
-            group.abort()
-
     def destroy(self) -> None:
-        """Destroys the default group (after release() if a peer may be stuck)."""
+        """Destroys the default group (after release() if a peer may be stuck), once an abort
+        in flight has finished (for at most ``form_timeout``)."""
+        aborting, self._aborting = self._aborting, None
+        if aborting is not None:
+            aborting.join(self.form_timeout.total_seconds())
+            if aborting.is_alive():
+                log.warning("aborting the NCCL communicators took longer than %s; destroying "
+                            "the group anyway", self.form_timeout)
         with self._lock:
             self._sockets = []
+            held, self._held = self._held, []
+        fork_guard.release(held)
         if dist.is_initialized():
             dist.destroy_process_group()
         self._released.clear()

@@ -1,10 +1,12 @@
-"""Rounds agreed on etcd: join requests, a settle window, and one plan per round by CAS.
+"""Rounds agreed on etcd: join requests, a roll call of the last round, one plan per round by CAS.
 
 A member asks to be in round ``R + 1`` (R = the newest planned round) with its newest commit
-version. Any waiting member may close the round once ``plan.should_close`` says so; the close is
-a compare-and-swap that creates ``rounds/{n}/plan`` and moves ``round`` to ``n`` in one
-transaction, so exactly one plan exists per round. Waiting wakes on watch events, and on the
-settle deadline, never on a polling sleep.
+version, and reports the members of round ``R`` it saw die (their agreement connection ended:
+``rounds/{n}/gone/``). Any waiting member may close the round once the rules allow
+(``plan.should_close`` for a first round; ``roll_call.may_close`` for a re-formation: every
+member of round ``R`` accounted for); the close is a compare-and-swap that creates
+``rounds/{n}/plan`` and moves ``round`` to ``n`` in one transaction, so exactly one plan exists
+per round. Waiting wakes on watch events, and on the settle deadline, never on a polling sleep.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from elastic.cluster.membership import EtcdMembership
 from elastic.cluster.etcd_client import KeyValue
 from elastic.cluster.plan import CloseRule, JoinRequest, Plan, assign_ranks, should_close
 from elastic.cluster import records
+from elastic.cluster.roll_call import Evidence, RollCall, may_close
 from elastic.cluster.records import RecordError, SkippedRecords
 
 log = logging.getLogger(__name__)
@@ -123,8 +126,17 @@ class Rendezvous:
             raise records.corrupt(kv.key, str(exc)) from None
 
     def join(self, reason: str, version: int, port: int,
-             cancelled: Callable[[], bool] = lambda: False) -> Topology | None:
+             cancelled: Callable[[], bool] = lambda: False,
+             gone: Callable[[int], list[str]] = lambda n: []) -> Topology | None:
         """Asks to be in the next round and waits until it forms.
+
+        Args:
+            reason: why it joins (``plan.REASONS``).
+            version: its newest commit version.
+            port: the port it offers as the round's master port.
+            cancelled: turns true when it must stop waiting (SIGTERM).
+            gone: the members of round ``n - 1`` this member saw die, asked while waiting for
+                round ``n`` (reported in etcd, so that nobody waits for their leases).
 
         Returns:
             This member's topology, or None when it was left out as a spare (call again).
@@ -146,7 +158,7 @@ class Rendezvous:
                                   self._membership.advertise_addr, port, standby=self.standby)
             self._client.put(self._keys.join(n, self._membership.member_id), request.to_json(),
                              lease=self._membership.lease)
-            plan = self._wait_for_plan(n, revision, started, cancelled)
+            plan = self._wait_for_plan(n, revision, started, cancelled, gone)
             if plan is None:
                 log.info("round %d was overtaken by later rounds; asking for the newest", n)
                 continue
@@ -159,13 +171,16 @@ class Rendezvous:
                      self._membership.member_id)
 
     def _wait_for_plan(self, n: int, round_revision: int, started: float,
-                       cancelled: Callable[[], bool]) -> Plan | None:
+                       cancelled: Callable[[], bool],
+                       gone: Callable[[int], list[str]]) -> Plan | None:
         """Waits for round ``n``'s plan, closing the round when the rules allow; None when
         ``round`` moved past ``n - 1`` without a plan of ``n`` left to read."""
         previous = self.read_plan(n - 1)
         seen: tuple[frozenset[str], frozenset[str]] | None = None
         last_change = time.monotonic()
         short_since: float | None = None
+        reported: set[str] = set()
+        rejoin_since: float | None = None  # the first request of a member of round n - 1
         while True:
             with self._changed:
                 epoch = self._epoch
@@ -177,13 +192,18 @@ class Rendezvous:
                 return plan
             if self._has_done(n - 1, previous):
                 raise RendezvousClosedError(f"The job finished in round {n - 1}; nothing to join.")
+            self._report_gone(n, gone(n), reported)
             requests, live = self._read_round(n)
             now = time.monotonic()
             state = (frozenset(r.member_id for r in requests), frozenset(live))
             if state != seen:
                 seen, last_change = state, now
             short_since = self._check_limits(requests, n, started, short_since, now)
-            if should_close(requests, live, previous is not None, now - last_change, self._rule):
+            if previous is not None and rejoin_since is None \
+                    and state[0] & set(previous.ranks):
+                rejoin_since = now
+            if self._may_close(n, requests, live, previous, now - last_change,
+                               0.0 if rejoin_since is None else now - rejoin_since):
                 if not self._close(n, round_revision, requests, previous) \
                         and self.read_plan(n) is None:
                     return None
@@ -196,6 +216,50 @@ class Rendezvous:
                 if self._epoch == epoch:
                     self._changed.wait(timeout=min(settle_left, wake_s) if settle_left > 0
                                        else wake_s)
+
+    def _may_close(self, n: int, requests: list[JoinRequest], live: set[str],
+                   previous: Plan | None, quiet_s: float, waited_s: float) -> bool:
+        """The rules for round ``n``: a first round's (``plan.should_close``), or a
+        re-formation's (``roll_call.may_close``, with the credible reports of deaths)."""
+        if previous is None:
+            return should_close(requests, live, False, quiet_s, self._rule)
+        rejoin_s = self.config.timeouts.rejoin.total_seconds()
+        roll = RollCall(previous.ranks, frozenset(), waited_s, rejoin_s)
+        if roll.missing({r.member_id for r in requests}, live):  # only then read the reports
+            roll = RollCall(previous.ranks, self._dead(n, previous), waited_s, rejoin_s)
+        if may_close(requests, live, roll, quiet_s, self._rule):
+            missing = roll.missing({r.member_id for r in requests}, live)
+            if missing:
+                log.warning("round %d closes without %s: live members of round %d that did not "
+                            "ask to join within %s (ELASTIC_REJOIN_TIMEOUT)", n, missing, n - 1,
+                            self.config.timeouts.rejoin)
+            return True
+        return False
+
+    def _report_gone(self, n: int, members: list[str], reported: set[str]) -> None:
+        """Records, under this member's lease, the members of round ``n - 1`` it saw die."""
+        for member in members:
+            if member not in reported:
+                self._client.put(self._keys.gone(n, member), self._membership.member_id,
+                                 lease=self._membership.lease)
+                reported.add(member)
+                log.info("member %s of round %d is gone (its connection ended)", member, n - 1)
+
+    def _dead(self, n: int, previous: Plan) -> frozenset[str]:
+        """The members of round ``n - 1`` dead by credible reports (others are skipped)."""
+        kvs, _ = self._client.get_prefix(self._keys.gones(n))
+        members, _ = self._client.get_prefix(self._keys.members)
+        leases = {kv.key[len(self._keys.members):]: kv.lease for kv in members}
+        dead = set()
+        for kv in kvs:
+            report = Evidence(kv.key[len(self._keys.gones(n)):],
+                              kv.value.decode("utf-8", errors="replace"), kv.lease)
+            if report.is_credible(previous.ranks, leases):
+                dead.add(report.member)
+            else:
+                self._skipped.skip(kv.key, kv.mod_revision, "it is not a report by a member of "
+                                   "the previous round about its rank 0 or by its rank 0")
+        return frozenset(dead)
 
     def _has_done(self, n: int, plan: Plan | None) -> bool:
         """Whether a member of round ``n`` returned from the training function (the job is

@@ -7,8 +7,11 @@ process group. ``RoundLinks`` owns them for one worker and owns the two orders t
   the store go first because releasing them only shuts sockets down and wakes waiters, while
   releasing an NCCL group aborts communicators and can take a while; a group still forming is
   waiting on the store, so aborting the store is what frees it.
-- ``drop()``, from the training thread once released: closes the channel, destroys the group,
-  then closes the store the group was formed on.
+- ``drop()``, from the training thread once released: destroys the group, then closes the
+  store the group was formed on. The released channel is *retired*, not closed: it stays open
+  until the next round opens (or ``close()``), because until then a connection that a peer
+  ended tells that the peer died (``AgreementChannel.peers_gone``), and closing ours would tell
+  the peers the same lie about this worker.
 
 It does not decide when to release (the change monitor and the run loop do) nor how to form.
 """
@@ -47,10 +50,12 @@ class RoundLinks:
         self.store: Store | None = None
 
     def open(self, store: Store, channel: Channel) -> None:
-        """Takes the next round's store and channel; the previous round must have been dropped."""
+        """Takes the next round's store and channel, and closes the retired channel; the previous
+        round must have been dropped."""
         assert self.store is None, "drop() the previous round before opening the next"
         self.store = store
-        self.channel = channel
+        retired, self.channel = self.channel, channel
+        retired.close()
 
     def release(self, reason: str) -> None:
         """Unblocks every collective, agreement and group formation of the round now."""
@@ -61,9 +66,13 @@ class RoundLinks:
         self.group.release(reason)
 
     def drop(self) -> None:
-        """Closes the round's channel, destroys its group and closes its store."""
-        self.channel.close()
+        """Destroys the round's group and closes its store; the channel is kept (retired)."""
         self.group.destroy()
         store, self.store = self.store, None
         if store is not None:
             store.close()
+
+    def close(self) -> None:
+        """Drops the round and closes its channel (the worker leaves the job)."""
+        self.drop()
+        self.channel.close()

@@ -192,3 +192,30 @@ def test_an_advertised_address_that_is_not_this_machines_is_a_clear_configuratio
     with pytest.raises(AdvertiseAddressError, match="--advertise-addr"):
         channel.connect(dist.HashStore(), "192.0.2.1", 3, timedelta(seconds=5))  # TEST-NET-1
     channel.close()
+
+
+def test_a_released_rank_zero_frees_the_others_without_looking_dead_to_them():
+    channels = _connected(3)
+    try:
+        for rank in (1, 2):
+            channels[rank].start(False, False)
+        channels[0].release("re-forming (failure)")
+        results = _in_threads(3, lambda r: channels[r].finish() if r else None)
+        assert all(isinstance(r, PeerFailureError) for r in results[1:]), results
+        assert [c.peers_gone() for c in channels] == [[], [], []]
+    finally:
+        _close(channels)
+
+
+def test_a_peer_whose_process_ended_its_connection_is_reported_gone_after_any_release():
+    channels = _connected(3)
+    try:
+        for channel in channels:
+            channel.release("re-forming (failure)")
+        channels[2].close()  # rank 2's process is gone: the kernel closes its sockets
+        assert poll_until(lambda: channels[0].peers_gone() == [2], 5)
+        assert channels[1].peers_gone() == []
+        channels[0].close()  # rank 0's process is gone
+        assert poll_until(lambda: channels[1].peers_gone() == [0], 5)
+    finally:
+        _close(channels)

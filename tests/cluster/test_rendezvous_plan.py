@@ -64,13 +64,6 @@ def test_a_newcomer_waits_for_the_running_members_to_notice_it():
     assert not should_close([req("new")], {"a", "b", "new"}, True, 60.0, RULE)
 
 
-def test_survivors_of_a_failure_close_without_the_dead_members_lease_after_the_settle():
-    joins = [req("a", reason="failure"), req("b", reason="failure")]
-    live = {"a", "b", "dead"}
-    assert not should_close(joins, live, True, 0.2, RULE)
-    assert should_close(joins, live, True, 0.6, RULE)
-
-
 @pytest.mark.parametrize("spec", [dict(min_workers=0), dict(min_workers=3, max_workers=2)])
 def test_rendezvous_config_rejects_contradictory_limits(spec):
     from elastic.cluster.rendezvous import RendezvousConfig
@@ -123,12 +116,6 @@ def test_the_settle_window_closes_exactly_at_its_length():
     joins = [req("a"), req("b")]
     assert not should_close(joins, {"a", "b"}, False, 0.4999, RULE)
     assert should_close(joins, {"a", "b"}, False, 0.5, RULE)
-
-
-def test_a_single_failure_report_among_changes_closes_without_the_dead_after_the_settle():
-    joins = [req("a", reason="change"), req("b", reason="failure")]
-    assert not should_close(joins, {"a", "b", "dead"}, True, 0.4, RULE)
-    assert should_close(joins, {"a", "b", "dead"}, True, 0.5, RULE)
 
 
 def test_changes_without_a_failure_wait_for_every_live_member_however_long():

@@ -37,6 +37,7 @@ def log() -> list[str]:
 def opened(log: list[str]) -> RoundLinks:
     links = RoundLinks(Part("group", log), Part("idle_channel", log))
     links.open(Part("store", log), Part("channel", log))
+    log.clear()  # the idle channel was closed
     return links
 
 
@@ -52,10 +53,26 @@ def test_release_before_any_round_releases_the_channel_and_the_group(log):
     assert log == ["idle_channel.release(fenced)", "group.release(fenced)"]
 
 
-def test_drop_closes_the_channel_destroys_the_group_and_only_then_closes_its_store(log):
+def test_drop_destroys_the_group_and_only_then_closes_its_store_keeping_the_channel(log):
     opened(log).drop()
 
-    assert log == ["channel.close", "group.destroy", "store.close"]
+    assert log == ["group.destroy", "store.close"]
+
+
+def test_the_retired_channel_is_closed_when_the_next_round_opens(log):
+    links = opened(log)
+    links.drop()
+    log.clear()
+
+    links.open(Part("store2", log), Part("channel2", log))
+
+    assert log == ["channel.close"]
+
+
+def test_closing_drops_the_round_and_then_closes_its_channel(log):
+    opened(log).close()
+
+    assert log == ["group.destroy", "store.close", "channel.close"]
 
 
 def test_a_release_after_drop_never_touches_the_dropped_store(log):

@@ -3,11 +3,12 @@
 Every batch's sample indices go into a committed ledger (so rolled-back batches drop out with
 the rollback), progress goes to ``progress-{index}.jsonl``, the final parameters and ledger to
 ``result-{index}.json``. Faults fire inside the worker at a global step, once
-(``FAULTS="kill:1:30,stop:0:12,term:2:40"``: kind, worker index, step), each leaving a marker;
+(``FAULTS="kill:1:30,stop:0:12,term:2:40"``: kind, worker index or ``rN`` for whichever worker
+holds rank N, step), each leaving a marker;
 ``raise`` is a bug in the user's own code: a ``RuntimeError`` whose message reads like a network
 error;
 ``stop-commit`` freezes the worker right before its commit, so that the others wait for it inside
-the commit's membership agreement.
+the commit's membership agreement; ``slow`` makes one step last ``SLOW_STEP_MS`` (3000) longer.
 """
 
 from __future__ import annotations
@@ -64,15 +65,20 @@ def fire_faults(state: ElasticState, out: Path, index: int, at_commit: bool = Fa
     right before the commit() of a step."""
     for spec in filter(None, os.environ.get("FAULTS", "").split(",")):
         kind, who, step = spec.split(":")
-        if int(who) != index or state.step < int(step) or kind.endswith("-commit") != at_commit:
+        # who: a worker index, or "r0", "r1", ...: whichever worker holds that rank at the step
+        mine = state.rank == int(who[1:]) if who.startswith("r") else int(who) == index
+        if not mine or state.step < int(step) or kind.endswith("-commit") != at_commit:
             continue
-        marker = out / f"fired-{kind}-{index}"
+        marker = out / f"fired-{kind}-{who}"
         if marker.exists():
             continue
-        marker.write_text(json.dumps({"step": state.step, "rank": state.rank,
+        marker.write_text(json.dumps({"step": state.step, "rank": state.rank, "index": index,
                                       "world": state.world_size, "t": time.time()}))
         if kind == "raise":
             raise RuntimeError("file closed: the user's own error (connection, socket, timeout)")
+        if kind == "slow":  # one long step (no collective in it): a live member, only slow
+            compute_for(float(os.environ.get("SLOW_STEP_MS", "3000")))
+            continue
         sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP,
                "stop-commit": signal.SIGSTOP}[kind]
         os.kill(os.getpid(), sig)

@@ -1,0 +1,145 @@
+"""The GPU path's decisions, checked without a GPU: the NCCL environment set before a group is
+made, which GPU a worker takes, and an abort that never runs on the caller's thread."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from elastic.cluster import device
+from elastic.cluster.device import ASYNC_ERROR_HANDLING, claim_device, nccl_env
+from elastic.cluster.process_group import ProcessGroup
+from elastic.errors import DeviceUnavailableError
+
+pytestmark = pytest.mark.timeout(60)
+S = timedelta(seconds=1)
+
+
+def test_in_process_abort_turns_nccls_own_error_handling_off_unless_the_user_chose():
+    assert nccl_env({}) == {ASYNC_ERROR_HANDLING: "0"}
+    assert nccl_env({ASYNC_ERROR_HANDLING: "3"}) == {}
+    assert nccl_env({ASYNC_ERROR_HANDLING: "0"}) == {}
+
+
+def test_local_rank_wins_when_it_is_set(tmp_path):
+    assert claim_device({"LOCAL_RANK": "3"}, 4, tmp_path).index == 3
+
+
+def test_a_local_rank_beyond_the_visible_gpus_names_the_fix(tmp_path):
+    with pytest.raises(DeviceUnavailableError, match="LOCAL_RANK=2 but this process sees 2"):
+        claim_device({"LOCAL_RANK": "2"}, 2, tmp_path)
+
+
+def test_no_gpu_at_all_is_an_error_that_points_to_gloo(tmp_path):
+    with pytest.raises(DeviceUnavailableError, match="--backend gloo"):
+        claim_device({}, 0, tmp_path)
+
+
+def test_one_visible_gpu_needs_no_claim(tmp_path):
+    claim = claim_device({}, 1, tmp_path)
+    assert (claim.index, claim.lock_fd) == (0, None)
+
+
+_CLAIMER = """
+import sys
+from pathlib import Path
+from elastic.cluster.device import claim_device
+claim = claim_device({}, int(sys.argv[2]), Path(sys.argv[1]))
+print(claim.index, flush=True)
+sys.stdin.read()  # holds the claim until the test closes stdin
+"""
+
+
+def _claimer(lock_dir: Path, gpus: int) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    return subprocess.Popen([sys.executable, "-c", _CLAIMER, str(lock_dir), str(gpus)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def test_workers_started_by_hand_without_local_rank_take_different_gpus(tmp_path):
+    workers = [_claimer(tmp_path, 3) for _ in range(3)]
+    try:
+        indices = [int(w.stdout.readline()) for w in workers]
+        assert sorted(indices) == [0, 1, 2]
+        extra = _claimer(tmp_path, 3)
+        _, err = extra.communicate(timeout=30)
+        assert extra.returncode != 0 and "all 3 GPUs of this host are held" in err
+    finally:
+        for worker in workers:
+            worker.communicate(timeout=30)  # closes stdin: the worker ends
+
+
+def test_a_dead_workers_gpu_is_free_for_the_next_one(tmp_path):
+    first = _claimer(tmp_path, 2)
+    assert int(first.stdout.readline()) == 0
+    first.kill()  # ends however it ends: the kernel lets go of its claim
+    first.communicate(timeout=30)
+    second = _claimer(tmp_path, 2)
+    try:
+        assert int(second.stdout.readline()) == 0
+    finally:
+        second.communicate(timeout=30)
+
+
+def test_an_nccl_group_needs_its_gpu_chosen_before_it_forms():
+    with pytest.raises(ValueError, match="device_index"):
+        ProcessGroup("nccl", 60 * S, frozenset(), 5 * S)
+
+
+def test_an_nccl_abort_runs_off_the_releasing_thread_and_destroy_waits_for_it():
+    """``release`` is called on the etcd client's event loop: the abort must not block it."""
+    aborting = threading.Event()
+    finish = threading.Event()
+    ran_on: list[str] = []
+
+    def slow_abort() -> None:
+        ran_on.append(threading.current_thread().name)
+        aborting.set()
+        finish.wait(30)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = ProcessGroup("nccl", 60 * S, frozenset(), 5 * S, device_index=0, abort=slow_abort)
+    try:
+        group.release("member m1 is gone")  # returns while the abort is still running
+        assert aborting.wait(10) and not finish.is_set()
+        assert group.is_released and ran_on == ["elastic-nccl-abort"]
+        finish.set()
+        group.destroy()
+        assert not dist.is_initialized()
+    finally:
+        finish.set()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class _Stop(Exception):
+    """Ends a formation at the point the test looks at."""
+
+
+def test_an_nccl_group_forms_on_its_gpu_eagerly_with_nccls_error_handling_off(monkeypatch):
+    from elastic.cluster import process_group
+
+    seen: dict = {}
+    monkeypatch.delenv(ASYNC_ERROR_HANDLING, raising=False)
+    monkeypatch.setattr(process_group.torch.cuda, "set_device",
+                        lambda d: seen.setdefault("set_device", d))
+
+    def init(backend, **kwargs):
+        seen.update(backend=backend, env=os.environ.get(ASYNC_ERROR_HANDLING),
+                    device_id=kwargs.get("device_id"))
+        raise _Stop
+
+    monkeypatch.setattr(process_group.dist, "init_process_group", init)
+    group = ProcessGroup("nccl", 60 * S, frozenset(), 5 * S, device_index=2)
+    with pytest.raises(_Stop):
+        group.form(dist.HashStore(), 0, 2)
+    assert seen["env"] == "0", "the variable must be set before the group is made"
+    assert str(seen["device_id"]) == "cuda:2" and str(seen["set_device"]) == "cuda:2"

@@ -1,0 +1,73 @@
+"""When a re-formation may close: every member of the last round accounted for (no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.cluster.plan import CloseRule, JoinRequest
+from elastic.cluster.roll_call import Evidence, RollCall, may_close
+
+pytestmark = pytest.mark.unit
+
+RULE = CloseRule(min_workers=1, max_workers=None, settle_s=0.5)
+PREVIOUS = ["a", "b", "c"]  # round n - 1, rank 0 first
+
+
+def req(member: str, reason: str = "failure") -> JoinRequest:
+    return JoinRequest(member, 0, reason, f"addr-{member}", 1000)
+
+
+def roll(dead: set[str] = frozenset(), waited_s: float = 0.0) -> RollCall:
+    return RollCall(PREVIOUS, frozenset(dead), waited_s, rejoin_s=120.0)
+
+
+def test_a_live_member_inside_a_long_step_is_waited_for_however_long_the_quiet():
+    joins = [req("a"), req("b")]
+    assert not may_close(joins, {"a", "b", "c"}, roll(waited_s=60.0), 60.0, RULE)
+
+
+def test_a_live_member_that_never_rejoins_is_left_out_after_the_rejoin_timeout():
+    joins = [req("a"), req("b")]
+    assert may_close(joins, {"a", "b", "c"}, roll(waited_s=120.0), 0.0, RULE)
+
+
+def test_a_member_dead_by_evidence_is_not_waited_for_although_its_lease_lives():
+    joins = [req("a"), req("b")]
+    assert may_close(joins, {"a", "b", "c"}, roll(dead={"c"}), 0.0, RULE)
+
+
+def test_a_member_whose_lease_is_gone_is_not_waited_for():
+    assert may_close([req("a"), req("b")], {"a", "b"}, roll(), 0.0, RULE)
+
+
+def test_an_unknown_joiner_that_registered_but_has_not_asked_gets_the_settle_window():
+    joins = [req("a"), req("b"), req("c")]
+    live = {"a", "b", "c", "new"}
+    assert not may_close(joins, live, roll(), 0.2, RULE)
+    assert may_close(joins, live, roll(), 0.5, RULE)
+
+
+def test_a_newcomer_alone_never_closes_a_round_without_the_running_members():
+    assert not may_close([req("new", "start")], {"a", "b", "c", "new"}, roll(), 600.0, RULE)
+
+
+def test_a_reformation_below_min_workers_waits_even_when_everyone_is_accounted_for():
+    rule = CloseRule(min_workers=3, max_workers=None, settle_s=0.5)
+    assert not may_close([req("a"), req("b")], {"a", "b"}, roll(dead={"c"}), 100.0, rule)
+
+
+LEASES = {"a": 11, "b": 12, "c": 13}
+
+
+@pytest.mark.parametrize("report, credible", [
+    (Evidence("c", "a", 11), True),  # rank 0 saw rank 2's connection end
+    (Evidence("a", "b", 12), True),  # rank 1 saw rank 0's connection end
+    (Evidence("c", "b", 12), False),  # rank 1 holds no connection to rank 2
+    (Evidence("c", "a", 12), False),  # not written under the reporter's lease
+    (Evidence("c", "a", 0), False),  # written without a lease
+    (Evidence("z", "a", 11), False),  # not a member of the last round
+    (Evidence("c", "z", 11), False),  # reported by a stranger
+    (Evidence("a", "a", 11), False),  # nobody reports itself dead
+])
+def test_only_reports_that_a_connection_to_rank_zero_ended_count(report, credible):
+    assert report.is_credible(PREVIOUS, LEASES) is credible
