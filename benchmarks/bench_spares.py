@@ -5,10 +5,10 @@ both modes, in alternating order, as ``elastic run -n 2`` on one embedded etcd: 
 the two training workers at step 30, then measure, from the kill (wall clock, from the workers'
 per-step progress lines):
 
-- replacement: the first step the replacing process completes in world 2 (warm: the spare,
-  already imported and registered; cold: the restarted process, which imports torch first);
-- survivor: the first step the surviving worker completes after the kill (in world 2 with a
-  spare; in world 1, alone, while a cold restart imports torch).
+- replacement: the first step the replacing process completes (warm: the spare, already
+  imported and registered; cold: the restarted process, which imports torch first);
+- survivor: the first step the surviving worker completes in a new generation (with the spare;
+  or alone, while a cold restart imports torch).
 
 Prints a table and writes the raw figures as JSON to ``--out`` (default ``runs/spares.json``,
 which git ignores).
@@ -55,15 +55,17 @@ def one_replacement(etcd: EmbeddedEtcd, out: Path, job: str, spares: int) -> dic
         wait_for(lambda: len(client.get_prefix(members)[0]) == 2 + spares, 60,
                  "every worker and spare registered")
         victim = min(trainers)
+        survivor_pid = next(iter(trainers - {victim}))
+        generation = max(p["generation"] for p in read_progress(out) if p["pid"] == survivor_pid)
         killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
-        after = lambda pid_ok, worlds: next((p for p in read_progress(out)  # noqa: E731
-                                             if p["t"] > killed_at and pid_ok(p["pid"])
-                                             and p["world"] in worlds), None)
-        replacement = wait_for(lambda: after(lambda pid: pid not in trainers, {2}), 120,
+        replacement = wait_for(lambda: next((p for p in read_progress(out)
+                                             if p["pid"] not in trainers), None), 120,
                                "the replacement's first step")
-        survivor = wait_for(lambda: after(lambda pid: pid in trainers - {victim}, {1, 2}), 60,
-                            "the survivor's first step")
+        survivor = wait_for(lambda: next((p for p in read_progress(out)
+                                          if p["pid"] == survivor_pid
+                                          and p["generation"] > generation), None), 60,
+                            "the survivor's first step in a new world")
         return {"replacement_s": replacement["t"] - killed_at,
                 "survivor_s": survivor["t"] - killed_at}
     finally:
