@@ -6,7 +6,8 @@ copy-free commit and no snapshot commit at all, and the SIGKILL fired before the
 agreement (the step is skipped everywhere and trained again), inside the agreed block before
 ``optimizer.step()`` (the survivors applied it; the dead worker did not), or after the step. The
 survivors end with the parameters and the loss curve of an uninterrupted world-2 job that takes
-snapshot commits, and no agreed step is ever trained twice.
+snapshot commits, and no agreed step is ever trained twice; also with dropout (seeded from the
+committed RNG, drawn before the agreement) and DataLoader workers running random augmentation.
 """
 
 from __future__ import annotations
@@ -24,8 +25,16 @@ TOLERANCE = 1e-9
 @pytest.mark.parametrize("where", ["before", "during", "after"])
 def test_copy_free_commits_reach_the_parameters_of_an_uninterrupted_run_whatever_the_kill_hits(
         make_job, where):
-    reference_job = make_job(ARGS, script=SCRIPT)
-    elastic_job = make_job(ARGS + HOLD + ["--copy-free"],
+    check_equivalent(make_job, where, [])
+
+
+def test_dropout_and_dataloader_augmentation_replay_identically_with_copy_free_commits(make_job):
+    check_equivalent(make_job, "before", ["--dropout", "0.2", "--loader-workers", "2"])
+
+
+def check_equivalent(make_job, where: str, extra: list[str]) -> None:
+    reference_job = make_job(ARGS + extra, script=SCRIPT)
+    elastic_job = make_job(ARGS + extra + HOLD + ["--copy-free"],
                            {"FAULTS": f"kill:2:10:{where},term:3:26"}, script=SCRIPT)
     start_reference(reference_job)  # runs beside the elastic job
     survivors = run_elastic(elastic_job)
