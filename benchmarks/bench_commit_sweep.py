@@ -46,6 +46,14 @@ from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 JOBS = ("torchrun", "copy-free", "snapshot", "no-commits")  # the first named is the anchor
 
+# The same glibc allocator settings for every job. Left dynamic, the mmap threshold depends on
+# each process's allocation history: in one job of this sweep one worker page-faulted ~10k
+# times a second on the step's multi-MB temporaries and its peer not at all, which moved a
+# job's steps/s by up to 2x whatever its code. Fixed, every tensor under 32 MB is reused from
+# the heap in every process, and every larger one is mapped afresh in every process.
+ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024),
+             "MALLOC_TRIM_THRESHOLD_": str(64 * 1024**3)}
+
 
 @dataclass(frozen=True)
 class Size:
@@ -57,8 +65,8 @@ class Size:
     warm_steps: int
 
 
-SIZES = {"1m": Size(batch=32, slice_s=1.0, rounds=24, warm_steps=30),
-         "10m": Size(batch=32, slice_s=3.0, rounds=10, warm_steps=6),
+SIZES = {"1m": Size(batch=32, slice_s=1.0, rounds=20, warm_steps=30),
+         "10m": Size(batch=32, slice_s=3.0, rounds=8, warm_steps=6),
          "100m": Size(batch=8, slice_s=9.0, rounds=6, warm_steps=3)}
 
 
@@ -77,13 +85,16 @@ class SweepJob(Job):
             self.procs.start([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
                               "--nproc-per-node=2", "--rdzv-backend=c10d",
                               f"--rdzv-endpoint=127.0.0.1:{free_port()}", "torchrun_worker.py",
-                              *args], env_for())
+                              *args], env_for(**ALLOCATOR))
             return
         self.etcd = EmbeddedEtcd().start()
         part = "copy-free" if self.name == "copy-free" else "both"
         every = 10**9 if self.name == "no-commits" else 1
+        # min 2: a job that never commits never admits a joiner, so a first round of one
+        # worker (the other still importing torch) would train alone for good.
         env = env_for(ELASTIC_ETCD=self.etcd.url, ELASTIC_JOB_ID=self.out.name,
-                      ELASTIC_LEASE_TTL=str(self.lease_ttl_s))
+                      ELASTIC_LEASE_TTL=str(self.lease_ttl_s), ELASTIC_MIN_WORKERS="2",
+                      **ALLOCATOR)
         for _ in range(2):
             self.procs.start([sys.executable, "elastic_worker.py", *args, "--commit-every",
                               str(every), "--commit-part", part], env)
@@ -112,6 +123,10 @@ def measure(size: str, names: list[str], root: Path) -> dict:
     finally:
         for job in jobs:
             job.close()
+    for job in jobs:
+        worlds = {p["world"] for p in read_progress(job.out) if p["step"] >= plan.warm_steps}
+        if worlds != {2}:
+            raise RuntimeError(f"{job.name} trained in worlds {sorted(worlds)}, not 2.")
     slices = [job.intervals()[1:] for job in jobs]  # the first round warms the caches
     steps_per_s = {job.name: rate([x for s in per for x in s]) for job, per in zip(jobs, slices)}
     anchor = steps_per_s[names[0]]
@@ -125,7 +140,11 @@ def measure(size: str, names: list[str], root: Path) -> dict:
             "ratio_per_round_median": {name: statistics.median(r) if r else None
                                        for name, r in per_round.items()},
             "cpu_ms_per_step": {job.name: job.cpu_s / max(job.steps_in_slices(), 1) * 1000
-                                for job in jobs}}
+                                for job in jobs},
+            "cpu_ms_per_step_by_thread": {
+                job.name: {k: round(v / max(job.steps_in_slices(), 1) * 1000, 3)
+                           for k, v in sorted(job.thread_s.items(), key=lambda kv: -kv[1])
+                           if v > 0} for job in jobs}}
 
 
 def parameters(size: str) -> int:
