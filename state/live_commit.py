@@ -17,26 +17,10 @@ from typing import Any
 import torch
 
 from elastic.state.errors import StateError, StateKeyError
-from elastic.state.stateful import rebuild_mapping, rebuild_sequence, snapshot
+from elastic.state.stateful import LIVE, rebuild_mapping, rebuild_sequence, snapshot
 
 __all__ = ["LIVE", "is_optimizer", "live_tensor_addresses", "mark_live", "fill_live",
            "holds_live", "require_optimizers"]
-
-
-class _Live:
-    """The marker of a tensor left live in a record (one instance, kept by every copy)."""
-
-    def __repr__(self) -> str:
-        return "LIVE"
-
-    def __copy__(self) -> "_Live":
-        return self
-
-    def __deepcopy__(self, memo: dict) -> "_Live":
-        return self
-
-
-LIVE = _Live()
 
 
 def is_optimizer(obj: Any) -> bool:
