@@ -1,4 +1,9 @@
-"""The same loop as ``torchrun_worker.py`` under ``ElasticState.run`` (in-process recovery)."""
+"""The same loop as ``torchrun_worker.py`` under ``ElasticState.run`` (in-process recovery).
+
+``--commit-part copy-free`` makes every step a copy-free commit (``commit_step``: the step
+applied inside it); it needs ``--commit-every 1``, since a copy-free commit's live state is the
+rollback point only while every step is agreed.
+"""
 
 from __future__ import annotations
 
@@ -20,14 +25,21 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10**9)
     p.add_argument("--batch", type=int, default=32, help="samples per worker and step")
     p.add_argument("--commit-every", type=int, default=10)
-    p.add_argument("--commit-part", choices=("both", "snapshot", "agreement"), default="both",
+    p.add_argument("--commit-part", choices=("both", "snapshot", "agreement", "copy-free"),
+                   default="both",
                    help="what the periodic commit does: the whole commit() (default), only its "
-                        "snapshot, or only its membership agreement (check_membership)")
+                        "snapshot, only its membership agreement (check_membership), or "
+                        "commit_step() around every step (copy-free)")
+    p.add_argument("--size", choices=sorted(workload.SIZES), default="0.3m")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     args = p.parse_args()
+    if args.commit_part == "copy-free" and args.commit_every != 1:
+        p.error(f"--commit-part copy-free commits every step; --commit-every "
+                f"({args.commit_every}) must be 1.")
     workload.pin_to_core()
     data = workload.dataset()
-    model = workload.model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model = workload.model(args.size)
+    opt = workload.optimizer(model.parameters(), args.optimizer)
     state = ElasticState(model=model, optimizer=opt, sampler=ElasticSampler(data, seed=0),
                          epoch=0, step=0)
     progress = workload.Progress(args.out, f"elastic-{os.getpid()}")
@@ -46,12 +58,20 @@ def main() -> None:
         while s.step < args.steps:
             s.sampler.set_epoch(s.epoch)
             for x, y in loader:
-                workload.train_step(ddp, s.optimizer, x, y)
-                s.sampler.record_batch(len(x))
-                s.step += 1
-                progress.step(s.step, s.rank, s.world_size, generation=s.generation)
-                if s.step % args.commit_every == 0:
-                    commit()
+                if args.commit_part == "copy-free":
+                    workload.gradients(ddp, s.optimizer, x, y)
+                    with s.commit_step():
+                        s.optimizer.step()
+                        s.sampler.record_batch(len(x))
+                        s.step += 1
+                        progress.step(s.step, s.rank, s.world_size, generation=s.generation)
+                else:
+                    workload.train_step(ddp, s.optimizer, x, y)
+                    s.sampler.record_batch(len(x))
+                    s.step += 1
+                    progress.step(s.step, s.rank, s.world_size, generation=s.generation)
+                    if s.step % args.commit_every == 0:
+                        commit()
                 if s.step >= args.steps:
                     return
             s.epoch += 1

@@ -18,14 +18,16 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=10**9)
     p.add_argument("--batch", type=int, default=32, help="samples per worker and step")
+    p.add_argument("--size", choices=sorted(workload.SIZES), default="0.3m")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     args = p.parse_args()
     workload.pin_to_core()
     init_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     progress = workload.Progress(args.out, f"torchrun-{os.getpid()}")
     data = workload.dataset()
-    ddp = DDP(workload.model())
-    opt = torch_opt(ddp)
+    ddp = DDP(workload.model(args.size))
+    opt = workload.optimizer(ddp.parameters(), args.optimizer)
     sampler = DistributedSampler(data, seed=0)
     loader = DataLoader(data, batch_size=args.batch, sampler=sampler)
     step, epoch = 0, 0
@@ -56,11 +58,6 @@ def init_group() -> None:
                           is_master=False)
     dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{restart}/", store),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-
-
-def torch_opt(ddp):
-    import torch
-    return torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
 
 
 if __name__ == "__main__":

@@ -37,20 +37,41 @@ def dataset(n: int = 16384) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def model() -> torch.nn.Module:
+# ``--size`` of the sweep (``bench_commit_sweep.py``): the hidden width of the same 3-layer MLP,
+# which has HIDDEN**2 + (FEATURES + CLASSES + 2) * HIDDEN + CLASSES parameters.
+SIZES = {"0.3m": HIDDEN, "1m": 960, "10m": 3125, "100m": 9960}
+
+
+def model(size: str = "0.3m") -> torch.nn.Module:
+    hidden = SIZES[size]
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(),
-                               torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
-                               torch.nn.Linear(HIDDEN, CLASSES))
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, hidden), torch.nn.ReLU(),
+                               torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+                               torch.nn.Linear(hidden, CLASSES))
+
+
+def optimizer(params, kind: str = "sgd") -> torch.optim.Optimizer:
+    """SGD with momentum (the default benchmark) or Adam (the sweep: two state tensors a
+    parameter, so the snapshot commit copies three times the parameters)."""
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-4)
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def gradients(ddp: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+              y: torch.Tensor) -> float:
+    """A step up to its update: forward, backward (DDP all-reduces the gradients)."""
+    loss = torch.nn.functional.cross_entropy(ddp(x), y)
+    opt.zero_grad()
+    loss.backward()
+    return loss.item()
 
 
 def train_step(ddp: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
                y: torch.Tensor) -> float:
-    loss = torch.nn.functional.cross_entropy(ddp(x), y)
-    opt.zero_grad()
-    loss.backward()
+    loss = gradients(ddp, opt, x, y)
     opt.step()
-    return loss.item()
+    return loss
 
 
 class Progress:

@@ -29,6 +29,7 @@ class MembershipAgreement:
         self._cluster = cluster
         self._leave_requested = leave_requested
         self._error = error
+        self._flags: tuple[bool, bool] | None = None
 
     @classmethod
     def start(cls, cluster: Cluster, leave_requested: threading.Event) -> "MembershipAgreement":
@@ -39,6 +40,17 @@ class MembershipAgreement:
             return cls(cluster, leave_requested, exc)
         return cls(cluster, leave_requested, None)
 
+    def wait(self) -> None:
+        """Waits for the agreement without acting on it: once it returns, every rank took part.
+
+        Raises:
+            PeerFailureError: a peer failed before or during the agreement.
+        """
+        if self._error is not None:
+            raise self._error
+        if self._flags is None:
+            self._flags = self._cluster.channel.finish()
+
     def finish(self) -> None:
         """Waits for the agreement and raises what the job must do now, if anything.
 
@@ -47,9 +59,9 @@ class MembershipAgreement:
             LeaveInterrupt: this worker was asked to leave and the others know it.
             PeerFailureError: a peer failed during the agreement.
         """
-        if self._error is not None:
-            raise self._error
-        pending, leaving = self._cluster.channel.finish()
+        self.wait()
+        assert self._flags is not None
+        pending, leaving = self._flags
         if leaving and self._leave_requested.is_set():
             raise LeaveInterrupt("this worker leaves the job")
         if pending or leaving:

@@ -8,6 +8,7 @@ The loop itself lives in ``elastic.recovery``; the cluster in ``elastic.cluster`
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -207,12 +208,47 @@ class ElasticState:
         version = self._train.commit()
         if durable:
             self._commit_durably(version)
-        self._report_progress(version)
-        if agreement is not None:
-            agreement.finish()
-        if self._cluster is not None:
-            self._cluster.note_committed()
+        self._committed(version, agreement)
         return version
+
+    @contextlib.contextmanager
+    def commit_step(self) -> Iterator[None]:
+        """The copy-free commit: every rank applies the step in the block, or none does.
+
+        Use it around ``optimizer.step()`` and the rest of the step's bookkeeping, after the
+        backward pass (whose gradient all-reduce is the step's last collective)::
+
+            loss.backward()
+            with state.commit_step():
+                optimizer.step()
+                state.sampler.record_batch(len(x))
+                state.step += 1
+
+        On entry, the membership agreement of ``commit()`` is taken: every rank reaching it
+        means every rank's collectives of this step succeeded. If a peer failed, the block is
+        skipped on every rank (``PeerFailureError``), so the parameters and optimizer state
+        were never half-updated: they are the rollback point themselves, and are not copied.
+        On leaving the block, everything else registered (sampler, plain values, schedulers,
+        module buffers, the optimizers' hyper-parameters: small) is recorded as by
+        ``commit()`` and the version grows by one. A pending join or leave is then acted on,
+        after the step (no work is lost). At re-formation the rank with the newest version
+        broadcasts its live state. The block must not run collectives; state that the loop
+        changes between two blocks rolls back to its value at the end of the last block.
+
+        Raises:
+            PeerFailureError: a peer failed before the step was agreed (caught by ``run``).
+            MembershipChangedInterrupt: after the step: the world changes now.
+            LeaveInterrupt: after the step: this worker leaves and the others know it.
+            FencedError: this member lost its lease (caught by ``run``).
+            StateError: no optimizer is registered (use ``commit()``).
+        """
+        if self._cluster is not None:
+            self._cluster.membership.check_not_fenced()
+        agreement = self._start_agreement()
+        if agreement is not None:
+            agreement.wait()  # a failed peer ends the step here, on every rank
+        yield
+        self._committed(self._train.commit_live(), agreement)
 
     def check_membership(self) -> None:
         """The membership agreement of ``commit()`` without a snapshot.
@@ -223,6 +259,15 @@ class ElasticState:
             PeerFailureError: a peer failed during the agreement.
         """
         agreement = self._start_agreement()
+        if agreement is not None:
+            agreement.finish()
+
+    def _committed(self, version: int, agreement: MembershipAgreement | None) -> None:
+        """After a commit counts: progress, the agreement's outcome (it may interrupt), and the
+        launcher told that this worker committed."""
+        self._report_progress(version)
+        if self._cluster is not None:
+            self._cluster.note_committed()
         if agreement is not None:
             agreement.finish()
 

@@ -17,9 +17,25 @@ import torch
 
 from elastic.state.device_copy import copy_to_host, host_buffer
 
-__all__ = ["Stateful", "is_stateful", "snapshot", "rebuild_mapping", "rebuild_sequence"]
+__all__ = ["Stateful", "is_stateful", "snapshot", "rebuild_mapping", "rebuild_sequence", "LIVE"]
 
-_IMMUTABLE = frozenset({int, float, complex, bool, str, bytes, type(None)})
+
+class _Live:
+    """The marker of a tensor left live in a copy-free commit (``state.live_commit``): one
+    instance, which every snapshot and copy shares like an immutable leaf."""
+
+    def __repr__(self) -> str:
+        return "LIVE"
+
+    def __copy__(self) -> "_Live":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "_Live":
+        return self
+
+
+LIVE = _Live()
+_IMMUTABLE = frozenset({int, float, complex, bool, str, bytes, type(None), _Live})
 
 
 @runtime_checkable

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from elastic.state.errors import NoCommitError, StateError, StateKeyError
+from elastic.state.live_commit import (fill_live, holds_live, is_optimizer,
+                                       live_tensor_addresses, mark_live, require_optimizers)
 from elastic.state.stateful import is_stateful, snapshot
 from elastic.state.sync import broadcast_payload
 
@@ -82,6 +84,7 @@ class TrainState:
         self._stateful: dict[str, Any] = {}
         self._value_names: dict[str, None] = {}  # an ordered set; the values sit in storage
         self._commit: dict[str, Any] | None = None
+        self._live: frozenset[str] = frozenset()  # names whose commit holds LIVE markers
         self._version = 0
         for name, obj in objects.items():
             self.register(name, obj)
@@ -212,14 +215,41 @@ class TrainState:
             StateError: Copying failed; the previous commit is then dropped, since its
                 buffers may be half overwritten.
         """
-        live = {name: obj.state_dict() for name, obj in self._stateful.items()}
-        live.update(self._plain_values())
+        return self._record({name: obj.state_dict() for name, obj in self._stateful.items()})
+
+    def commit_live(self) -> int:
+        """The copy-free commit: records everything but the tensors the optimizers own.
+
+        The registered optimizers' parameters and optimizer state (what ``optimizer.step()``
+        writes) are not copied: the live tensors are the commit. All else (module buffers,
+        hyper-parameters, sampler, schedulers, plain values: small) is copied as by
+        ``commit()``. Valid right after a step that every rank applies or none does
+        (``ElasticState.commit_step``), while nothing else changes those tensors.
+
+        Returns:
+            The new version (the previous one plus 1).
+
+        Raises:
+            StateError: No optimizer is registered, or copying failed (the previous commit
+                is then dropped).
+        """
+        optimizers = [obj for obj in self._stateful.values() if is_optimizer(obj)]
+        require_optimizers(optimizers)
+        live = live_tensor_addresses(optimizers)
+        return self._record({name: mark_live(obj.state_dict(), live)
+                             for name, obj in self._stateful.items()})
+
+    def _record(self, states: dict[str, Any]) -> int:
+        """Snapshots ``states`` and the plain values as the new commit; returns its version."""
+        states.update(self._plain_values())
+        self._live = frozenset()
         try:
-            self._commit = snapshot(live, self._commit)
+            self._commit = snapshot(states, self._commit)
         except (RuntimeError, TypeError, ValueError) as exc:
             self._commit = None
             raise StateError(f"commit of version {self._version + 1} failed; "
                              f"no commit is left to restore: {exc}") from exc
+        self._live = frozenset(name for name in self._stateful if holds_live(self._commit[name]))
         self._version += 1
         return self._version
 
@@ -238,7 +268,11 @@ class TrainState:
             raise NoCommitError("restore() needs a commit; call commit() first.")
         self._check_names(self._commit)
         for name, obj in self._stateful.items():
-            obj.load_state_dict(snapshot(self._commit[name]))
+            saved = self._commit[name]
+            if name in self._live:  # its live tensors are the commit: loaded onto themselves
+                obj.load_state_dict(fill_live(saved, obj.state_dict(), copy=True, path=name))
+            else:
+                obj.load_state_dict(snapshot(saved))
         objects = self._objects()
         for name in self._value_names:
             objects[name] = _restore_value(self._commit[name], objects[name])
@@ -247,15 +281,19 @@ class TrainState:
         """Returns the current commit as ``{"version": int, "objects": {name: state}}``.
 
         The objects' state dicts are the commit's own (CPU tensors and containers), not
-        copies: the next ``commit()`` overwrites them in place, so a caller that keeps the
-        payload across a commit (for example an asynchronous writer) must copy it first.
+        copies, and after ``commit_live()`` its live tensors are the objects' own: a caller
+        that keeps the payload across a commit or a step (an asynchronous writer) copies it.
 
         Raises:
             NoCommitError: There is no commit.
         """
         if self._commit is None:
             raise NoCommitError("committed() needs a commit; call commit() first.")
-        return {"version": self._version, "objects": dict(self._commit)}
+        objects = dict(self._commit)
+        for name in self._live:  # a copy-free commit: the live tensors, not copies
+            objects[name] = fill_live(objects[name], self._stateful[name].state_dict(),
+                                      copy=False, path=name)
+        return {"version": self._version, "objects": objects}
 
     def load_committed(self, payload: Mapping[str, Any]) -> None:
         """Installs ``payload`` (from ``committed()``) as the current commit.
@@ -282,6 +320,7 @@ class TrainState:
                                 f"{version!r:.40} and {type(objects).__name__}.")
         self._check_names(objects)
         self._commit = {name: (snapshot(state) if copy else state) for name, state in objects.items()}
+        self._live = frozenset()
         self._version = version
 
     def _check_names(self, objects: Mapping[str, Any]) -> None:

@@ -13,6 +13,7 @@ from elastic.state import ElasticSampler, NoCommitError, TrainState
 from elastic.state.sync import TensorSlot, broadcast_payload, plan_buckets
 from elastic.state.wire import encode
 from tests.support.gloo_group import run_in_group
+from tests.support.trees import assert_same_tree
 
 WORLD = 3
 SOURCE = 1
@@ -57,22 +58,6 @@ def _sync_on_every_rank(rank: int, world: int) -> tuple[dict, dict]:
     return fingerprint, got
 
 
-def _assert_same(a, b, where=""):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), where
-        for key in a:
-            _assert_same(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}/{i}")
-    else:
-        assert a == b, where
-
-
 def test_bucket_plan_groups_by_dtype_and_respects_the_cap():
     tensors: list[torch.Tensor] = []
     encode({"a": torch.zeros(10), "b": torch.zeros(3, dtype=torch.int64),
@@ -89,8 +74,8 @@ def test_sync_makes_a_receiver_with_empty_optimizer_state_equal_to_the_source(tm
     source, source_mixed = got[SOURCE]
     assert source["version"] == 2 and source["optimizer"]["state"], "the source trained"
     for rank in range(WORLD):
-        _assert_same(source, got[rank][0], f"rank {rank}")
-        _assert_same(source_mixed, got[rank][1], f"rank {rank} mixed")
+        assert_same_tree(source, got[rank][0], f"rank {rank}")
+        assert_same_tree(source_mixed, got[rank][1], f"rank {rank} mixed")
 
 
 def _sync_an_unsendable_value(rank: int, world: int) -> str:

@@ -6,7 +6,11 @@ are seeded per sample from a base drawn each step from the committed RNG, and au
 runs in ``SeededDataset``. The global loss of every step goes into a committed ``history``, so
 rolled-back steps drop out. ``--hold-at 4,16`` makes the group wait at those (commit) steps
 until joiners bring the world to 3 (so a slow start or a join cannot miss its step); ``FAULTS`` fire as in ``train.py``. In
-``--mode per-worker`` the LR follows ``LinearLRScaling`` and every reset logs it.
+``--mode per-worker`` the LR follows ``LinearLRScaling`` and every reset logs it. With
+``--copy-free`` every step is a copy-free commit (``commit_step``) and no snapshot commit is
+taken; a fault may then name where in the step it fires (``kill:2:10:before``: after the
+step's last collective and before the agreement; ``during``: inside the agreed block, before
+``optimizer.step()``; ``after``, the default: after the step).
 """
 
 from __future__ import annotations
@@ -84,16 +88,20 @@ def parse() -> argparse.Namespace:
     p.add_argument("--loader-workers", type=int, default=0)
     p.add_argument("--hold-at", default="", help="comma-separated commit steps")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--copy-free", action="store_true", help="commit every step with commit_step")
     return p.parse_args()
 
 
-def fire_faults(state: ElasticState, out: Path, index: int) -> None:
+def fire_faults(state: ElasticState, out: Path, index: int, step: int | None = None,
+                where: str = "after") -> None:
+    step = state.step if step is None else step
     for spec in filter(None, os.environ.get("FAULTS", "").split(",")):
-        kind, who, step = spec.split(":")
+        kind, who, at, *place = spec.split(":")
         marker = out / f"fired-{kind}-{index}"
-        if int(who) != index or int(step) != state.step or marker.exists():
+        if (int(who) != index or int(at) != step or (place or ["after"])[0] != where
+                or marker.exists()):
             continue
-        marker.write_text(json.dumps({"step": state.step, "rank": state.rank,
+        marker.write_text(json.dumps({"step": step, "rank": state.rank, "where": where,
                                       "world": state.world_size, "t": time.time()}))
         os.kill(os.getpid(), {"kill": signal.SIGKILL, "term": signal.SIGTERM}[kind])
 
@@ -118,6 +126,16 @@ def hold_for_join(s: ElasticState, args: argparse.Namespace) -> None:
 
 def global_step(s: ElasticState, ddp: DDP, batch, args) -> float:
     """One constant-global-batch step; returns the mean loss over the global batch."""
+    x, _, _ = batch
+    loss = global_gradients(s, ddp, batch, args)
+    s.optimizer.step()
+    s.sampler.record_batch(len(x))
+    return loss
+
+
+def global_gradients(s: ElasticState, ddp: DDP, batch, args) -> float:
+    """A constant-global-batch step up to its update: the reduced gradients, and the mean loss
+    over the global batch (both of the step's collectives are done when it returns)."""
     x, y, _ = batch
     share = s.sampler.share()
     base = draw_base_seed() if args.dropout else 0
@@ -126,11 +144,24 @@ def global_step(s: ElasticState, ddp: DDP, batch, args) -> float:
     loss = squared.sum() * share.loss_scale
     s.optimizer.zero_grad()
     loss.backward()
-    s.optimizer.step()
-    s.sampler.record_batch(len(x))
     total = squared.detach().sum() if share.size else torch.zeros((), dtype=torch.float64)
     dist.all_reduce(total)
     return total.item() / share.total
+
+
+def copy_free_step(s: ElasticState, ddp: DDP, batch, args, fire, report) -> None:
+    """A constant-global-batch step committed by ``commit_step``, faults fired around it. The
+    block is the step's last part: after it, a change agreed at it hands over to the run loop."""
+    x, _, _ = batch
+    loss = global_gradients(s, ddp, batch, args)
+    fire(s.step + 1, "before")
+    with s.commit_step():
+        fire(s.step + 1, "during")
+        s.optimizer.step()
+        s.sampler.record_batch(len(x))
+        s.step += 1
+        s.history.append(loss)
+        report(loss)
 
 
 def per_worker_step(s: ElasticState, ddp: DDP, batch, args) -> float:
@@ -174,23 +205,32 @@ def main() -> None:
         "lr": s.optimizer.param_groups[0]["lr"]}) + "\n"))
     step_fn = global_step if args.mode == "global" else per_worker_step
 
+    def report(loss: float) -> None:
+        progress.write(json.dumps({"step": state.step, "world": state.world_size, "loss": loss,
+                                   "lr": opt.param_groups[0]["lr"]}) + "\n")
+
     def train(s: ElasticState) -> None:
         ddp = DDP(s.model)
         loader = make_loader(s, dataset, args)
         while s.epoch < args.epochs:
             s.sampler.set_epoch(s.epoch)
             for batch in loader:
-                loss = step_fn(s, ddp, batch, args)
-                s.step += 1
-                s.history.append(loss)
-                progress.write(json.dumps({"step": s.step, "world": s.world_size, "loss": loss,
-                                           "lr": s.optimizer.param_groups[0]["lr"]}) + "\n")
+                if args.copy_free:
+                    copy_free_step(s, ddp, batch, args, lambda step, where: fire_faults(
+                        s, out, index, step, where), report)
+                else:
+                    loss = step_fn(s, ddp, batch, args)
+                    s.step += 1
+                    s.history.append(loss)
+                    report(loss)
                 fire_faults(s, out, index)
                 if s.step % args.commit_every == 0:
-                    s.commit()
+                    if not args.copy_free:
+                        s.commit()
                     hold_for_join(s, args)
             s.epoch += 1
-            s.commit()
+            if not args.copy_free:  # the next agreed step records the new epoch
+                s.commit()
 
     wait_for_peers(out, index)
     state.run(train)
