@@ -33,9 +33,10 @@ class Timeouts:
     """Every timeout and interval of a worker and its launcher; see each field.
 
     The order it enforces (``validate``): 2 x keepalive < lease_ttl; settle and node_settle <
-    rendezvous; settle < rejoin; form < collective; sync <= collective; etcd_rpc <= etcd_retry
-    <= etcd_outage; backoff and reconnect <= backoff_max. A frozen or cut-off worker is dropped
-    within lease_ttl (+ form while its survivors connect); a killed one at once.
+    rendezvous; settle and node_settle < rejoin; form < collective; sync <= collective;
+    etcd_rpc <= etcd_retry <= etcd_outage; backoff and reconnect <= backoff_max. A frozen or
+    cut-off worker is dropped within lease_ttl (+ form while its survivors connect); a killed
+    one at once.
     """
 
     # -- membership and rounds --------------------------------------------------------------
@@ -223,6 +224,7 @@ class Timeouts:
         self._check("settle", "rendezvous")
         self._check("node_settle", "rendezvous")
         self._check("settle", "rejoin")
+        self._check("node_settle", "rejoin")
         self._check("form", "collective")
         self._check("sync", "collective", or_equal=True)
         self._check("etcd_rpc", "etcd_retry", or_equal=True)

@@ -18,13 +18,16 @@ The connections are also a detector: when a process dies its kernel closes its s
 connection between it and rank 0 ends at once. Releasing sends nothing to the peer (only the
 receiving side is shut), and a released channel is closed only once its holder's next round has
 formed; so until then, a connection that the peer ended (``peers_gone``) means that the peer's
-process is gone, never that it is re-forming. No torch.
+process is gone, never that it is re-forming; ``watch`` reports such an end as it happens (rank
+0 sees any rank's; every rank sees rank 0's), so that survivors blocked where no socket of
+theirs breaks (an NCCL collective) are released at once. No torch.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import select
 import socket
 import struct
 import threading
@@ -110,6 +113,7 @@ class AgreementChannel:
         self._admission: Admission | None = None  # rank 0, while the others connect
         self._peers: dict[int, socket.socket] = {}  # rank 0: every other rank; else {0: rank 0}
         self._flags = (0, 0)
+        self._watcher: threading.Thread | None = None
 
     # -- forming ----------------------------------------------------------------------------
     def connect(self, store: AddressBook, advertise_addr: str, round_: int,
@@ -233,6 +237,43 @@ class AgreementChannel:
             why = f"released ({released})" if released else repr(exc)
             raise PeerFailureError(f"membership agreement failed: {why}") from exc
 
+    # -- watching for a dead peer ------------------------------------------------------------
+    def watch(self, on_gone: Callable[[int], None], wake: timedelta) -> None:
+        """Calls ``on_gone(rank)``, on a thread of its own and once per rank, as soon as a peer
+        ends its connection while this channel is neither released nor closed.
+
+        Args:
+            on_gone: told the rank whose process is gone.
+            wake: the longest the thread sleeps before it looks whether the channel was closed.
+        """
+        with self._lock:
+            if self._released is not None or not self._peers:
+                return
+            peers = dict(self._peers)
+        self._watcher = threading.Thread(target=self._watch, name="elastic-channel-watch",
+                                         args=(peers, on_gone, wake.total_seconds()),
+                                         daemon=True)
+        self._watcher.start()
+
+    def _watch(self, peers: dict[int, socket.socket], on_gone: Callable[[int], None],
+               wake_s: float) -> None:
+        poller = select.poll()
+        ranks = {}
+        for rank, sock in peers.items():
+            ranks[sock.fileno()] = rank
+            poller.register(sock.fileno(), select.POLLRDHUP)  # not POLLIN: data never wakes it
+        while ranks:
+            ready = poller.poll(wake_s * 1000)
+            with self._lock:
+                if self._released is not None:
+                    return  # ours: releasing shuts the receiving sides, which wakes the poll
+            for fd, _ in ready:
+                rank = ranks.pop(fd, None)
+                if rank is not None:
+                    poller.unregister(fd)
+                    if rank in self.peers_gone():  # the kernel says the peer ended it
+                        on_gone(rank)
+
     # -- teardown ---------------------------------------------------------------------------
     def release(self, reason: str) -> None:
         """Unblocks every exchange of this channel now; safe from any thread, idempotent."""
@@ -278,6 +319,14 @@ class AgreementChannel:
                 self._released = "closed"
             sockets = self._sockets()
             self._peers, self._listener = {}, None
+            watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            for sock in sockets:
+                try:  # wakes the watcher (a socket closed under a poll would not)
+                    sock.shutdown(socket.SHUT_RD)
+                except OSError:
+                    pass  # not connected, or already shut
+            watcher.join(self._timeout_s)
         fork_guard.release([sock.fileno() for sock in sockets])
         for sock in sockets:
             sock.close()

@@ -175,6 +175,9 @@ class Cluster:
             self.group.form(store, topology.rank, topology.world_size)
             self.channel.connect(store, self.settings.advertise_addr, topology.round,
                                  self.group.form_timeout)
+            members = topology.members
+            self.channel.watch(lambda rank: self.monitor.on_peer_gone(members[rank]),
+                               self.settings.timeouts.wake)
         except RuntimeError as exc:  # torch's DistError family derives from RuntimeError
             raise PeerFailureError(f"forming the group of round {topology.round} failed: "
                                    f"{exc}") from exc

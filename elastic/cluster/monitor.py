@@ -3,8 +3,8 @@
 - ``pending`` is set when the world should change at the next commit: a newcomer asked to join,
   or a member of the round left.
 - ``on_broken`` is called (at most once per round) when the round's group cannot go on: a member
-  of the round lost its key without finishing (died, frozen, cut off), or a survivor reported a
-  failure. The runner releases the group then, so that nobody waits for a collective timeout.
+  of the round lost its key without finishing (died, frozen, cut off) or its agreement
+  connection ended (``on_peer_gone``: it died), or a survivor reported a failure. The runner releases the group then, so that nobody waits for a collective timeout.
 """
 
 from __future__ import annotations
@@ -89,6 +89,12 @@ class ChangeMonitor:
                 broken = None
         if broken:
             self._on_broken(broken)
+
+    def on_peer_gone(self, member: str) -> None:
+        """A member's agreement connection ended (its process is gone; ``AgreementChannel.watch``):
+        acted on as the deletion of its key, which comes only at its lease TTL when no launcher
+        revokes it."""
+        self.on_events([WatchEvent("delete", self._keys.member(member), b"", 0)])
 
     def _consider(self, event: WatchEvent) -> str | None:
         assert self._round is not None

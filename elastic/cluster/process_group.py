@@ -8,8 +8,9 @@ gone or frozen:
   ``release`` is called from the etcd client's event loop, whose keepalives must not stall);
   ``destroy`` waits for it. Before the first group, ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``
   (``device.nccl_env``), and the group is made with ``device_id``, so that NCCL creates its
-  communicators while every member is known alive (inside ``init_process_group``, where
-  ``form_timeout`` bounds it), not inside the first collective.
+  communicators inside ``init_process_group``, right after every member was seen alive, not
+  inside the first collective (creation itself still blocks: ``TORCH_NCCL_USE_COMM_NONBLOCKING``
+  is not set, untried without a GPU).
 - gloo (torch 2.13 has no abort that unblocks an in-flight collective): the group's own connected
   sockets, recorded when it was formed, are shut down. Their identity is checked by inode before
   use, so a reused descriptor number is never touched; gloo's listening socket is never touched

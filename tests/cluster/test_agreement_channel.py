@@ -219,3 +219,30 @@ def test_a_peer_whose_process_ended_its_connection_is_reported_gone_after_any_re
         assert poll_until(lambda: channels[1].peers_gone() == [0], 5)
     finally:
         _close(channels)
+
+
+def test_the_watch_reports_a_peer_whose_process_ended_its_connection_at_once():
+    channels = _connected(3)
+    seen: list[int] = []
+    reported = threading.Event()
+    try:
+        channels[0].watch(lambda rank: (seen.append(rank), reported.set()), timedelta(seconds=1))
+        channels[2].close()  # rank 2's process is gone: the kernel closes its sockets
+        assert reported.wait(5) and seen == [2]
+    finally:
+        _close(channels)
+
+
+def test_the_watch_stays_silent_when_peers_re_form_and_ends_with_the_release():
+    channels = _connected(3)
+    seen: list[int] = []
+    try:
+        channels[1].watch(seen.append, timedelta(seconds=1))
+        channels[0].release("re-forming (failure)")  # rank 0 is alive: it only re-forms
+        channels[1].release("re-forming (failure)")
+        watcher = channels[1]._watcher  # noqa: SLF001 (no event tells a test this)
+        assert watcher is not None
+        watcher.join(5)
+        assert not watcher.is_alive() and seen == []
+    finally:
+        _close(channels)

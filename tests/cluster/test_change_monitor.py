@@ -238,3 +238,17 @@ def test_a_member_of_the_round_gone_before_arm_breaks_the_round_at_arm(broken):
     monitor.on_events([gone("m1")])  # dropped: nothing is armed during the forming
     monitor.arm(topology(), live_client((ME, "m2")))
     assert len(broken) == 1 and "m1" in broken[0]
+
+
+def test_a_member_whose_connection_ended_breaks_the_round_before_its_lease_runs_out(monitor,
+                                                                                    broken):
+    monitor.on_peer_gone("m2")
+    assert len(broken) == 1 and "m2" in broken[0]
+    monitor.on_events([gone("m2")])  # its lease runs out later: the round broke once
+    assert len(broken) == 1
+
+
+def test_a_connection_that_ends_after_the_member_finished_is_not_a_failure(monitor, broken):
+    monitor.on_events([done("m1")])
+    monitor.on_peer_gone("m1")
+    assert broken == []

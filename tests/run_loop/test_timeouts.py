@@ -35,6 +35,7 @@ DEFAULTS_S = {
 # (shorter, longer, may they be equal): the hierarchy, as README.md states it.
 ORDER = [("keepalive", "lease_ttl", False), ("settle", "rendezvous", False),
          ("node_settle", "rendezvous", False), ("settle", "rejoin", False),
+         ("node_settle", "rejoin", False),
          ("form", "collective", False),
          ("sync", "collective", True), ("etcd_rpc", "etcd_retry", True),
          ("etcd_retry", "etcd_outage", True),
