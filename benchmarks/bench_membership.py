@@ -47,7 +47,7 @@ sys.path.insert(0, str(HERE.parent))
 from elastic.cluster.etcd_client import EtcdClient  # noqa: E402
 from elastic.cluster.keys import JobKeys  # noqa: E402
 from elastic.cluster.membership import EtcdMembership  # noqa: E402
-from elastic.cluster.monitor import ChangeMonitor  # noqa: E402
+from elastic.cluster.news import NewsMonitor  # noqa: E402
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology  # noqa: E402
 from elastic.errors import FencedError  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
@@ -94,8 +94,7 @@ class SimMember:
                                          timeouts.keepalive)
         self.rendezvous = Rendezvous(client, self.membership, RendezvousConfig(timeouts=timeouts))
         self.broken = threading.Event()
-        self.monitor = ChangeMonitor(keys, self.membership.member_id,
-                                     lambda reason: self.broken.set())
+        self.monitor = NewsMonitor(keys, lambda reason: self.broken.set())
         self.membership.add_listener(self.monitor.on_events)
         self.topology: Topology | None = None
 

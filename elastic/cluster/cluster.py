@@ -22,7 +22,7 @@ from elastic.events import EventLog, Stopwatch
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.lease_file import append_lease
 from elastic.cluster.membership import EtcdMembership
-from elastic.cluster.monitor import ChangeMonitor
+from elastic.cluster.news import NewsMonitor
 from elastic.cluster.process_group import ProcessGroup, resolve_backend
 from elastic.cluster.records import SkippedRecords
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
@@ -62,7 +62,7 @@ class Cluster:
         self.skipped = SkippedRecords()  # malformed records read from etcd, warned once each
         self.membership: EtcdMembership
         self.rendezvous: Rendezvous
-        self.monitor: ChangeMonitor
+        self.monitor: NewsMonitor
         self._register()
 
     def _register(self) -> None:
@@ -73,8 +73,7 @@ class Cluster:
             timeouts.keepalive,
             on_lease=None if lease_file is None else lambda lease: append_lease(lease_file, lease))
         self.rendezvous = Rendezvous(self.client, self.membership, self.config, self.skipped)
-        self.monitor = ChangeMonitor(self.keys, self.membership.member_id, self._on_broken,
-                                     self.skipped)
+        self.monitor = NewsMonitor(self.keys, self._on_broken, self.skipped)
         self.membership.add_listener(self.monitor.on_events)
         self.membership.on_fenced(lambda: self.release("this member was fenced"))
         self.membership.register()
@@ -111,6 +110,7 @@ class Cluster:
     def renew_identity(self) -> None:
         """After fencing: drops the old identity for good and registers as a new member."""
         old = self.membership.member_id
+        self.rendezvous.stop()
         self.membership.leave()
         self._register()
         self.events.emit("reregistered", previous_member=old)
@@ -221,6 +221,7 @@ class Cluster:
         """Destroys the group, leaves the job (revoking the lease) and closes the client."""
         self.monitor.disarm()
         self._drop_group()
+        self.rendezvous.stop()
         self.membership.leave()
         self.events.emit("left")
         self.client.close()

@@ -11,6 +11,10 @@ Layout under ``/elastic/{job_id}/``:
 - ``commit``: the newest commit version and the newest durable checkpoint, for ``elastic status``.
 - ``config``: the job's configuration, written by the first launcher.
 - ``fence``: the job's fencing epoch for durable commits, created once by compare-and-swap.
+- ``control/coordinator``: lease-bound, the member that reads everyone's records and closes
+  rounds (``coordinator.py``); created by compare-and-swap, taken over when its lease ends.
+- ``control/news``: what the coordinator tells every member about the newest round (``news.py``).
+  Members watch only ``control/`` and their own member key, so a change costs each of them O(1).
 
 The launchers of a job (``elastic run``) register under a sibling job, ``{job_id}.launchers``
 (``JobKeys.launchers``), with the same layout: its ``members/`` are the live launchers and its
@@ -105,6 +109,18 @@ class JobKeys:
     @property
     def fence(self) -> str:
         return f"{self.prefix}fence"
+
+    @property
+    def control(self) -> str:
+        return f"{self.prefix}control/"
+
+    @property
+    def coordinator(self) -> str:
+        return f"{self.control}coordinator"
+
+    @property
+    def news(self) -> str:
+        return f"{self.control}news"
 
     def launchers(self) -> "JobKeys":
         """The keys of this job's launchers (their membership and ``--plain`` generations)."""

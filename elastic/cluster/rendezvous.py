@@ -1,10 +1,12 @@
 """Rounds agreed on etcd: join requests, a settle window, and one plan per round by CAS.
 
 A member asks to be in round ``R + 1`` (R = the newest planned round) with its newest commit
-version. Any waiting member may close the round once ``plan.should_close`` says so; the close is
-a compare-and-swap that creates ``rounds/{n}/plan`` and moves ``round`` to ``n`` in one
-transaction, so exactly one plan exists per round. Waiting wakes on watch events, and on the
-settle deadline, never on a polling sleep.
+version, then waits for the news of round ``R + 1`` (``control/news``) and reads its plan once.
+The job's coordinator (``coordinator.py``, one member elected by compare-and-swap) closes the
+round once ``plan.should_close`` says so; the close is a compare-and-swap that creates
+``rounds/{n}/plan``, moves ``round`` to ``n`` and writes the news in one transaction, so exactly
+one plan exists per round. Waiting wakes on the news, and on the wake cap for the deadlines,
+never on a polling sleep; a waiting member reads no other member's records.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from elastic.cluster.membership import EtcdMembership
 from elastic.cluster.etcd_client import KeyValue
 from elastic.cluster.plan import CloseRule, JoinRequest, Plan, assign_ranks, should_close
 from elastic.cluster import records
+from elastic.cluster.coordinator import Coordinator
+from elastic.cluster.news import RoundNews, read_news
 from elastic.cluster.records import RecordError, SkippedRecords
 
 log = logging.getLogger(__name__)
@@ -76,16 +80,37 @@ class Rendezvous:
         self._membership = membership
         self._keys: JobKeys = membership.keys
         self.config = config
-        self._rule = CloseRule(config.min_workers, config.max_workers,
-                               config.timeouts.settle.total_seconds())
+        self.rule = CloseRule(config.min_workers, config.max_workers,
+                              config.timeouts.settle.total_seconds())
         self._changed = threading.Condition()
         self._epoch = 0
+        self._news: tuple[RoundNews, int] = (RoundNews(0), 0)
         membership.add_listener(self._on_events)
+        self._coordinator = Coordinator(client, membership, self, self._skipped)
 
     def _on_events(self, events: list[WatchEvent]) -> None:
+        read = read_news(self._keys, events, self._skipped)
         with self._changed:
+            if read is not None and read[1] > self._news[1]:
+                self._news = read
             self._epoch += 1
             self._changed.notify_all()
+
+    def stop(self) -> None:
+        """Stops this member's coordinator (before its membership leaves)."""
+        self._coordinator.stop()
+
+    def _news_now(self) -> RoundNews:
+        """The newest news seen, read once from etcd when none was seen by watch yet."""
+        with self._changed:
+            news, revision = self._news
+        if revision:
+            return news
+        kv = self._client.get(self._keys.news)
+        if kv is not None:
+            self._on_events([WatchEvent("put", kv.key, kv.value, kv.mod_revision)])
+        with self._changed:
+            return self._news[0]
 
     def latest_round(self) -> int:
         """The number of the newest planned round (0: none yet).
@@ -134,15 +159,15 @@ class Rendezvous:
             LeaveInterrupt: ``cancelled()`` turned true (SIGTERM) while waiting.
         """
         started = time.monotonic()
+        self._coordinator.start()
         while True:
             self._membership.check_not_fenced()
-            latest, revision = self._read_round_key()
-            n = latest + 1
+            n = self.latest_round() + 1
             request = JoinRequest(self._membership.member_id, version, reason,
                                   self._membership.advertise_addr, port)
             self._client.put(self._keys.join(n, self._membership.member_id), request.to_json(),
                              lease=self._membership.lease)
-            plan = self._wait_for_plan(n, revision, started, cancelled)
+            plan = self._wait_for_plan(n, started, cancelled)
             if plan is None:
                 log.info("round %d was overtaken by later rounds; asking for the newest", n)
                 continue
@@ -153,53 +178,26 @@ class Rendezvous:
             log.info("round %d closed without %s; asking for the next", n,
                      self._membership.member_id)
 
-    def _wait_for_plan(self, n: int, round_revision: int, started: float,
+    def _wait_for_plan(self, n: int, started: float,
                        cancelled: Callable[[], bool]) -> Plan | None:
-        """Waits for round ``n``'s plan, closing the round when the rules allow; None when
-        ``round`` moved past ``n - 1`` without a plan of ``n`` left to read."""
-        previous = self.read_plan(n - 1)
-        seen: tuple[frozenset[str], frozenset[str]] | None = None
-        last_change = time.monotonic()
-        short_since: float | None = None
+        """Waits for the news of round ``n`` and reads its plan; None when round ``n`` was
+        overtaken (the news is of a later round and no plan of ``n`` is left to read)."""
+        enough_since = started  # when the round last had min_workers (checked past the timeout)
         while True:
             with self._changed:
                 epoch = self._epoch
             self._membership.check_not_fenced()
             if cancelled():
                 raise LeaveInterrupt(f"asked to leave while waiting for round {n}")
-            plan = self.read_plan(n)
-            if plan is not None:
-                return plan
-            if self._has_done(n - 1, previous):
+            news = self._news_now()
+            if news.round >= n:
+                return self.read_plan(n)
+            if news.round == n - 1 and news.done:
                 raise RendezvousClosedError(f"The job finished in round {n - 1}; nothing to join.")
-            requests, live = self._read_round(n)
-            now = time.monotonic()
-            state = (frozenset(r.member_id for r in requests), frozenset(live))
-            if state != seen:
-                seen, last_change = state, now
-            short_since = self._check_limits(requests, n, started, short_since, now)
-            if should_close(requests, live, previous is not None, now - last_change, self._rule):
-                if not self._close(n, round_revision, requests, previous) \
-                        and self.read_plan(n) is None:
-                    return None
-                continue
-            # Watch events wake the wait; else the settle deadline (when it is ahead), else the
-            # wake cap (the rendezvous and admit deadlines are checked then).
-            wake_s = self.config.timeouts.wake.total_seconds()
-            settle_left = self._rule.settle_s - (now - last_change)
+            enough_since = self._check_limits(n, started, enough_since, time.monotonic())
             with self._changed:
                 if self._epoch == epoch:
-                    self._changed.wait(timeout=min(settle_left, wake_s) if settle_left > 0
-                                       else wake_s)
-
-    def _has_done(self, n: int, plan: Plan | None) -> bool:
-        """Whether a member of round ``n`` returned from the training function (the job is
-        finished); a done key of anyone outside the round's plan is ignored."""
-        if n < 1 or plan is None:
-            return False
-        kvs, _ = self._client.get_prefix(self._keys.dones(n))
-        done = {kv.key[len(self._keys.dones(n)):] for kv in kvs}
-        return bool(done & set(plan.ranks))
+                    self._changed.wait(timeout=self.config.timeouts.wake.total_seconds())
 
     def _read_round(self, n: int) -> tuple[list[JoinRequest], set[str]]:
         """The round's admissible join requests and the live members' ids.
@@ -210,10 +208,10 @@ class Rendezvous:
         joins, _ = self._client.get_prefix(self._keys.joins(n))
         members, _ = self._client.get_prefix(self._keys.members)
         leases = {kv.key[len(self._keys.members):]: kv.lease for kv in members}
-        requests = [r for r in (self._admissible(n, kv, leases) for kv in joins) if r is not None]
+        requests = [r for r in (self.admissible(n, kv, leases) for kv in joins) if r is not None]
         return requests, set(leases)
 
-    def _admissible(self, n: int, kv: KeyValue, leases: dict[str, int]) -> JoinRequest | None:
+    def admissible(self, n: int, kv: KeyValue, leases: dict[str, int]) -> JoinRequest | None:
         """The join request in ``kv``, or None (skipped with a warning) when it is malformed or
         was not written under its member's lease."""
         member = kv.key[len(self._keys.joins(n)):]
@@ -227,14 +225,18 @@ class Rendezvous:
             return None
         return request
 
-    def _check_limits(self, requests: list[JoinRequest], n: int, started: float,
-                      short_since: float | None, now: float) -> float | None:
-        if len(requests) >= self.config.min_workers:
-            short_since = None
-        elif short_since is None:
-            short_since = now
+    def _check_limits(self, n: int, started: float, enough_since: float,
+                      now: float) -> float:
+        """Raises when a deadline passed; returns when the round last had min_workers.
+
+        Only past the rendezvous timeout does it read the round's join requests (one read per
+        wake), so a waiting member reads no other member's records while rounds form in time.
+        """
         timeout_s = self.config.timeouts.rendezvous.total_seconds()
-        if short_since is not None and now - short_since > timeout_s:
+        if now - enough_since > timeout_s:
+            requests, _ = self._read_round(n)
+            if len(requests) >= self.config.min_workers:
+                return now
             raise RendezvousTimeoutError(
                 f"Round {n}: only {len(requests)} of min_workers={self.config.min_workers} "
                 f"worker(s) joined within {timeout_s:.0f} s. Start more workers, or lower "
@@ -243,17 +245,18 @@ class Rendezvous:
             raise RendezvousTimeoutError(
                 f"Round {n} did not form within {self.config.timeouts.admit}: the running members "
                 "admit new workers only at state.commit() or state.check_membership().")
-        return short_since
+        return enough_since
 
-    def _close(self, n: int, round_revision: int, requests: list[JoinRequest],
-               previous: Plan | None) -> bool:
-        """Writes round ``n``'s plan and moves ``round`` to ``n``: only if no plan of ``n``
-        exists and ``round`` is still what this member read (``n - 1``), so that ``round`` only
-        moves forward, even for a member that was delayed past later rounds."""
+    def close(self, n: int, round_revision: int, requests: list[JoinRequest],
+              previous: Plan | None) -> bool:
+        """Writes round ``n``'s plan, moves ``round`` to ``n`` and writes its news: only if no
+        plan of ``n`` exists and ``round`` is still what the closer read (``n - 1``), so that
+        ``round`` only moves forward, even for a closer that was delayed past later rounds."""
         plan = assign_ranks(requests, previous.ranks if previous else [], n,
                             self.config.max_workers)
         if self._client.create(self._keys.plan(n), plan.to_json(),
-                               also={self._keys.round: str(n)},
+                               also={self._keys.round: str(n),
+                                     self._keys.news: RoundNews(n).to_json()},
                                unchanged=(self._keys.round, round_revision)):
             log.info("round %d formed by %s: world %d", n, self._membership.member_id,
                      plan.world_size)
@@ -272,21 +275,19 @@ class Rendezvous:
     def finish(self, topology: Topology, timeout: timedelta) -> None:
         """Records that this member returned from the training function, then waits until every
         member of the round has either returned too or gone (so that no finisher breaks a peer
-        still in its last collective).
+        still in its last collective): the coordinator says so in the round's news.
         """
         n = topology.round
+        self._coordinator.start()
         self._client.put(self._keys.done(n, self._membership.member_id), b"1")
         deadline = time.monotonic() + timeout.total_seconds()
         while time.monotonic() < deadline:
             with self._changed:
                 epoch = self._epoch
-            dones, _ = self._client.get_prefix(self._keys.dones(n))
-            finished = {kv.key[len(self._keys.dones(n)):] for kv in dones}
-            _, live = self._read_round(n + 1)
-            waiting = [m for m in topology.members if m not in finished and m in live]
-            if not waiting:
+            news = self._news_now()
+            if news.round > n or (news.round == n and news.finished):
                 return
             with self._changed:
                 if self._epoch == epoch:
                     self._changed.wait(timeout=self.config.timeouts.wake.total_seconds())
-        log.warning("members %s did not finish within %s", waiting, timeout)
+        log.warning("the members of round %d did not all finish within %s", n, timeout)
