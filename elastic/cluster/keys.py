@@ -7,7 +7,9 @@ Layout under ``/elastic/{job_id}/``:
 - ``rounds/{n}/join/{member}``: lease-bound request to be in round ``n``.
 - ``rounds/{n}/plan``: the agreed world of round ``n``, created once by compare-and-swap.
 - ``rounds/{n}/done/{member}``: the member returned from the training function.
-- ``rounds/{n}/store/``: the torch.distributed store of round ``n`` (fresh per round).
+- ``rounds/{n}/store/``: the etcd-backed torch.distributed store of round ``n`` (fresh per
+  round; ``etcd_store.py``), or only ``rounds/{n}/store/address``: where round ``n``'s rank 0
+  hosts its TCPStore (``round_store.py``, what a worker forms its group on).
 - ``commit``: the newest commit version and the newest durable checkpoint, for ``elastic status``.
 - ``config``: the job's configuration, written by the first launcher.
 - ``fence``: the job's fencing epoch for durable commits, created once by compare-and-swap.
@@ -97,6 +99,9 @@ class JobKeys:
 
     def store(self, n: int) -> str:
         return f"{self.round_prefix(n)}store/"
+
+    def store_address(self, n: int) -> str:
+        return f"{self.store(n)}address"
 
     @property
     def commit(self) -> str:
