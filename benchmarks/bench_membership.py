@@ -132,9 +132,10 @@ def _member_thread(member: SimMember, go: threading.Event, stop: threading.Event
         times[0] = time.time()  # its lease expired: the process starved its keepalive thread
 
 
-def worker_main(conn: Any, url: str, count: int, limit_s: float) -> None:
+def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: float) -> None:
     """One process of members, driven by the parent over ``conn``."""
-    timeouts = Timeouts()
+    timeouts = Timeouts.from_env({}, lease_ttl=timedelta(seconds=lease_ttl_s)) if lease_ttl_s \
+        else Timeouts()
     client = CountingClient(url, timeouts=timeouts)
     go, stop = threading.Event(), threading.Event()
     members = [SimMember(client, timeouts) for _ in range(count)]
@@ -208,7 +209,7 @@ def etcd_metrics(url: str) -> dict[str, float]:
 class Run:
     """One N: an etcd, the member processes, and the snapshots between phases."""
 
-    def __init__(self, n: int, procs: int, limit_s: float) -> None:
+    def __init__(self, n: int, procs: int, limit_s: float, lease_ttl_s: float) -> None:
         self.n, self.limit_s = n, limit_s
         self.etcd = EmbeddedEtcd(niceness=0, go_max_procs=None).start()
         self.admin = EtcdClient(self.etcd.url)
@@ -217,7 +218,7 @@ class Run:
         self.conns, self.procs = [], []
         for size in (s for s in sizes if s):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(child, self.etcd.url, size, limit_s),
+            proc = ctx.Process(target=worker_main, args=(child, self.etcd.url, size, limit_s, lease_ttl_s),
                                daemon=True)
             proc.start()
             self.conns.append(parent)
@@ -301,12 +302,15 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=4)
     parser.add_argument("--limit", type=float, default=120.0,
                         help="seconds a phase may take before it is recorded as not finished")
+    parser.add_argument("--lease-ttl", type=float, default=0.0,
+                        help="the members' lease TTL in seconds (0: the default, 3 s; the "
+                             "keepalive interval is a quarter of it)")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     results = []
     for n in (int(s) for s in args.sizes.split(",")):
-        run = Run(n, min(args.procs, n), args.limit)
+        run = Run(n, min(args.procs, n), args.limit, args.lease_ttl)
         try:
             result = run.measure()
         finally:
@@ -314,8 +318,8 @@ def main() -> None:
         print(json.dumps(result), flush=True)
         results.append(result)
     record = {"label": args.label, "cores": os.cpu_count(), "procs": args.procs,
-              "date": time.strftime("%Y-%m-%d"), "timeouts": "defaults (lease TTL 3 s, "
-              "keepalive 0.75 s, settle 0.5 s)", "results": results}
+              "date": time.strftime("%Y-%m-%d"),
+              "lease_ttl_s": args.lease_ttl or 3.0, "settle_s": 0.5, "results": results}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 

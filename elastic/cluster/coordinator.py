@@ -31,7 +31,8 @@ from elastic.cluster.etcd_client import EtcdClient, KeyValue, WatchEvent
 from elastic.cluster.membership import EtcdMembership
 from elastic.cluster.monitor import ChangeMonitor
 from elastic.cluster.news import RoundNews
-from elastic.cluster.plan import Plan, should_close
+from elastic.cluster import records
+from elastic.cluster.plan import JoinRequest, Plan, should_close
 from elastic.cluster.records import SkippedRecords
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,10 @@ class Coordinator:
         self._joins: dict[int, dict[str, KeyValue]] = {}
         self._dones: dict[int, set[str]] = {}
         self._round = 0
+        self._latest = 0  # the ``round`` counter as last seen (by the snapshot or the watch)
         self._round_revision = 0
+        # Join requests already checked: (key, mod revision, its member's lease) -> request.
+        self._checked: dict[tuple[str, int, int | None], JoinRequest | None] = {}
         self._plan: Plan | None = None
         self._news = RoundNews(0)
         self._news_revision = 0
@@ -156,7 +160,7 @@ class Coordinator:
         with self._changed:
             self.is_leading = True
             self._members, self._joins, self._dones = {}, {}, {}
-            self._round, self._plan, self._monitor = 0, None, None
+            self._round, self._latest, self._plan, self._monitor = 0, 0, None, None
             self._broken, self._seen, self._lost = "", None, False
             self._note([WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease,
                                    kv.create_revision) for kv in kvs])
@@ -201,6 +205,7 @@ class Coordinator:
                     self._members.pop(member, None)
             elif e.key == keys.round and e.kind == "put":
                 self._round_revision = e.revision
+                self._latest = records.round_number(e.key, e.value)
             elif e.key == keys.news and e.kind == "put":
                 self._news_revision = e.revision
             elif e.key == keys.coordinator and e.kind == "delete":
@@ -230,7 +235,8 @@ class Coordinator:
 
     def _follow_round(self) -> None:
         """Arms the round tracker when the ``round`` counter moved past the round it tracks."""
-        latest = self._rendezvous.latest_round()
+        with self._changed:
+            latest = self._latest
         if latest == self._round and (latest == 0 or self._monitor is not None):
             return
         plan = self._rendezvous.read_plan(latest)
@@ -238,6 +244,8 @@ class Coordinator:
         with self._changed:
             self._round, self._plan, self._broken = latest, plan, ""
             self._joins = {n: j for n, j in self._joins.items() if n > latest}
+            self._checked = {k: r for k, r in self._checked.items()
+                             if (self._keys.round_of(k[0]) or 0) > latest}
             self._dones = {n: d for n, d in self._dones.items() if n >= latest}
             self._news = self._read_news(news_kv, latest)
             live = set(self._members)
@@ -299,7 +307,7 @@ class Coordinator:
             leases = dict(self._members)
             joins = list(self._joins.get(n, {}).values())
             revision = self._round_revision if self._round else 0
-        requests = [r for r in (self._rendezvous.admissible(n, kv, leases) for kv in joins)
+        requests = [r for r in (self._admissible(n, kv, leases) for kv in joins)
                     if r is not None]
         state = (frozenset(r.member_id for r in requests), frozenset(leases))
         now = time.monotonic()
@@ -310,6 +318,15 @@ class Coordinator:
             return
         if self._rendezvous.close(n, revision, requests, self._plan):
             self._poke()  # follow the new round at once
+
+    def _admissible(self, n: int, kv: KeyValue, leases: dict[str, int]) -> JoinRequest | None:
+        """``Rendezvous.admissible``, once per version of a request and of its member's lease
+        (a step sees every request of the round: parsing each again would cost O(N) each)."""
+        member = kv.key[len(self._keys.joins(n)):]
+        checked = (kv.key, kv.mod_revision, leases.get(member))
+        if checked not in self._checked:
+            self._checked[checked] = self._rendezvous.admissible(n, kv, leases)
+        return self._checked[checked]
 
 
 class _Round:

@@ -102,7 +102,6 @@ class NewsMonitor:
         self.reason = ""
         self._round: int | None = None
         self._broken = False
-        self._revision = 0
 
     def arm(self, topology: "Topology", client: EtcdClient) -> None:
         """Starts tracking a newly formed round; reads the news once (one key), so that news
@@ -126,13 +125,11 @@ class NewsMonitor:
         read = read_news(self._keys, events, self._skipped)
         if read is None:
             return
-        news, revision = read
+        news = read[0]  # news only adds to a round (pending, broken): an older copy does no harm
         broken = None
         with self._lock:
-            if revision < self._revision or self._round is None or news.round != self._round:
-                self._revision = max(self._revision, revision)
+            if self._round is None or news.round != self._round:
                 return
-            self._revision = revision
             reason = news.broken or news.pending
             if reason and not self.pending.is_set():
                 self.reason = reason

@@ -84,15 +84,15 @@ class Rendezvous:
                               config.timeouts.settle.total_seconds())
         self._changed = threading.Condition()
         self._epoch = 0
-        self._news: tuple[RoundNews, int] = (RoundNews(0), 0)
+        self._news: RoundNews | None = None  # the newest news seen (by watch or one read)
         membership.add_listener(self._on_events)
         self._coordinator = Coordinator(client, membership, self, self._skipped)
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         read = read_news(self._keys, events, self._skipped)
         with self._changed:
-            if read is not None and read[1] > self._news[1]:
-                self._news = read
+            if read is not None:
+                self._news = read[0]  # the watch delivers in order: the last is the newest
             self._epoch += 1
             self._changed.notify_all()
 
@@ -101,16 +101,18 @@ class Rendezvous:
         self._coordinator.stop()
 
     def _news_now(self) -> RoundNews:
-        """The newest news seen, read once from etcd when none was seen by watch yet."""
+        """The newest news: read once from etcd while none was seen; after that the watch
+        (which covers everything since this member registered) brings every change."""
         with self._changed:
-            news, revision = self._news
-        if revision:
-            return news
+            if self._news is not None:
+                return self._news
         kv = self._client.get(self._keys.news)
-        if kv is not None:
-            self._on_events([WatchEvent("put", kv.key, kv.value, kv.mod_revision)])
+        news = None if kv is None else self._skipped.read(
+            kv.key, kv.mod_revision, lambda: RoundNews.from_json(kv.value))
         with self._changed:
-            return self._news[0]
+            if self._news is None:
+                self._news = news or RoundNews(0)
+            return self._news
 
     def latest_round(self) -> int:
         """The number of the newest planned round (0: none yet).
