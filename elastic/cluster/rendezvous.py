@@ -289,7 +289,18 @@ class Rendezvous:
             news = self._news_now()
             if news.round > n or (news.round == n and news.finished):
                 return
+            if self._membership.fenced.is_set() and not self._waited_for(topology):
+                return  # with its lease gone it cannot coordinate: it looks for itself
             with self._changed:
                 if self._epoch == epoch:
                     self._changed.wait(timeout=self.config.timeouts.wake.total_seconds())
         log.warning("the members of round %d did not all finish within %s", n, timeout)
+
+    def _waited_for(self, topology: Topology) -> list[str]:
+        """The members of the round that neither returned nor left, read from etcd (O(N): only
+        for a fenced member, when every lease may be gone and no coordinator can speak)."""
+        n = topology.round
+        dones, _ = self._client.get_prefix(self._keys.dones(n))
+        finished = {kv.key[len(self._keys.dones(n)):] for kv in dones}
+        _, live = self._read_round(n + 1)
+        return [m for m in topology.members if m not in finished and m in live]

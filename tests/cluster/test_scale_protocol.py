@@ -7,6 +7,7 @@ join requests) wired as ``Cluster`` wires them, without torch.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -157,6 +158,23 @@ def test_a_member_joining_after_the_job_finished_is_told_so(client):
             late.form("start")
     finally:
         for m in members + ([late] if late else []):
+            m.leave()
+
+
+def test_members_whose_leases_all_ended_finish_without_waiting_for_a_coordinator(client):
+    members = [Member(client, "scale-all-fenced") for _ in range(2)]
+    try:
+        topologies = form_all(members, "start")
+        for m in members:  # an etcd frozen past every lease: nobody can coordinate any more
+            client.revoke(m.membership.lease)
+        assert all(m.membership.fenced.wait(WAIT_S) for m in members)
+        started = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda mt: mt[0].rendezvous.finish(mt[1], timedelta(seconds=60)),
+                          zip(members, topologies), timeout=90))
+        assert time.monotonic() - started < 20
+    finally:
+        for m in members:
             m.leave()
 
 
