@@ -2,7 +2,8 @@
 
 ``form()`` is the cluster half of a re-formation: stop watching the old round, release and
 destroy its group, agree on the next round (waiting as a spare if left out), and form the new
-group on a fresh etcd-backed store. It knows nothing of the training state.
+group on a fresh store that the round's rank 0 hosts (its address in etcd: ``round_store.py``).
+It knows nothing of the training state.
 """
 
 from __future__ import annotations
@@ -18,17 +19,17 @@ from elastic.cluster.agreement_channel import AgreementChannel
 from elastic.cluster.ports import free_port
 from elastic.errors import EtcdUnavailableError, FencedError, PeerFailureError
 from elastic.cluster.etcd_client import EtcdClient, parse_endpoints
-from elastic.cluster.etcd_store import EtcdStore
 from elastic.events import EventLog, Stopwatch
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.lease_file import append_committed, append_lease
 from elastic.cluster.membership import EtcdMembership
-from elastic.cluster.monitor import ChangeMonitor
 from elastic.cluster.device import claim_device, default_lock_dir
+from elastic.cluster.news import NewsMonitor
 from elastic.cluster.process_group import ProcessGroup, cuda_device_count, resolve_backend
 from elastic.cluster.records import SkippedRecords
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
 from elastic.cluster.round_links import RoundLinks
+from elastic.cluster.round_store import RoundStore
 from elastic.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class Cluster:
         self._said_committed = False
         self.membership: EtcdMembership
         self.rendezvous: Rendezvous
-        self.monitor: ChangeMonitor
+        self.monitor: NewsMonitor
         self._register()
 
     def _register(self) -> None:
@@ -82,8 +83,7 @@ class Cluster:
             timeouts.keepalive,
             on_lease=None if lease_file is None else lambda lease: append_lease(lease_file, lease))
         self.rendezvous = Rendezvous(self.client, self.membership, self.config, self.skipped)
-        self.monitor = ChangeMonitor(self.keys, self.membership.member_id, self._on_broken,
-                                     self.skipped)
+        self.monitor = NewsMonitor(self.keys, self._on_broken, self.skipped)
         self.membership.add_listener(self.monitor.on_events)
         self.membership.on_fenced(lambda: self.release("this member was fenced"))
         self.membership.register()
@@ -120,6 +120,7 @@ class Cluster:
     def renew_identity(self) -> None:
         """After fencing: drops the old identity for good and registers as a new member."""
         old = self.membership.member_id
+        self.rendezvous.stop()
         self.membership.leave()
         self._register()
         self.events.emit("reregistered", previous_member=old)
@@ -155,7 +156,9 @@ class Cluster:
                          world_size=topology.world_size)
         self.events.emit("round_formed", reason=reason, rendezvous_s=waited.seconds)
         with Stopwatch() as formed:
-            store = EtcdStore(self.client, topology.store_prefix, self.settings.timeouts.store)
+            store = RoundStore(self.client, self.keys.store_address(topology.round),
+                               topology.rank, self.settings.advertise_addr,
+                               self.settings.timeouts.store)
             self.links.open(store, AgreementChannel(topology.rank, topology.world_size,
                                                     self.group.timeout))
             self.topology = topology
@@ -164,14 +167,15 @@ class Cluster:
         self.events.emit("group_formed", backend=self.group.backend, form_s=formed.seconds)
         return topology
 
-    def _connect(self, topology: Topology, store: EtcdStore) -> None:
-        """Forms the round's group and agreement channel.
+    def _connect(self, topology: Topology, store: RoundStore) -> None:
+        """Connects the round's store, then forms its group and agreement channel.
 
         Raises:
             PeerFailureError: a member of the round died, froze or was released while the
                 others connected (torch raises a ``RuntimeError`` or ``DistError`` then).
         """
         try:
+            store.connect()
             self.group.form(store, topology.rank, topology.world_size)
             self.channel.connect(store, self.settings.advertise_addr, topology.round,
                                  self.group.form_timeout)
@@ -251,6 +255,7 @@ class Cluster:
         self.monitor.disarm()
         self.links.close()
         self.topology = None
+        self.rendezvous.stop()
         self.membership.leave()
         self.events.emit("left")
         self.client.close()

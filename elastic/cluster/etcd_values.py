@@ -34,6 +34,8 @@ class WatchEvent:
     key: str
     value: bytes
     revision: int
+    lease: int = 0
+    create_revision: int = 0
 
 
 def kv_of(kv: Any) -> KeyValue:
@@ -57,7 +59,8 @@ def utf8_keys(kvs: Any) -> list[KeyValue]:
 def event_of(event: Any) -> WatchEvent:
     kind = "put" if str(event.kind).endswith("PUT") else "delete"
     return WatchEvent(kind=kind, key=event.kv.key.decode(), value=bytes(event.kv.value),
-                      revision=event.kv.mod_revision)
+                      revision=event.kv.mod_revision, lease=event.kv.lease,
+                      create_revision=event.kv.create_revision)
 
 
 def deliver(event: Any, callback: Callable[[list[WatchEvent]], None]) -> None:

@@ -10,10 +10,16 @@ Layout under ``/elastic/{job_id}/``:
 - ``rounds/{n}/gone/{member}``: bound to the lease of a member of round ``n - 1`` that saw
   ``member``'s connection of round ``n - 1`` end (its process is gone); the value is the
   reporter's id.
-- ``rounds/{n}/store/``: the torch.distributed store of round ``n`` (fresh per round).
+- ``rounds/{n}/store/``: the etcd-backed torch.distributed store of round ``n`` (fresh per
+  round; ``etcd_store.py``), or only ``rounds/{n}/store/address``: where round ``n``'s rank 0
+  hosts its TCPStore (``round_store.py``, what a worker forms its group on).
 - ``commit``: the newest commit version and the newest durable checkpoint, for ``elastic status``.
 - ``config``: the job's configuration, written by the first launcher.
 - ``fence``: the job's fencing epoch for durable commits, created once by compare-and-swap.
+- ``control/coordinator``: lease-bound, the member that reads everyone's records and closes
+  rounds (``coordinator.py``); created by compare-and-swap, taken over when its lease ends.
+- ``control/news``: what the coordinator tells every member about the newest round (``news.py``).
+  Members watch only ``control/`` and their own member key, so a change costs each of them O(1).
 
 The launchers of a job (``elastic run``) register under a sibling job, ``{job_id}.launchers``
 (``JobKeys.launchers``), with the same layout: its ``members/`` are the live launchers and its
@@ -103,6 +109,9 @@ class JobKeys:
     def store(self, n: int) -> str:
         return f"{self.round_prefix(n)}store/"
 
+    def store_address(self, n: int) -> str:
+        return f"{self.store(n)}address"
+
     @property
     def commit(self) -> str:
         return f"{self.prefix}commit"
@@ -114,6 +123,18 @@ class JobKeys:
     @property
     def fence(self) -> str:
         return f"{self.prefix}fence"
+
+    @property
+    def control(self) -> str:
+        return f"{self.prefix}control/"
+
+    @property
+    def coordinator(self) -> str:
+        return f"{self.control}coordinator"
+
+    @property
+    def news(self) -> str:
+        return f"{self.control}news"
 
     def launchers(self) -> "JobKeys":
         """The keys of this job's launchers (their membership and ``--plain`` generations)."""

@@ -1,7 +1,8 @@
 """One worker's membership in a job: an etcd lease kept alive by a thread, and a job watch.
 
-Owns the member key (bound to the lease), the keepalive thread, and a watch on the job prefix
-that fans events out to listeners. A member whose lease is gone is *fenced*: ``fenced`` is set,
+Owns the member key (bound to the lease), the keepalive thread, and the member's watches: the
+job's ``control/`` keys (the coordinator and its news) and its own member key, fanned out to
+listeners. It never watches other members' records: a change costs each member O(1) events. A member whose lease is gone is *fenced*: ``fenced`` is set,
 listeners hear of it, and this identity is never used again (a new ``EtcdMembership`` registers
 as a new member). No torch here.
 """
@@ -68,10 +69,11 @@ class EtcdMembership:
         self._listeners: list[Listener] = []
         self._fence_listeners: list[Callable[[], None]] = []
         self._keepalive: threading.Thread | None = None
-        self._cancel_watch: Callable[[], None] | None = None
+        self._cancel_watches: list[Callable[[], None]] = []
 
     def add_listener(self, listener: Listener) -> None:
-        """Calls ``listener`` with every change under the job prefix (on the etcd thread)."""
+        """Calls ``listener`` with every change of the job's ``control/`` keys and of this
+        member's own key (on the etcd thread)."""
         self._listeners.append(listener)
 
     def on_fenced(self, callback: Callable[[], None]) -> None:
@@ -91,8 +93,9 @@ class EtcdMembership:
                 "lease": self.lease, "since": time.time()}
         revision = self._client.put(self.keys.member(self.member_id), json.dumps(info),
                                     lease=self.lease)
-        self._cancel_watch = self._client.watch_prefix(self.keys.prefix, revision + 1,
-                                                       self._dispatch)
+        self._cancel_watches = [
+            self._client.watch_prefix(prefix, revision + 1, self._dispatch)
+            for prefix in (self.keys.control, self.keys.member(self.member_id))]
         self.is_registered = True
         self._keepalive = threading.Thread(target=self._keep_alive, name="elastic-keepalive",
                                            daemon=True)
@@ -159,6 +162,11 @@ class EtcdMembership:
             return False
         return True
 
+    @property
+    def has_left(self) -> bool:
+        """Whether ``leave()`` was called (this identity is done with the job)."""
+        return self._stop.is_set()
+
     def check_not_fenced(self) -> None:
         """Raises:
             FencedError: the lease is gone; this identity must not act any more.
@@ -170,9 +178,9 @@ class EtcdMembership:
     def leave(self) -> None:
         """Stops keepalive and watch and revokes the lease (deleting every key bound to it)."""
         self._stop.set()
-        if self._cancel_watch is not None:
-            self._cancel_watch()
-            self._cancel_watch = None
+        cancels, self._cancel_watches = self._cancel_watches, []
+        for cancel in cancels:
+            cancel()
         if self._keepalive is not None:
             self._keepalive.join(timeout=self._client_timeout_s())
         if self.lease and not self.fenced.is_set():

@@ -12,12 +12,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.plan import JoinRequest
 from elastic.cluster.records import SkippedRecords
-from elastic.cluster.rendezvous import Topology
+
+if TYPE_CHECKING:
+    from elastic.cluster.rendezvous import Topology
 
 log = logging.getLogger(__name__)
 

@@ -2,11 +2,14 @@
 
 A member asks to be in round ``R + 1`` (R = the newest planned round) with its newest commit
 version, and reports the members of round ``R`` it saw die (their agreement connection ended:
-``rounds/{n}/gone/``). Any waiting member may close the round once the rules allow
-(``plan.should_close`` for a first round; ``roll_call.may_close`` for a re-formation: every
-member of round ``R`` accounted for); the close is a compare-and-swap that creates
-``rounds/{n}/plan`` and moves ``round`` to ``n`` in one transaction, so exactly one plan exists
-per round. Waiting wakes on watch events, and on the settle deadline, never on a polling sleep.
+``rounds/{n}/gone/``); then it waits for the news of round ``R + 1`` (``control/news``) and reads
+its plan once. The job's coordinator (``coordinator.py``, one member elected by
+compare-and-swap) closes the round once the rules allow (``plan.should_close`` for a first
+round; ``roll_call.may_close`` for a re-formation: every member of round ``R`` accounted for);
+the close is a compare-and-swap that creates ``rounds/{n}/plan``, moves ``round`` to ``n`` and
+writes the news in one transaction, so exactly one plan exists per round. Waiting wakes on the
+news, and on the wake cap for the deadlines, never on a polling sleep; a waiting member reads
+no other member's records.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from elastic.cluster.etcd_client import KeyValue
 from elastic.cluster.plan import CloseRule, JoinRequest, Plan, assign_ranks, should_close
 from elastic.cluster import records
 from elastic.cluster.roll_call import Evidence, RollCall, may_close
+from elastic.cluster.coordinator import Coordinator
+from elastic.cluster.news import RoundNews, read_news
 from elastic.cluster.records import RecordError, SkippedRecords
 
 log = logging.getLogger(__name__)
@@ -80,17 +85,40 @@ class Rendezvous:
         self._membership = membership
         self._keys: JobKeys = membership.keys
         self.config = config
-        self._rule = CloseRule(config.min_workers, config.max_workers,
-                               config.timeouts.settle.total_seconds())
+        self.rule = CloseRule(config.min_workers, config.max_workers,
+                              config.timeouts.settle.total_seconds())
         self._changed = threading.Condition()
         self._epoch = 0
         self.standby = config.standby  # a warm spare until a round takes it
+        self._news: RoundNews | None = None  # the newest news seen (by watch or one read)
         membership.add_listener(self._on_events)
+        self._coordinator = Coordinator(client, membership, self, self._skipped)
 
     def _on_events(self, events: list[WatchEvent]) -> None:
+        read = read_news(self._keys, events, self._skipped)
         with self._changed:
+            if read is not None:
+                self._news = read[0]  # the watch delivers in order: the last is the newest
             self._epoch += 1
             self._changed.notify_all()
+
+    def stop(self) -> None:
+        """Stops this member's coordinator (before its membership leaves)."""
+        self._coordinator.stop()
+
+    def _news_now(self) -> RoundNews:
+        """The newest news: read once from etcd while none was seen; after that the watch
+        (which covers everything since this member registered) brings every change."""
+        with self._changed:
+            if self._news is not None:
+                return self._news
+        kv = self._client.get(self._keys.news)
+        news = None if kv is None else self._skipped.read(
+            kv.key, kv.mod_revision, lambda: RoundNews.from_json(kv.value))
+        with self._changed:
+            if self._news is None:
+                self._news = news or RoundNews(0)
+            return self._news
 
     def latest_round(self) -> int:
         """The number of the newest planned round (0: none yet).
@@ -148,17 +176,17 @@ class Rendezvous:
             LeaveInterrupt: ``cancelled()`` turned true (SIGTERM) while waiting.
         """
         started = time.monotonic()
+        self._coordinator.start()
         while True:
             self._membership.check_not_fenced()
-            latest, revision = self._read_round_key()
-            n = latest + 1
+            n = self.latest_round() + 1
             # A warm spare's joins never ask the running members to re-form.
             request = JoinRequest(self._membership.member_id, version,
                                   "spare" if self.standby else reason,
                                   self._membership.advertise_addr, port, standby=self.standby)
             self._client.put(self._keys.join(n, self._membership.member_id), request.to_json(),
                              lease=self._membership.lease)
-            plan = self._wait_for_plan(n, revision, started, cancelled, gone)
+            plan = self._wait_for_plan(n, started, cancelled, gone)
             if plan is None:
                 log.info("round %d was overtaken by later rounds; asking for the newest", n)
                 continue
@@ -170,65 +198,48 @@ class Rendezvous:
             log.info("round %d closed without %s; asking for the next", n,
                      self._membership.member_id)
 
-    def _wait_for_plan(self, n: int, round_revision: int, started: float,
-                       cancelled: Callable[[], bool],
+    def _wait_for_plan(self, n: int, started: float, cancelled: Callable[[], bool],
                        gone: Callable[[int], list[str]]) -> Plan | None:
-        """Waits for round ``n``'s plan, closing the round when the rules allow; None when
-        ``round`` moved past ``n - 1`` without a plan of ``n`` left to read."""
-        previous = self.read_plan(n - 1)
-        seen: tuple[frozenset[str], frozenset[str]] | None = None
-        last_change = time.monotonic()
-        short_since: float | None = None
+        """Waits for the news of round ``n`` and reads its plan; None when round ``n`` was
+        overtaken (the news is of a later round and no plan of ``n`` is left to read)."""
+        enough_since = started  # when the round last had min_workers (checked past the timeout)
         reported: set[str] = set()
-        rejoin_since: float | None = None  # the first request of a member of round n - 1
         while True:
             with self._changed:
                 epoch = self._epoch
             self._membership.check_not_fenced()
             if cancelled():
                 raise LeaveInterrupt(f"asked to leave while waiting for round {n}")
-            plan = self.read_plan(n)
-            if plan is not None:
-                return plan
-            if self._has_done(n - 1, previous):
+            news = self._news_now()
+            if news.round >= n:
+                return self.read_plan(n)
+            if news.round == n - 1 and news.done:
                 raise RendezvousClosedError(f"The job finished in round {n - 1}; nothing to join.")
             self._report_gone(n, gone(n), reported)
-            requests, live = self._read_round(n)
-            now = time.monotonic()
-            state = (frozenset(r.member_id for r in requests), frozenset(live))
-            if state != seen:
-                seen, last_change = state, now
-            short_since = self._check_limits(requests, n, started, short_since, now)
-            if previous is not None and rejoin_since is None \
-                    and state[0] & set(previous.ranks):
-                rejoin_since = now
-            if self._may_close(n, requests, live, previous, now - last_change,
-                               0.0 if rejoin_since is None else now - rejoin_since):
-                if not self._close(n, round_revision, requests, previous) \
-                        and self.read_plan(n) is None:
-                    return None
-                continue
-            # Watch events wake the wait; else the settle deadline (when it is ahead), else the
-            # wake cap (the rendezvous and admit deadlines are checked then).
-            wake_s = self.config.timeouts.wake.total_seconds()
-            settle_left = self._rule.settle_s - (now - last_change)
+            enough_since = self._check_limits(n, started, enough_since, time.monotonic())
             with self._changed:
                 if self._epoch == epoch:
-                    self._changed.wait(timeout=min(settle_left, wake_s) if settle_left > 0
-                                       else wake_s)
+                    self._changed.wait(timeout=self.config.timeouts.wake.total_seconds())
 
-    def _may_close(self, n: int, requests: list[JoinRequest], live: set[str],
-                   previous: Plan | None, quiet_s: float, waited_s: float) -> bool:
-        """The rules for round ``n``: a first round's (``plan.should_close``), or a
-        re-formation's (``roll_call.may_close``, with the credible reports of deaths)."""
+    def may_close(self, n: int, requests: list[JoinRequest], live: dict[str, int],
+                  previous: Plan | None, quiet_s: float, waited_s: float) -> bool:
+        """The rules for round ``n`` (asked by the coordinator): a first round's
+        (``plan.should_close``), or a re-formation's (``roll_call.may_close``, with the credible
+        reports of deaths, read only while a member of the last round is missing).
+
+        Args:
+            live: every registered member's lease, by member id.
+            waited_s: seconds since the first request of a member of round ``n - 1``.
+        """
         if previous is None:
-            return should_close(requests, live, False, quiet_s, self._rule)
+            return should_close(requests, set(live), False, quiet_s, self.rule)
         rejoin_s = self.config.timeouts.rejoin.total_seconds()
+        joined = {r.member_id for r in requests}
         roll = RollCall(previous.ranks, frozenset(), waited_s, rejoin_s)
-        if roll.missing({r.member_id for r in requests}, live):  # only then read the reports
-            roll = RollCall(previous.ranks, self._dead(n, previous), waited_s, rejoin_s)
-        if may_close(requests, live, roll, quiet_s, self._rule):
-            missing = roll.missing({r.member_id for r in requests}, live)
+        if roll.missing(joined, set(live)):
+            roll = RollCall(previous.ranks, self._dead(n, previous, live), waited_s, rejoin_s)
+        if may_close(requests, set(live), roll, quiet_s, self.rule):
+            missing = roll.missing(joined, set(live))
             if missing:
                 log.warning("round %d closes without %s: live members of round %d that did not "
                             "ask to join within %s (ELASTIC_REJOIN_TIMEOUT)", n, missing, n - 1,
@@ -245,11 +256,9 @@ class Rendezvous:
                 reported.add(member)
                 log.info("member %s of round %d is gone (its connection ended)", member, n - 1)
 
-    def _dead(self, n: int, previous: Plan) -> frozenset[str]:
+    def _dead(self, n: int, previous: Plan, leases: dict[str, int]) -> frozenset[str]:
         """The members of round ``n - 1`` dead by credible reports (others are skipped)."""
         kvs, _ = self._client.get_prefix(self._keys.gones(n))
-        members, _ = self._client.get_prefix(self._keys.members)
-        leases = {kv.key[len(self._keys.members):]: kv.lease for kv in members}
         dead = set()
         for kv in kvs:
             report = Evidence(kv.key[len(self._keys.gones(n)):],
@@ -261,15 +270,6 @@ class Rendezvous:
                                    "the previous round about its rank 0 or by its rank 0")
         return frozenset(dead)
 
-    def _has_done(self, n: int, plan: Plan | None) -> bool:
-        """Whether a member of round ``n`` returned from the training function (the job is
-        finished); a done key of anyone outside the round's plan is ignored."""
-        if n < 1 or plan is None:
-            return False
-        kvs, _ = self._client.get_prefix(self._keys.dones(n))
-        done = {kv.key[len(self._keys.dones(n)):] for kv in kvs}
-        return bool(done & set(plan.ranks))
-
     def _read_round(self, n: int) -> tuple[list[JoinRequest], set[str]]:
         """The round's admissible join requests and the live members' ids.
 
@@ -279,10 +279,10 @@ class Rendezvous:
         joins, _ = self._client.get_prefix(self._keys.joins(n))
         members, _ = self._client.get_prefix(self._keys.members)
         leases = {kv.key[len(self._keys.members):]: kv.lease for kv in members}
-        requests = [r for r in (self._admissible(n, kv, leases) for kv in joins) if r is not None]
+        requests = [r for r in (self.admissible(n, kv, leases) for kv in joins) if r is not None]
         return requests, set(leases)
 
-    def _admissible(self, n: int, kv: KeyValue, leases: dict[str, int]) -> JoinRequest | None:
+    def admissible(self, n: int, kv: KeyValue, leases: dict[str, int]) -> JoinRequest | None:
         """The join request in ``kv``, or None (skipped with a warning) when it is malformed or
         was not written under its member's lease."""
         member = kv.key[len(self._keys.joins(n)):]
@@ -296,14 +296,18 @@ class Rendezvous:
             return None
         return request
 
-    def _check_limits(self, requests: list[JoinRequest], n: int, started: float,
-                      short_since: float | None, now: float) -> float | None:
-        if len(requests) >= self.config.min_workers:
-            short_since = None
-        elif short_since is None:
-            short_since = now
+    def _check_limits(self, n: int, started: float, enough_since: float,
+                      now: float) -> float:
+        """Raises when a deadline passed; returns when the round last had min_workers.
+
+        Only past the rendezvous timeout does it read the round's join requests (one read per
+        wake), so a waiting member reads no other member's records while rounds form in time.
+        """
         timeout_s = self.config.timeouts.rendezvous.total_seconds()
-        if short_since is not None and now - short_since > timeout_s:
+        if now - enough_since > timeout_s:
+            requests, _ = self._read_round(n)
+            if len(requests) >= self.config.min_workers:
+                return now
             raise RendezvousTimeoutError(
                 f"Round {n}: only {len(requests)} of min_workers={self.config.min_workers} "
                 f"worker(s) joined within {timeout_s:.0f} s. Start more workers, or lower "
@@ -312,17 +316,18 @@ class Rendezvous:
             raise RendezvousTimeoutError(
                 f"Round {n} did not form within {self.config.timeouts.admit}: the running members "
                 "admit new workers only at state.commit() or state.check_membership().")
-        return short_since
+        return enough_since
 
-    def _close(self, n: int, round_revision: int, requests: list[JoinRequest],
-               previous: Plan | None) -> bool:
-        """Writes round ``n``'s plan and moves ``round`` to ``n``: only if no plan of ``n``
-        exists and ``round`` is still what this member read (``n - 1``), so that ``round`` only
-        moves forward, even for a member that was delayed past later rounds."""
+    def close(self, n: int, round_revision: int, requests: list[JoinRequest],
+              previous: Plan | None) -> bool:
+        """Writes round ``n``'s plan, moves ``round`` to ``n`` and writes its news: only if no
+        plan of ``n`` exists and ``round`` is still what the closer read (``n - 1``), so that
+        ``round`` only moves forward, even for a closer that was delayed past later rounds."""
         plan = assign_ranks(requests, previous.ranks if previous else [], n,
                             self.config.max_workers, self.config.min_workers)
         if self._client.create(self._keys.plan(n), plan.to_json(),
-                               also={self._keys.round: str(n)},
+                               also={self._keys.round: str(n),
+                                     self._keys.news: RoundNews(n).to_json()},
                                unchanged=(self._keys.round, round_revision)):
             log.info("round %d formed by %s: world %d", n, self._membership.member_id,
                      plan.world_size)
@@ -341,21 +346,30 @@ class Rendezvous:
     def finish(self, topology: Topology, timeout: timedelta) -> None:
         """Records that this member returned from the training function, then waits until every
         member of the round has either returned too or gone (so that no finisher breaks a peer
-        still in its last collective).
+        still in its last collective): the coordinator says so in the round's news.
         """
         n = topology.round
+        self._coordinator.start()
         self._client.put(self._keys.done(n, self._membership.member_id), b"1")
         deadline = time.monotonic() + timeout.total_seconds()
         while time.monotonic() < deadline:
             with self._changed:
                 epoch = self._epoch
-            dones, _ = self._client.get_prefix(self._keys.dones(n))
-            finished = {kv.key[len(self._keys.dones(n)):] for kv in dones}
-            _, live = self._read_round(n + 1)
-            waiting = [m for m in topology.members if m not in finished and m in live]
-            if not waiting:
+            news = self._news_now()
+            if news.round > n or (news.round == n and news.finished):
                 return
+            if self._membership.fenced.is_set() and not self._waited_for(topology):
+                return  # with its lease gone it cannot coordinate: it looks for itself
             with self._changed:
                 if self._epoch == epoch:
                     self._changed.wait(timeout=self.config.timeouts.wake.total_seconds())
-        log.warning("members %s did not finish within %s", waiting, timeout)
+        log.warning("the members of round %d did not all finish within %s", n, timeout)
+
+    def _waited_for(self, topology: Topology) -> list[str]:
+        """The members of the round that neither returned nor left, read from etcd (O(N): only
+        for a fenced member, when every lease may be gone and no coordinator can speak)."""
+        n = topology.round
+        dones, _ = self._client.get_prefix(self._keys.dones(n))
+        finished = {kv.key[len(self._keys.dones(n)):] for kv in dones}
+        _, live = self._read_round(n + 1)
+        return [m for m in topology.members if m not in finished and m in live]

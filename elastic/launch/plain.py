@@ -23,6 +23,8 @@ import torch.distributed as dist
 
 from elastic.errors import LeaveInterrupt, RendezvousClosedError
 from elastic.cluster.etcd_client import WatchEvent
+from elastic.cluster.news import read_news
+from elastic.cluster.records import SkippedRecords
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
 from elastic.launch.worker_procs import describe_exit
 
@@ -51,7 +53,8 @@ class PlainGenerations:
             max_workers=None if self.spec.max_workers is None
             else max(1, self.spec.max_workers // nproc),
             timeouts=replace(self.spec.timeouts, settle=self.spec.timeouts.node_settle))
-        self.rendezvous = Rendezvous(launcher.client, self.membership, config)
+        self._skipped = SkippedRecords()
+        self.rendezvous = Rendezvous(launcher.client, self.membership, config, self._skipped)
         self.news = threading.Event()
         self._lock = threading.Lock()
         self._armed: Topology | None = None
@@ -118,6 +121,9 @@ class PlainGenerations:
         with self._lock:
             self._armed = topology
             self.news.clear()
+        kv = self.launcher.client.get(self.keys.news)  # news written while this one formed
+        if kv is not None:
+            self._on_events([WatchEvent("put", kv.key, kv.value, kv.mod_revision)])
         try:
             for local_rank in range(self.spec.nproc):
                 procs.start(local_rank, self._env(topology, local_rank, failures),
@@ -174,19 +180,15 @@ class PlainGenerations:
         return env
 
     def _on_events(self, events: list[WatchEvent]) -> None:
-        """A join request for the next generation, or a launcher of this one gone: restart."""
+        """The coordinator's news of this generation: a launcher asks to join the next one, or
+        a launcher of this one is gone (``cluster/news.py``): restart."""
         with self._lock:
             armed = self._armed
-        if armed is None:
+        read = read_news(self.keys, events, self._skipped)
+        if armed is None or read is None:
             return
-        me = self.membership.member_id
-        for event in events:
-            joining = (event.key.startswith(self.keys.joins(armed.round + 1))
-                       and not event.key.endswith(me))
-            member = event.key[len(self.keys.members):] \
-                if event.key.startswith(self.keys.members) else None
-            gone = event.kind == "delete" and member in armed.members and member != me
-            if joining or gone:
-                log.info("generation %d changes: %s %s", armed.round, event.kind, event.key)
-                self.news.set()
-                self.launcher.procs.changed.set()
+        news = read[0]
+        if news.round == armed.round and (news.pending or news.broken):
+            log.info("generation %d changes: %s", armed.round, news.broken or news.pending)
+            self.news.set()
+            self.launcher.procs.changed.set()

@@ -304,7 +304,7 @@ def test_a_member_delayed_past_later_rounds_never_moves_the_round_back(client):
                                  also={keys.round: str(n)})
         client.delete_prefix(keys.round_prefix(1))
         request = JoinRequest(membership.member_id, 0, "start", "127.0.0.1", 1)
-        assert not rendezvous._close(1, stale_revision, [request], None)
+        assert not rendezvous.close(1, stale_revision, [request], None)
         assert rendezvous.latest_round() == 3
         assert rendezvous.read_plan(1) is None
     finally:

@@ -91,8 +91,9 @@ def test_planted_and_malformed_join_requests_are_skipped_with_one_warning_each(m
     assert job.wait_exit(0) == 0 and job.wait_exit(1) == 0
     assert not _code_ran(job)
     check_outcome(job, [0, 1])
-    for index in (0, 1):
-        log = (job.out / f"worker-{index}.log").read_text()
-        for name in planted:
-            key = keys.join(next_round, name)
-            assert log.count(key) == 1, f"worker {index}: {key} warned {log.count(key)} times"
+    # Only the job's coordinator reads join requests (cluster/coordinator.py): once in the job.
+    logs = [(job.out / f"worker-{index}.log").read_text() for index in (0, 1)]
+    for name in planted:
+        key = keys.join(next_round, name)
+        warned = [log.count(key) for log in logs]
+        assert sum(warned) == 1, f"{key} warned {warned} times by the workers"

@@ -1,0 +1,328 @@
+"""What membership and rendezvous cost etcd as the job grows: N simulated members, one etcd.
+
+Usage: ``.venv/bin/python benchmarks/bench_membership.py [--sizes 10,100,300,1000] [--procs 4]
+[--label after] [--limit 120] [--out benchmarks/results/membership-DATE.json]``.
+
+For each N, a fresh etcd is started on 127.0.0.1 (its own process, so that its CPU time and
+``/metrics`` belong to that N alone), and ``--procs`` processes each run N / procs members as
+threads. Every member is a real one: its own lease kept alive by its own thread, its own member
+key, its own join requests, the same classes a worker uses (``SimMember`` below mirrors the etcd
+half of ``elastic.cluster.cluster.Cluster``); the members of one process share one etcd client
+(one gRPC connection). No torch collectives are run.
+
+Measured, per N:
+
+- first round: from the moment every member is told to join to the moment the last one holds
+  the plan of round 1;
+- one death: the lease of one member (rank N-1) is revoked, as its launcher does after a
+  SIGKILL; from the revoke to the moment the last survivor holds the next plan;
+- per member and per change (each phase above is one change): etcd requests and writes, and
+  watch events delivered, counted in the client (keepalives are counted apart, they are
+  periodic, not per change), and etcd's own counts from its ``/metrics`` (gRPC requests handled
+  and watch events sent);
+- etcd's CPU time (user + system from ``/proc/PID/stat``) per phase.
+
+A phase that does not finish within ``--limit`` seconds is recorded as not finished, with the
+counts reached by then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from elastic.cluster.etcd_client import EtcdClient  # noqa: E402
+from elastic.cluster.keys import JobKeys  # noqa: E402
+from elastic.cluster.membership import EtcdMembership  # noqa: E402
+from elastic.cluster.news import NewsMonitor  # noqa: E402
+from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology  # noqa: E402
+from elastic.errors import FencedError  # noqa: E402
+from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
+from elastic.timeouts import Timeouts  # noqa: E402
+
+JOB = "bench-membership"
+_WRITES = ("put", "create", "replace", "delete", "lease grant", "lease revoke")
+
+
+class CountingClient(EtcdClient):
+    """An ``EtcdClient`` that counts its requests by kind and the watch events it delivers."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.counts: Counter[str] = Counter()
+        self._count_lock = threading.Lock()
+
+    def _call(self, op, what, retry_for=None):  # type: ignore[no-untyped-def]
+        kind = "keepalive" if what == "lease keepalive" else (
+            "write" if what.startswith(_WRITES) else "read")
+        with self._count_lock:
+            self.counts[kind] += 1
+        return super()._call(op, what, retry_for)
+
+    def watch_prefix(self, prefix, start_revision, callback):  # type: ignore[no-untyped-def]
+        def counted(events):  # type: ignore[no-untyped-def]
+            with self._count_lock:
+                self.counts["watch_events"] += len(events)
+            callback(events)
+
+        with self._count_lock:
+            self.counts["watches"] += 1
+        return super().watch_prefix(prefix, start_revision, counted)
+
+
+class SimMember:
+    """The etcd half of one worker (``Cluster`` without torch): membership, rendezvous and the
+    change monitor, wired as ``Cluster._register`` and ``Cluster.form`` wire them."""
+
+    def __init__(self, client: EtcdClient, timeouts: Timeouts) -> None:
+        keys = JobKeys(JOB)
+        self.client = client
+        self.membership = EtcdMembership(client, keys, "127.0.0.1", timeouts.lease_ttl,
+                                         timeouts.keepalive)
+        self.rendezvous = Rendezvous(client, self.membership, RendezvousConfig(timeouts=timeouts))
+        self.broken = threading.Event()
+        self.monitor = NewsMonitor(keys, lambda reason: self.broken.set())
+        self.membership.add_listener(self.monitor.on_events)
+        self.topology: Topology | None = None
+
+    def register(self) -> None:
+        self.membership.register()
+
+    def form(self, reason: str) -> Topology:
+        self.monitor.disarm()
+        self.broken.clear()
+        topology = None
+        while topology is None:
+            topology = self.rendezvous.join(reason, 0, 29500)
+            reason = "spare"
+        self.monitor.arm(topology, self.client)
+        self.topology = topology
+        return topology
+
+
+def _member_thread(member: SimMember, go: threading.Event, stop: threading.Event,
+                   times: dict[int, float], victim: threading.Event, limit_s: float) -> None:
+    if not go.wait(limit_s):
+        return
+    try:
+        member.register()
+        topology = member.form("start")
+        times[topology.round] = time.time()
+        while not stop.is_set():
+            if not member.broken.wait(0.2):
+                continue
+            if victim.is_set():
+                return
+            topology = member.form("failure")
+            times[topology.round] = time.time()
+    except FencedError:
+        times[0] = time.time()  # its lease expired: the process starved its keepalive thread
+
+
+def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: float) -> None:
+    """One process of members, driven by the parent over ``conn``."""
+    timeouts = Timeouts.from_env({}, lease_ttl=timedelta(seconds=lease_ttl_s)) if lease_ttl_s \
+        else Timeouts()
+    client = CountingClient(url, timeouts=timeouts)
+    go, stop = threading.Event(), threading.Event()
+    members = [SimMember(client, timeouts) for _ in range(count)]
+    times: list[dict[int, float]] = [{} for _ in members]
+    victims = [threading.Event() for _ in members]
+    threads = [threading.Thread(target=_member_thread, args=(m, go, stop, t, v, limit_s),
+                                daemon=True) for m, t, v in zip(members, times, victims)]
+    for thread in threads:
+        thread.start()
+    conn.send("ready")
+    while True:
+        command, arg = conn.recv()
+        if command == "go":
+            go.set()
+            conn.send(None)
+        elif command == "await":  # arg: the round every member (but victims) must hold
+            deadline = time.monotonic() + limit_s
+            while time.monotonic() < deadline and not all(
+                    arg in t for t, v in zip(times, victims) if not v.is_set()):
+                stop.wait(0.05)  # polling the threads' own records; the members do not poll
+            conn.send({"times": [t.get(arg) for t, v in zip(times, victims) if not v.is_set()],
+                       "fenced": sum(0 in t for t in times),
+                       "plans": [(m.membership.member_id, m.topology.rank if m.topology else -1)
+                                 for m in members]})
+        elif command == "counts":
+            conn.send(dict(client.counts))
+        elif command == "victim":  # arg: member id; replies its lease
+            lease = 0
+            for member, victim in zip(members, victims):
+                if member.membership.member_id == arg:
+                    victim.set()
+                    lease = member.membership.lease
+            conn.send(lease)
+        elif command == "stop":
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=5)
+            conn.send(None)
+            return
+
+
+def etcd_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (from /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def etcd_metrics(url: str) -> dict[str, float]:
+    """etcd's own counts: gRPC requests handled (all, and the KV writes) and watch events."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    out: Counter[str] = Counter()
+    for line in text.splitlines():
+        if line.startswith("grpc_server_handled_total{"):
+            value = float(line.rsplit(" ", 1)[1])
+            out["requests"] += value
+            if 'grpc_method="Put"' in line or 'grpc_method="Txn"' in line \
+                    or 'grpc_method="DeleteRange"' in line:
+                out["kv_writes"] += value
+            if 'grpc_method="LeaseKeepAlive"' in line:
+                out["keepalive_streams"] += value
+        elif line.startswith("grpc_server_msg_received_total{") \
+                and 'grpc_method="LeaseKeepAlive"' in line:
+            out["keepalives"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("etcd_debugging_mvcc_events_total "):
+            out["watch_events"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("etcd_debugging_mvcc_watcher_total "):
+            out["watchers"] = float(line.rsplit(" ", 1)[1])
+    return dict(out)
+
+
+class Run:
+    """One N: an etcd, the member processes, and the snapshots between phases."""
+
+    def __init__(self, n: int, procs: int, limit_s: float, lease_ttl_s: float) -> None:
+        self.n, self.limit_s = n, limit_s
+        self.etcd = EmbeddedEtcd(niceness=0, go_max_procs=None).start()
+        self.admin = EtcdClient(self.etcd.url)
+        ctx = mp.get_context("spawn")
+        sizes = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+        self.conns, self.procs = [], []
+        for size in (s for s in sizes if s):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(child, self.etcd.url, size, limit_s, lease_ttl_s),
+                               daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        for conn in self.conns:
+            if not conn.poll(120):
+                raise RuntimeError("a member process did not start within 120 s")
+            conn.recv()
+
+    def ask(self, command: str, arg: Any = None, timeout_s: float = 60) -> list[Any]:
+        for conn in self.conns:
+            conn.send((command, arg))
+        replies = []
+        for conn in self.conns:
+            if not conn.poll(timeout_s):
+                raise RuntimeError(f"a member process did not answer {command} in {timeout_s} s")
+            replies.append(conn.recv())
+        return replies
+
+    def snapshot(self) -> dict[str, Any]:
+        client: Counter[str] = Counter()
+        for counts in self.ask("counts"):
+            client.update(counts)
+        return {"client": dict(client), "etcd": etcd_metrics(self.etcd.url),
+                "etcd_cpu_s": etcd_cpu_s(self.etcd.process.pid), "t": time.time()}
+
+    def phase(self, name: str, start: dict[str, Any], end: dict[str, Any], started: float,
+              replies: list[dict[str, Any]], members: int) -> dict[str, Any]:
+        times = [t for reply in replies for t in reply["times"]]
+        finished = bool(times) and all(t is not None for t in times)
+        per = {f"client_{k}": round((end["client"].get(k, 0) - start["client"].get(k, 0))
+                                    / members, 2) for k in end["client"]}
+        per.update({f"etcd_{k}": round((v - start["etcd"].get(k, 0)) / members, 2)
+                    for k, v in end["etcd"].items() if k != "watchers"})
+        return {"phase": name, "finished": finished,
+                "fenced": sum(reply["fenced"] for reply in replies),
+                "seconds": round(max(times) - started, 3) if finished else None,
+                "holding": sum(t is not None for t in times), "of": len(times),
+                "etcd_cpu_s": round(end["etcd_cpu_s"] - start["etcd_cpu_s"], 3),
+                "per_member": per}
+
+    def measure(self) -> dict[str, Any]:
+        before = self.snapshot()
+        started = time.time()
+        self.ask("go")
+        replies = self.ask("await", 1, timeout_s=self.limit_s + 60)
+        after = self.snapshot()
+        first = self.phase("first_round", before, after, started, replies, self.n)
+        result = {"n": self.n, "phases": [first]}
+        if not first["finished"]:
+            return result
+        plans = dict(p for reply in replies for p in reply["plans"])
+        victim = max(plans, key=plans.get)  # the member of the highest rank
+        lease = max(self.ask("victim", victim))
+        before = self.snapshot()
+        started = time.time()
+        self.admin.revoke(lease)
+        replies = self.ask("await", 2, timeout_s=self.limit_s + 60)
+        after = self.snapshot()
+        result["phases"].append(self.phase("one_death", before, after, started, replies,
+                                           self.n - 1))
+        return result
+
+    def close(self) -> None:
+        try:
+            self.ask("stop", timeout_s=30)
+        except (RuntimeError, OSError, EOFError):
+            pass  # a stuck process is terminated below
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()  # our own child, by its handle
+                proc.join(timeout=10)
+        self.admin.close()
+        self.etcd.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--sizes", default="10,100,300,1000")
+    parser.add_argument("--procs", type=int, default=4)
+    parser.add_argument("--limit", type=float, default=120.0,
+                        help="seconds a phase may take before it is recorded as not finished")
+    parser.add_argument("--lease-ttl", type=float, default=0.0,
+                        help="the members' lease TTL in seconds (0: the default, 3 s; the "
+                             "keepalive interval is a quarter of it)")
+    parser.add_argument("--label", default="")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    results = []
+    for n in (int(s) for s in args.sizes.split(",")):
+        run = Run(n, min(args.procs, n), args.limit, args.lease_ttl)
+        try:
+            result = run.measure()
+        finally:
+            run.close()
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    record = {"label": args.label, "cores": os.cpu_count(), "procs": args.procs,
+              "date": time.strftime("%Y-%m-%d"),
+              "lease_ttl_s": args.lease_ttl or 3.0, "settle_s": 0.5, "results": results}
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,346 @@
+"""The one member of a job that reads everyone's records: it closes rounds and tells the news.
+
+Every member runs a ``Coordinator``; the one whose member lease holds ``control/coordinator``
+(created by compare-and-swap) leads, the others wait for that key to go (its lease ended) and
+then try to take it. The leader watches the whole job prefix, keeps the members, join requests
+and done marks in memory (O(1) work per event), and:
+
+- closes round ``R + 1`` when the rules allow (``Rendezvous.may_close``: a first round's
+  settle window, a re-formation's roll call of round ``R``), by the same compare-and-swap as
+  always (``Rendezvous.close``: exactly one plan per round, ``round`` only moves forward), the
+  news of round ``R + 1`` written in the same transaction;
+- tracks the formed round with a ``ChangeMonitor`` (who is news, who breaks the round) and
+  writes what it finds into ``control/news``: pending, broken, done, finished.
+
+So each change costs the leader O(N) and every other member O(1): they watch only
+``control/`` and their own member key, and read one plan per round. A leader taking over reads
+the job once and acts on what it finds (a member of the round gone, joins already waiting).
+It never runs collectives and never raises into the training: its etcd errors are logged and
+retried at the next wake.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from elastic.errors import EtcdAccessError, EtcdRecordError, EtcdUnavailableError, FencedError
+from elastic.cluster.etcd_client import EtcdClient, KeyValue, WatchEvent
+from elastic.cluster.membership import EtcdMembership
+from elastic.cluster.monitor import ChangeMonitor
+from elastic.cluster.news import RoundNews
+from elastic.cluster import records
+from elastic.cluster.plan import JoinRequest, Plan
+from elastic.cluster.records import SkippedRecords
+
+log = logging.getLogger(__name__)
+
+
+class Coordinator:
+    """Leads the job's rounds while this member holds the coordinator key.
+
+    Args:
+        client: the etcd client.
+        membership: this member (its lease binds the coordinator key).
+        rendezvous: the job's rendezvous (its close rule, plan reads and closing CAS).
+        skipped: where malformed records are reported (once each).
+    """
+
+    def __init__(self, client: EtcdClient, membership: EtcdMembership, rendezvous,  # noqa: ANN001
+                 skipped: SkippedRecords) -> None:
+        self._client = client
+        self._membership = membership
+        self._keys = membership.keys
+        self._rendezvous = rendezvous
+        self._skipped = skipped
+        self._changed = threading.Condition()
+        self._dirty = True
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._cancel_watch: Callable[[], None] | None = None
+        self.is_leading = False
+        self._lost = False  # the coordinator key was deleted under the leader
+        # The leader's view of the job, fed by its watch (guarded by _changed).
+        self._members: dict[str, int] = {}
+        self._joins: dict[int, dict[str, KeyValue]] = {}
+        self._dones: dict[int, set[str]] = {}
+        self._round = 0
+        self._latest = 0  # the ``round`` counter as last seen (by the snapshot or the watch)
+        self._round_revision = 0
+        # Join requests already checked: (key, mod revision, its member's lease) -> request.
+        self._checked: dict[tuple[str, int, int | None], JoinRequest | None] = {}
+        self._plan: Plan | None = None
+        self._news = RoundNews(0)
+        self._news_revision = 0
+        self._broken = ""
+        self._monitor: ChangeMonitor | None = None
+        self._seen: tuple[frozenset[str], frozenset[str]] | None = None
+        # (round, when a member of the round before it first asked to join it)
+        self._rejoin_since: tuple[int, float] | None = None
+        self._last_change = time.monotonic()
+
+    # -- life -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Starts the coordinator's thread (once; after the member registered)."""
+        if self._thread is None:
+            self._membership.add_listener(self._on_control)
+            self._thread = threading.Thread(target=self._run, name="elastic-coordinator",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stops leading and the thread (the key goes with this member's lease)."""
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self._wake_s() * 5)
+        self._drop_watch()
+
+    def _on_control(self, events: list[WatchEvent]) -> None:
+        """Membership listener: the coordinator key went away (its holder's lease ended)."""
+        if any(e.kind == "delete" and e.key == self._keys.coordinator for e in events):
+            self._poke()
+
+    def _poke(self) -> None:
+        with self._changed:
+            self._dirty = True
+            self._changed.notify_all()
+
+    def _wake_s(self) -> float:
+        return self._rendezvous.config.timeouts.wake.total_seconds()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                if self._stopped:
+                    return
+                if not self._dirty:
+                    self._changed.wait(self._wait_s())
+                self._dirty = False
+                if self._stopped:
+                    return
+            try:
+                if self._membership.fenced.is_set() or self._membership.has_left:
+                    self._step_down("this member was fenced or left")
+                    return
+                if not self.is_leading:
+                    self._claim()
+                elif self._coordinator_gone():
+                    self._step_down("the coordinator key is gone")
+                else:
+                    self._step()
+            except (EtcdUnavailableError, EtcdAccessError, EtcdRecordError, FencedError) as exc:
+                log.warning("the coordinator's step failed (%s); retrying at the next wake",
+                            exc)
+
+    def _wait_s(self) -> float:
+        """Until the settle deadline of a round that could close, else the wake cap; a member
+        that does not lead only wakes for the coordinator key's delete."""
+        if not self.is_leading:
+            return self._wake_s() * 30
+        settle_left = self._rendezvous.rule.settle_s - (time.monotonic() - self._last_change)
+        return min(settle_left, self._wake_s()) if settle_left > 0 else self._wake_s()
+
+    # -- taking the lead ----------------------------------------------------------------------
+    def _claim(self) -> None:
+        """Becomes the leader if the coordinator key is free (a read first: the common case
+        of a key held costs one read, not a write)."""
+        if self._client.get(self._keys.coordinator) is not None:
+            return
+        if not self._client.create(self._keys.coordinator, self._membership.member_id,
+                                   lease=self._membership.lease):
+            return
+        log.info("member %s coordinates the job's rounds", self._membership.member_id)
+        self._take_over()
+
+    def _take_over(self) -> None:
+        """Reads the job once, then follows it by watch from that revision."""
+        kvs, revision = self._client.get_prefix(self._keys.prefix)
+        with self._changed:
+            self.is_leading = True
+            self._members, self._joins, self._dones = {}, {}, {}
+            self._round, self._latest, self._plan, self._monitor = 0, 0, None, None
+            self._broken, self._seen, self._lost = "", None, False
+            self._note([WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease,
+                                   kv.create_revision) for kv in kvs])
+        self._cancel_watch = self._client.watch_prefix(self._keys.prefix, revision + 1,
+                                                       self._on_job_events)
+        self._step()
+
+    def _coordinator_gone(self) -> bool:
+        with self._changed:
+            return self._lost
+
+    def _step_down(self, why: str) -> None:
+        if self.is_leading:
+            log.info("member %s stops coordinating: %s", self._membership.member_id, why)
+        self.is_leading = False
+        self._drop_watch()
+
+    def _drop_watch(self) -> None:
+        cancel, self._cancel_watch = self._cancel_watch, None
+        if cancel is not None:
+            cancel()
+
+    # -- the leader's view ----------------------------------------------------------------------
+    def _on_job_events(self, events: list[WatchEvent]) -> None:
+        """The leader's watch (etcd thread): note the events, tell the monitor, wake up."""
+        with self._changed:
+            self._note(events)
+        monitor = self._monitor
+        if monitor is not None:
+            monitor.on_events(events)
+        self._poke()
+
+    def _note(self, events: list[WatchEvent]) -> None:
+        """Keeps members, joins, dones and the round counter (called under ``_changed``)."""
+        keys = self._keys
+        for e in events:
+            if e.key.startswith(keys.members):
+                member = e.key[len(keys.members):]
+                if e.kind == "put":
+                    self._members[member] = e.lease
+                else:
+                    self._members.pop(member, None)
+            elif e.key == keys.round and e.kind == "put":
+                self._round_revision = e.revision
+                self._latest = records.round_number(e.key, e.value)
+            elif e.key == keys.news and e.kind == "put":
+                self._news_revision = e.revision
+            elif e.key == keys.coordinator and e.kind == "delete":
+                self._lost = True
+            elif (n := keys.round_of(e.key)) is not None:
+                self._note_round_key(n, e)
+
+    def _note_round_key(self, n: int, e: WatchEvent) -> None:
+        keys = self._keys
+        if e.key.startswith(keys.joins(n)):
+            member = e.key[len(keys.joins(n)):]
+            joins = self._joins.setdefault(n, {})
+            if e.kind == "put":
+                joins[member] = KeyValue(e.key, e.value, e.revision, e.create_revision, e.lease)
+            else:
+                joins.pop(member, None)
+        elif e.key.startswith(keys.dones(n)) and e.kind == "put":
+            self._dones.setdefault(n, set()).add(e.key[len(keys.dones(n)):])
+
+    # -- one step ------------------------------------------------------------------------------
+    def _step(self) -> None:
+        """Catches up with the newest round, tells its news, and closes the next round when
+        the rules allow."""
+        self._follow_round()
+        self._tell()
+        self._close_next()
+
+    def _follow_round(self) -> None:
+        """Arms the round tracker when the ``round`` counter moved past the round it tracks."""
+        with self._changed:
+            latest = self._latest
+        if latest == self._round and (latest == 0 or self._monitor is not None):
+            return
+        plan = self._rendezvous.read_plan(latest)
+        news_kv = self._client.get(self._keys.news)
+        with self._changed:
+            self._round, self._plan, self._broken = latest, plan, ""
+            self._joins = {n: j for n, j in self._joins.items() if n > latest}
+            self._checked = {k: r for k, r in self._checked.items()
+                             if (self._keys.round_of(k[0]) or 0) > latest}
+            self._dones = {n: d for n, d in self._dones.items() if n >= latest}
+            self._news = self._read_news(news_kv, latest)
+            live = set(self._members)
+        if plan is None:
+            self._monitor = None
+            return
+        monitor = ChangeMonitor(self._keys, "", self._on_broken, self._skipped)
+        # Members of the round already gone are news of this round; the monitor acts on them
+        # (and on the next round's joins, which it reads) when armed.
+        monitor.on_events([WatchEvent("delete", self._keys.member(m), b"", 0)
+                           for m in plan.ranks if m not in live])
+        self._monitor = monitor
+        monitor.arm(_Round(latest, tuple(plan.ranks)), self._client)
+        with self._changed:
+            done = set(self._dones.get(latest, ()))
+        monitor.on_events([WatchEvent("put", self._keys.done(latest, m), b"1", 0) for m in done])
+
+    def _read_news(self, kv: KeyValue | None, latest: int) -> RoundNews:
+        if kv is not None:
+            self._news_revision = kv.mod_revision
+            news = self._skipped.read(kv.key, kv.mod_revision,
+                                      lambda: RoundNews.from_json(kv.value))
+            if news is not None and news.round == latest:
+                return news
+        return RoundNews(latest)
+
+    def _on_broken(self, reason: str) -> None:
+        """The monitor's verdict (any thread): told at the next step."""
+        with self._changed:
+            self._broken = reason
+            self._dirty = True
+            self._changed.notify_all()
+
+    def _tell(self) -> None:
+        """Writes the news of the tracked round when it changed (one write per change)."""
+        monitor, plan = self._monitor, self._plan
+        if monitor is None or plan is None:
+            return
+        with self._changed:
+            done_set = self._dones.get(self._round, set())
+            finished = all(m in done_set or m not in self._members for m in plan.ranks)
+            news = replace(self._news, broken=self._news.broken or self._broken,
+                           pending=self._news.pending or (monitor.reason
+                                                          if monitor.pending.is_set() else ""),
+                           done=bool(done_set & set(plan.ranks)),
+                           finished=bool(done_set) and finished)
+            if news == self._news:
+                return
+            revision = self._news_revision
+        if self._client.replace(self._keys.news, news.to_json(), revision):
+            self._news = news
+        else:  # another writer since our last look: a new coordinator, or our own plan
+            self._poke()
+
+    def _close_next(self) -> None:
+        """Closes round ``R + 1`` when its join requests allow (``Rendezvous.may_close``)."""
+        n = self._round + 1
+        with self._changed:
+            leases = dict(self._members)
+            joins = list(self._joins.get(n, {}).values())
+            revision = self._round_revision if self._round else 0
+        requests = [r for r in (self._admissible(n, kv, leases) for kv in joins)
+                    if r is not None]
+        state = (frozenset(r.member_id for r in requests), frozenset(leases))
+        now = time.monotonic()
+        if state != self._seen:
+            self._seen, self._last_change = state, now
+        plan = self._plan
+        if plan is not None and state[0] & set(plan.ranks) and (
+                self._rejoin_since is None or self._rejoin_since[0] != n):
+            self._rejoin_since = (n, now)
+        since = self._rejoin_since
+        waited = now - since[1] if since is not None and since[0] == n else 0.0
+        if not requests or not self._rendezvous.may_close(n, requests, leases, plan,
+                                                          now - self._last_change, waited):
+            return
+        if self._rendezvous.close(n, revision, requests, self._plan):
+            self._poke()  # follow the new round at once
+
+    def _admissible(self, n: int, kv: KeyValue, leases: dict[str, int]) -> JoinRequest | None:
+        """``Rendezvous.admissible``, once per version of a request and of its member's lease
+        (a step sees every request of the round: parsing each again would cost O(N) each)."""
+        member = kv.key[len(self._keys.joins(n)):]
+        checked = (kv.key, kv.mod_revision, leases.get(member))
+        if checked not in self._checked:
+            self._checked[checked] = self._rendezvous.admissible(n, kv, leases)
+        return self._checked[checked]
+
+
+class _Round:
+    """The part of a topology a ``ChangeMonitor`` reads: the round and its members."""
+
+    def __init__(self, round_: int, members: tuple[str, ...]) -> None:
+        self.round = round_
+        self.members = members

@@ -1,0 +1,210 @@
+"""A round's torch.distributed store: a TCPStore hosted by the round's rank 0, found through etcd.
+
+Forming a group of N ranks writes O(N) keys (each rank its address) and reads O(N) keys per rank
+(gloo's full mesh); kept in etcd, every write would also reach every rank's watch (O(N^2)
+events), and every ``add`` would be a compare-and-swap race between all ranks. Here rank 0 of
+the round hosts a ``TCPStore`` on a socket bound to its advertise address only (never every
+interface), and etcd carries one key per round: that store's address, written once by rank 0,
+read once (by watch) by every other rank. A stale worker of an old round cannot reach the new
+store: its address is published only under the new round's keys, once it listens.
+
+This module owns that store and its life: ``connect`` (host or join), ``abort`` (any thread:
+every blocked and later wait fails at once, so a group still forming is released), ``close``.
+It must not decide when to abort (``RoundLinks`` does).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from elastic.cluster import records
+from elastic.cluster.etcd_client import EtcdClient, WatchEvent
+from elastic.cluster.records import RecordError
+
+_ADDRESS_FIELDS = {"addr": True, "port": True}
+
+
+class RoundStore(dist.Store):
+    """A ``dist.Store`` over the round's TCPStore; rank 0 hosts it.
+
+    Args:
+        client: the etcd client (used for the address key only).
+        address_key: the etcd key of the store's address in this round.
+        rank: this worker's rank in the round (0 hosts).
+        advertise_addr: the address rank 0 binds and publishes.
+        timeout: how long ``connect``, ``get`` and ``wait`` block.
+    """
+
+    def __init__(self, client: EtcdClient, address_key: str, rank: int, advertise_addr: str,
+                 timeout: timedelta) -> None:
+        super().__init__()
+        self._client = client
+        self._key = address_key
+        self._rank = rank
+        self._advertise_addr = advertise_addr
+        self._timeout = timeout
+        self._inner: dist.TCPStore | None = None
+        self._aborted: str | None = None
+        self._changed = threading.Condition()
+        self._published: bytes | None = None
+        self._cancel_watch: Callable[[], None] | None = None
+
+    # -- life ---------------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Hosts the store (rank 0) or connects to it (the others).
+
+        Raises:
+            RuntimeError: aborted, or rank 0's address did not appear within the timeout
+                (torch reports store failures as plain errors, and the run loop treats a
+                ``RuntimeError`` while forming as a peer failure).
+        """
+        if self._rank == 0:
+            self._host()
+        else:
+            addr, port = self._await_address()
+            self._inner = dist.TCPStore(addr, port, None, False, timeout=self._timeout,
+                                        wait_for_workers=False)
+
+    def _host(self) -> None:
+        listener = socket.socket(socket.AF_INET6 if ":" in self._advertise_addr
+                                 else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind((self._advertise_addr, 0))
+            listener.listen(1024)
+            port = listener.getsockname()[1]
+            # The store takes the socket over (and closes it): bound to one address only.
+            self._inner = dist.TCPStore(self._advertise_addr, port, None, True,
+                                        timeout=self._timeout, wait_for_workers=False,
+                                        master_listen_fd=listener.detach())
+        finally:
+            listener.close()
+        self._client.put(self._key, json.dumps({"addr": self._advertise_addr, "port": port}))
+
+    def _await_address(self) -> tuple[str, int]:
+        """Rank 0's published address: one read, then a watch on that key alone."""
+        kvs, revision = self._client.get_prefix(self._key)
+        self._on_events([WatchEvent("put", kv.key, kv.value, kv.mod_revision) for kv in kvs])
+        self._cancel_watch = self._client.watch_prefix(self._key, revision + 1, self._on_events)
+        limit = self._timeout.total_seconds()
+        deadline = time.monotonic() + limit
+        try:
+            with self._changed:
+                while self._published is None:
+                    self._check_aborted()
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise RuntimeError(f"rank 0 did not publish the round's store at "
+                                           f"{self._key} within {limit:.1f} s")
+                    self._changed.wait(left)
+                raw = self._published
+        finally:
+            self._stop_watch()
+        try:
+            data = records.load_object(raw, _ADDRESS_FIELDS)
+            return (records.address("addr", data["addr"]),
+                    records.integer("port", data["port"], 1, 65535))
+        except RecordError as exc:
+            raise RuntimeError(f"the round's store address at {self._key} is malformed "
+                               f"({exc}); something other than this job wrote it") from None
+
+    def _on_events(self, events: list[WatchEvent]) -> None:
+        with self._changed:
+            for event in events:
+                if event.key == self._key and event.kind == "put":
+                    self._published = event.value
+            self._changed.notify_all()
+
+    def _stop_watch(self) -> None:
+        cancel, self._cancel_watch = self._cancel_watch, None
+        if cancel is not None:
+            cancel()
+
+    def abort(self, reason: str) -> None:
+        """Makes every blocked and later ``connect``/``wait``/``get`` fail at once."""
+        with self._changed:
+            self._aborted = reason
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Drops this worker's end of the store (rank 0's server goes with its last user)."""
+        self._stop_watch()
+        self._inner = None
+
+    def _check_aborted(self) -> None:
+        if self._aborted is not None:
+            raise RuntimeError(f"the round's store was aborted: {self._aborted}")
+
+    def _store(self) -> dist.TCPStore:
+        self._check_aborted()
+        if self._inner is None:
+            raise RuntimeError("the round's store is not connected (call connect() first)")
+        return self._inner
+
+    # -- dist.Store ---------------------------------------------------------------------------
+    def set(self, key: str, value: bytes | str) -> None:
+        self._store().set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self._store().get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store().add(key, amount)
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        return self._store().compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store().check(keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Waits for ``keys``; an ``abort`` from another thread ends the wait at once.
+
+        A missing key is awaited by a helper thread blocked in the TCPStore (which has no
+        abort of its own), while this thread waits on a condition that ``abort`` notifies.
+        """
+        store = self._store()
+        if store.check(keys):
+            return
+        limit = timeout or self._timeout
+        outcome: list[BaseException | None] = []
+
+        def blocked() -> None:
+            try:
+                store.wait(keys, limit)
+                error = None
+            except RuntimeError as exc:  # torch's timeout and connection errors
+                error = exc
+            with self._changed:
+                outcome.append(error)
+                self._changed.notify_all()
+
+        threading.Thread(target=blocked, name="elastic-store-wait", daemon=True).start()
+        deadline = time.monotonic() + limit.total_seconds() + 1
+        with self._changed:
+            while not outcome:
+                self._check_aborted()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"timed out after {limit} waiting for store keys {keys}")
+                self._changed.wait(left)
+        if outcome[0] is not None:
+            raise outcome[0]
+
+    def delete_key(self, key: str) -> bool:
+        return self._store().delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._store().num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout
+        if self._inner is not None:
+            self._inner.set_timeout(timeout)

@@ -1,0 +1,80 @@
+"""The round's store against a real etcd: rank 0 hosts a TCPStore, etcd carries its address."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic.cluster.etcd_client import EtcdClient
+from elastic.cluster.keys import JobKeys
+from elastic.cluster.round_store import RoundStore
+
+pytestmark = pytest.mark.timeout(120)
+WAIT = timedelta(seconds=30)
+
+
+@pytest.fixture
+def client(etcd):
+    c = EtcdClient(etcd.url)
+    yield c
+    c.close()
+
+
+def gloo_group(store: dist.Store, rank: int, world: int) -> dist.ProcessGroup:
+    """A gloo group of its own (not the process's default group), so threads can each form one."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = WAIT
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(store, rank, world, options)
+
+
+def test_sixteen_ranks_form_a_real_gloo_group_with_one_etcd_key_for_the_round(client):
+    keys, world = JobKeys("round-store-16"), 16
+
+    def rank_main(rank: int) -> float:
+        store = RoundStore(client, keys.store_address(1), rank, "127.0.0.1", WAIT)
+        store.connect()
+        group = gloo_group(store, rank, world)
+        tensor = torch.tensor([float(rank)])
+        group.allreduce([tensor]).wait()
+        return tensor.item()
+
+    with ThreadPoolExecutor(world) as pool:
+        sums = list(pool.map(rank_main, range(world), timeout=90))
+    assert sums == [float(sum(range(world)))] * world
+    kvs, _ = client.get_prefix(keys.round_prefix(1))
+    assert [kv.key for kv in kvs] == [keys.store_address(1)]
+    host = kvs[0].value.decode()
+    assert '"127.0.0.1"' in host and "0.0.0.0" not in host
+
+
+def test_an_abort_releases_a_rank_waiting_for_rank_0_at_once(client):
+    store = RoundStore(client, JobKeys("round-store-abort").store_address(1), 1, "127.0.0.1",
+                       WAIT)
+    failed = threading.Event()
+
+    def connect() -> None:
+        try:
+            store.connect()
+        except RuntimeError as exc:
+            assert "aborted: rank 0 died" in str(exc)
+            failed.set()
+
+    waiter = threading.Thread(target=connect, daemon=True)
+    waiter.start()
+    store.abort("rank 0 died")
+    assert failed.wait(10)
+    waiter.join(10)
+
+
+def test_a_malformed_store_address_is_an_error_naming_the_key(client):
+    key = JobKeys("round-store-hostile").store_address(1)
+    client.put(key, b'{"addr": "127.0.0.1; rm -rf /", "port": 1}')
+    store = RoundStore(client, key, 1, "127.0.0.1", WAIT)
+    with pytest.raises(RuntimeError, match="malformed"):
+        store.connect()

@@ -1,0 +1,185 @@
+"""Membership at scale against a real etcd: what a change costs each member, and the coordinator.
+
+Members here are threads of this process, each a real member (its own lease, member key and
+join requests) wired as ``Cluster`` wires them, without torch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+
+from elastic.cluster.etcd_client import EtcdClient, WatchEvent
+from elastic.cluster.keys import JobKeys
+from elastic.cluster.membership import EtcdMembership
+from elastic.cluster.news import NewsMonitor, RoundNews
+from elastic.cluster.records import RecordError
+from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
+from elastic.errors import RendezvousClosedError
+from elastic.timeouts import Timeouts
+
+pytestmark = pytest.mark.timeout(120)
+TIMEOUTS = Timeouts()
+WAIT_S = 30
+
+
+class Member:
+    """One member: membership, rendezvous and its news monitor; counts the events it hears."""
+
+    def __init__(self, client: EtcdClient, job: str, version: int = 0) -> None:
+        self.client = client
+        self.version = version
+        self.membership = EtcdMembership(client, JobKeys(job), "127.0.0.1", timedelta(seconds=10))
+        self.rendezvous = Rendezvous(client, self.membership, RendezvousConfig(timeouts=TIMEOUTS))
+        self.broken = threading.Event()
+        self.monitor = NewsMonitor(JobKeys(job), lambda reason: self.broken.set())
+        self.heard: Counter[str] = Counter()
+        self.membership.add_listener(self._count)
+        self.membership.add_listener(self.monitor.on_events)
+        self.membership.register()
+
+    def _count(self, events: list[WatchEvent]) -> None:
+        self.heard["events"] += len(events)
+        self.heard["others"] += sum(not e.key.startswith(self.membership.keys.control)
+                                    and e.key != self.membership.keys.member(self.id)
+                                    for e in events)
+
+    @property
+    def id(self) -> str:
+        return self.membership.member_id
+
+    def form(self, reason: str) -> Topology:
+        self.monitor.disarm()
+        topology = self.rendezvous.join(reason, self.version, 29500)
+        assert topology is not None
+        self.monitor.arm(topology, self.client)
+        return topology
+
+    def leave(self) -> None:
+        self.rendezvous.stop()
+        self.membership.leave()
+
+
+@pytest.fixture
+def client(etcd):
+    c = EtcdClient(etcd.url)
+    yield c
+    c.close()
+
+
+def form_all(members: list[Member], reason: str) -> list[Topology]:
+    with ThreadPoolExecutor(len(members)) as pool:
+        return list(pool.map(lambda m: m.form(reason), members, timeout=WAIT_S))
+
+
+def test_a_change_costs_each_member_a_few_events_and_never_another_members_record(client):
+    members = [Member(client, "scale-events", version=i) for i in range(24)]
+    try:
+        first = form_all(members, "start")
+        assert {t.round for t in first} == {1} and {t.world_size for t in first} == {24}
+        before = {m.id: m.heard["events"] for m in members}
+        victim = next(m for m, t in zip(members, first) if t.rank == 23)
+        client.revoke(victim.membership.lease)  # what its launcher does after a SIGKILL
+        survivors = [m for m in members if m is not victim]
+        assert all(m.broken.wait(WAIT_S) for m in survivors)
+        second = form_all(survivors, "failure")
+        assert {t.round for t in second} == {2} and {t.world_size for t in second} == {23}
+        assert max(m.heard["events"] - before[m.id] for m in survivors) <= 5
+        assert sum(m.heard["others"] for m in members) == 0
+    finally:
+        for m in members:
+            m.leave()
+
+
+def test_the_newest_holder_is_rank_0_of_a_round_closed_by_the_coordinator(client):
+    members = [Member(client, "scale-newest", version=v) for v in (3, 9, 5)]
+    try:
+        topologies = form_all(members, "start")
+        assert topologies[1].rank == 0 and topologies[1].master_port == 29500
+        assert len({t.store_prefix for t in topologies}) == 1
+    finally:
+        for m in members:
+            m.leave()
+
+
+def test_when_the_coordinators_lease_ends_another_member_takes_over_and_the_round_re_forms(
+        client):
+    members = [Member(client, "scale-takeover") for _ in range(4)]
+    try:
+        form_all(members, "start")
+        leader_id = client.get(JobKeys("scale-takeover").coordinator).value.decode()
+        leader = next(m for m in members if m.id == leader_id)
+        client.revoke(leader.membership.lease)
+        survivors = [m for m in members if m is not leader]
+        assert all(m.broken.wait(WAIT_S) for m in survivors)
+        topologies = form_all(survivors, "failure")
+        assert {t.round for t in topologies} == {2} and {t.world_size for t in topologies} == {3}
+        new_leader = client.get(JobKeys("scale-takeover").coordinator).value.decode()
+        assert new_leader in {m.id for m in survivors}
+    finally:
+        for m in members:
+            m.leave()
+
+
+def test_a_newcomer_makes_the_round_pending_without_breaking_it(client):
+    members = [Member(client, "scale-newcomer") for _ in range(3)]
+    newcomer = None
+    try:
+        form_all(members, "start")
+        newcomer = Member(client, "scale-newcomer")
+        joining = threading.Thread(target=newcomer.form, args=("start",), daemon=True)
+        joining.start()
+        assert all(m.monitor.pending.wait(WAIT_S) for m in members)
+        assert not any(m.broken.is_set() for m in members)
+        assert newcomer.id in members[0].monitor.reason
+        form_all(members, "change")
+        joining.join(WAIT_S)
+        assert newcomer.rendezvous.latest_round() == 2
+    finally:
+        for m in members + ([newcomer] if newcomer else []):
+            m.leave()
+
+
+def test_a_member_joining_after_the_job_finished_is_told_so(client):
+    members = [Member(client, "scale-finished") for _ in range(2)]
+    late = None
+    try:
+        topologies = form_all(members, "start")
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda mt: mt[0].rendezvous.finish(mt[1], timedelta(seconds=WAIT_S)),
+                          zip(members, topologies), timeout=WAIT_S))
+        late = Member(client, "scale-finished")
+        with pytest.raises(RendezvousClosedError):
+            late.form("start")
+    finally:
+        for m in members + ([late] if late else []):
+            m.leave()
+
+
+def test_members_whose_leases_all_ended_finish_without_waiting_for_a_coordinator(client):
+    members = [Member(client, "scale-all-fenced") for _ in range(2)]
+    try:
+        topologies = form_all(members, "start")
+        for m in members:  # an etcd frozen past every lease: nobody can coordinate any more
+            client.revoke(m.membership.lease)
+        assert all(m.membership.fenced.wait(WAIT_S) for m in members)
+        started = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda mt: mt[0].rendezvous.finish(mt[1], timedelta(seconds=60)),
+                          zip(members, topologies), timeout=90))
+        assert time.monotonic() - started < 20
+    finally:
+        for m in members:
+            m.leave()
+
+
+@pytest.mark.parametrize("raw", [b"[]", b'{"round": -1}', b'{"round": 1, "broken": 7}',
+                                 b'{"round": 1, "done": "yes"}', b'{"round": 1, "extra": 1}'])
+def test_a_malformed_news_record_is_refused(raw):
+    with pytest.raises(RecordError):
+        RoundNews.from_json(raw)
