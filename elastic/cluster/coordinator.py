@@ -100,6 +100,19 @@ class Coordinator:
             self._thread.join(timeout=self._wake_s() * 5)
         self._drop_watch()
 
+    def forget_dead(self, members: list[str]) -> None:
+        """Frees the coordinator key when its holder is among ``members`` (dead by direct
+        evidence: its connection ended), so that a live member leads now, not at the holder's
+        lease TTL. Safe if the evidence were wrong: rounds close by compare-and-swap whoever
+        leads, and a holder whose key went steps down."""
+        kv = self._client.get(self._keys.coordinator)
+        if kv is None or kv.value.decode("utf-8", errors="replace") not in members:
+            return
+        if self._client.delete_if(self._keys.coordinator, kv.mod_revision):
+            log.info("the coordinator %s is gone (its connection ended); taking over",
+                     kv.value.decode("utf-8", errors="replace"))
+        self._poke()
+
     def _on_control(self, events: list[WatchEvent]) -> None:
         """Membership listener: the coordinator key went away (its holder's lease ended)."""
         if any(e.kind == "delete" and e.key == self._keys.coordinator for e in events):

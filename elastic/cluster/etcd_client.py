@@ -236,6 +236,17 @@ class EtcdClient:
         result = self._call(lambda c: c.delete(key.encode()), f"delete {key}")
         return result is not None
 
+    def delete_if(self, key: str, mod_revision: int) -> bool:
+        """Deletes ``key`` only if its mod revision is still ``mod_revision``; returns whether
+        this call deleted it."""
+        async def txn(c: aetcd.Client) -> bool:
+            ok, _ = await c.transaction(
+                compare=[c.transactions.mod(key.encode()) == mod_revision],
+                success=[c.transactions.delete(key.encode())], failure=[])
+            return bool(ok)
+
+        return self._call(txn, f"delete {key} at revision {mod_revision}")
+
     def delete_prefix(self, prefix: str) -> None:
         """Deletes every key under ``prefix``."""
         self._call(lambda c: c.delete_prefix(prefix.encode()), f"delete {prefix}*")

@@ -248,13 +248,16 @@ class Rendezvous:
         return False
 
     def _report_gone(self, n: int, members: list[str], reported: set[str]) -> None:
-        """Records, under this member's lease, the members of round ``n - 1`` it saw die."""
-        for member in members:
-            if member not in reported:
-                self._client.put(self._keys.gone(n, member), self._membership.member_id,
-                                 lease=self._membership.lease)
-                reported.add(member)
-                log.info("member %s of round %d is gone (its connection ended)", member, n - 1)
+        """Records, under this member's lease, the members of round ``n - 1`` it saw die, and
+        frees the coordinator key if one of them held it."""
+        fresh = [member for member in members if member not in reported]
+        for member in fresh:
+            self._client.put(self._keys.gone(n, member), self._membership.member_id,
+                             lease=self._membership.lease)
+            reported.add(member)
+            log.info("member %s of round %d is gone (its connection ended)", member, n - 1)
+        if fresh:
+            self._coordinator.forget_dead(fresh)
 
     def _dead(self, n: int, previous: Plan, leases: dict[str, int]) -> frozenset[str]:
         """The members of round ``n - 1`` dead by credible reports (others are skipped)."""
