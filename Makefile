@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	@echo "==> installed; next time this step is skipped"
 
 test: install
-	$(PY) -m pytest -p no:cacheprovider tests
+	$(PY) -m pytest -p no:cacheprovider --durations=15 tests
 
 demo: install
 	$(PY) examples/demo.py

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
+from tests.workers.markers import write_marker
 from tests.workers.sync_points import wait_for_peers
 from elastic import ElasticSampler, ElasticState
 from elastic.state import LinearLRScaling, RNGState, SeededDataset, seed_everything
@@ -101,8 +102,8 @@ def fire_faults(state: ElasticState, out: Path, index: int, step: int | None = N
         if (int(who) != index or int(at) != step or (place or ["after"])[0] != where
                 or marker.exists()):
             continue
-        marker.write_text(json.dumps({"step": step, "rank": state.rank, "where": where,
-                                      "world": state.world_size, "t": time.time()}))
+        write_marker(marker, {"step": step, "rank": state.rank, "where": where,
+                              "world": state.world_size, "t": time.time()})
         os.kill(os.getpid(), {"kill": signal.SIGKILL, "term": signal.SIGTERM}[kind])
 
 

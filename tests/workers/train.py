@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from elastic import ElasticSampler, ElasticState
 from tests.workers.sync_points import hold_until_change, hold_until_world, wait_for_peers
+from tests.workers.markers import write_marker
 from tests.workers.pacing import compute_for
 
 
@@ -72,8 +73,8 @@ def fire_faults(state: ElasticState, out: Path, index: int, at_commit: bool = Fa
         marker = out / f"fired-{kind}-{who}"
         if marker.exists():
             continue
-        marker.write_text(json.dumps({"step": state.step, "rank": state.rank, "index": index,
-                                      "world": state.world_size, "t": time.time()}))
+        write_marker(marker, {"step": state.step, "rank": state.rank, "index": index,
+                              "world": state.world_size, "t": time.time()})
         if kind == "raise":
             raise RuntimeError("file closed: the user's own error (connection, socket, timeout)")
         if kind == "slow":  # one long step (no collective in it): a live member, only slow
