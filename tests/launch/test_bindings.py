@@ -52,6 +52,7 @@ def test_every_listener_of_a_worker_is_on_its_advertise_address(namespace, tmp_p
     env.update(PYTHONPATH=str(Path(__file__).resolve().parents[2]), OMP_NUM_THREADS="1")
     run = subprocess.run(
         ["ip", "netns", "exec", namespace, sys.executable, "-m", "elastic", "run", "-n", "2",
+         "--min-workers", "2",  # a slow second start must not leave a world of one to finish
          "--advertise-addr", ADDR, str(WORKERS / "listeners.py"), str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
