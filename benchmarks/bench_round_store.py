@@ -1,12 +1,11 @@
-"""What forming one gloo group of N ranks costs etcd: the etcd-backed store against the round store.
+"""What forming one gloo group of N ranks through the round store costs etcd.
 
 Usage: ``.venv/bin/python benchmarks/bench_round_store.py [--sizes 4,16,32] [--out PATH]``.
 
 N ranks are threads of this process, each forming its own ``ProcessGroupGloo`` (a real gloo
-full mesh over loopback) and running one all-reduce, through either store:
-
-- ``etcd``: ``EtcdStore`` (every key of the formation in etcd, each rank watching the prefix);
-- ``round``: ``RoundStore`` (rank 0 hosts a TCPStore on 127.0.0.1, etcd holds its address).
+full mesh over loopback) and running one all-reduce through ``RoundStore`` (rank 0 hosts a
+TCPStore on 127.0.0.1, etcd holds its address). The etcd-backed store it replaced (every key of
+the formation in etcd) was measured the same way before its removal: ``benchmarks/RESULTS.md``.
 
 Counted in the (shared) etcd client: requests, writes and watch events delivered; and the keys
 left under the round's prefix. Times are from the first rank's start to the last all-reduce.
@@ -30,7 +29,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.bench_membership import CountingClient  # noqa: E402
-from elastic.cluster.etcd_store import EtcdStore  # noqa: E402
 from elastic.cluster.keys import JobKeys  # noqa: E402
 from elastic.cluster.round_store import RoundStore  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
@@ -38,15 +36,12 @@ from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 WAIT = timedelta(seconds=60)
 
 
-def form(client: CountingClient, kind: str, world: int, job: str) -> dict:
+def form(client: CountingClient, world: int, job: str) -> dict:
     keys = JobKeys(job)
 
     def rank_main(rank: int) -> float:
-        if kind == "etcd":
-            store = EtcdStore(client, keys.store(1), WAIT)
-        else:
-            store = RoundStore(client, keys.store_address(1), rank, "127.0.0.1", WAIT)
-            store.connect()
+        store = RoundStore(client, keys.store_address(1), rank, "127.0.0.1", WAIT)
+        store.connect()
         options = dist.ProcessGroupGloo._Options()
         options._timeout = WAIT
         options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
@@ -64,7 +59,7 @@ def form(client: CountingClient, kind: str, world: int, job: str) -> dict:
     assert sums == [float(world)] * world
     counts = {k: v - before.get(k, 0) for k, v in client.counts.items()}
     kvs, _ = client.get_prefix(keys.round_prefix(1))
-    return {"store": kind, "n": world, "seconds": round(seconds, 3),
+    return {"store": "round", "n": world, "seconds": round(seconds, 3),
             "etcd_requests": counts.get("read", 0) + counts.get("write", 0) - 1,  # less ours
             "etcd_writes": counts.get("write", 0), "watch_events": counts.get("watch_events", 0),
             "etcd_keys": len(kvs)}
@@ -80,10 +75,9 @@ def main() -> None:
     results = []
     try:
         for n in (int(s) for s in args.sizes.split(",")):
-            for kind in ("etcd", "round"):
-                result = form(client, kind, n, f"store-{kind}-{n}")
-                print(json.dumps(result), flush=True)
-                results.append(result)
+            result = form(client, n, f"store-round-{n}")
+            print(json.dumps(result), flush=True)
+            results.append(result)
     finally:
         client.close()
         etcd.stop()

@@ -172,16 +172,12 @@ class Coordinator:
 
     def _take_over(self) -> None:
         """Reads the job once, then follows it by watch from that revision."""
-        kvs, revision = self._client.get_prefix(self._keys.prefix)
         with self._changed:
             self.is_leading = True
             self._members, self._joins, self._dones = {}, {}, {}
             self._round, self._latest, self._plan, self._monitor = 0, 0, None, None
             self._broken, self._seen, self._lost = "", None, False
-            self._note([WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease,
-                                   kv.create_revision) for kv in kvs])
-        self._cancel_watch = self._client.watch_prefix(self._keys.prefix, revision + 1,
-                                                       self._on_job_events)
+        self._cancel_watch = self._client.follow_prefix(self._keys.prefix, self._on_job_events)
         self._step()
 
     def _coordinator_gone(self) -> bool:

@@ -350,6 +350,16 @@ class EtcdClient:
         return self._call(revoke, "lease revoke")
 
     # -- watches ------------------------------------------------------------------------------
+    def follow_prefix(self, prefix: str,
+                      callback: Callable[[list[WatchEvent]], None]) -> Callable[[], None]:
+        """Hands ``callback`` every key under ``prefix`` now (as puts, on this thread), then
+        every later change by watch, with nothing missed in between. Returns the watch's cancel.
+        """
+        kvs, revision = self.get_prefix(prefix)
+        callback([WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease,
+                             kv.create_revision) for kv in kvs])
+        return self.watch_prefix(prefix, revision + 1, callback)
+
     def watch_prefix(self, prefix: str, start_revision: int,
                      callback: Callable[[list[WatchEvent]], None]) -> Callable[[], None]:
         """Watches ``prefix`` from ``start_revision``; re-watches after errors from the last seen.

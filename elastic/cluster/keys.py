@@ -10,9 +10,8 @@ Layout under ``/elastic/{job_id}/``:
 - ``rounds/{n}/gone/{member}``: bound to the lease of a member of round ``n - 1`` that saw
   ``member``'s connection of round ``n - 1`` end (its process is gone); the value is the
   reporter's id.
-- ``rounds/{n}/store/``: the etcd-backed torch.distributed store of round ``n`` (fresh per
-  round; ``etcd_store.py``), or only ``rounds/{n}/store/address``: where round ``n``'s rank 0
-  hosts its TCPStore (``round_store.py``, what a worker forms its group on).
+- ``rounds/{n}/store/address``: where round ``n``'s rank 0 hosts its TCPStore
+  (``round_store.py``, what a worker forms its group on).
 - ``commit``: the newest commit version and the newest durable checkpoint, for ``elastic status``.
 - ``config``: the job's configuration, written by the first launcher.
 - ``fence``: the job's fencing epoch for durable commits, created once by compare-and-swap.

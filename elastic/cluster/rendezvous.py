@@ -231,15 +231,16 @@ class Rendezvous:
             live: every registered member's lease, by member id.
             waited_s: seconds since the first request of a member of round ``n - 1``.
         """
+        members = set(live)
         if previous is None:
-            return should_close(requests, set(live), False, quiet_s, self.rule)
+            return should_close(requests, members, False, quiet_s, self.rule)
         rejoin_s = self.config.timeouts.rejoin.total_seconds()
         joined = {r.member_id for r in requests}
         roll = RollCall(previous.ranks, frozenset(), waited_s, rejoin_s)
-        if roll.missing(joined, set(live)):
+        if roll.missing(joined, members):
             roll = RollCall(previous.ranks, self._dead(n, previous, live), waited_s, rejoin_s)
-        if may_close(requests, set(live), roll, quiet_s, self.rule):
-            missing = roll.missing(joined, set(live))
+        if may_close(requests, members, roll, quiet_s, self.rule):
+            missing = roll.missing(joined, members)
             if missing:
                 log.warning("round %d closes without %s: live members of round %d that did not "
                             "ask to join within %s (ELASTIC_REJOIN_TIMEOUT)", n, missing, n - 1,

@@ -89,9 +89,7 @@ class RoundStore(dist.Store):
 
     def _await_address(self) -> tuple[str, int]:
         """Rank 0's published address: one read, then a watch on that key alone."""
-        kvs, revision = self._client.get_prefix(self._key)
-        self._on_events([WatchEvent("put", kv.key, kv.value, kv.mod_revision) for kv in kvs])
-        self._cancel_watch = self._client.watch_prefix(self._key, revision + 1, self._on_events)
+        self._cancel_watch = self._client.follow_prefix(self._key, self._on_events)
         limit = self._timeout.total_seconds()
         deadline = time.monotonic() + limit
         try:

@@ -41,9 +41,7 @@ class JoinedWorkers:
 
     def start(self) -> None:
         """Notes the members registered now and watches for every later registration."""
-        kvs, revision = self.client.get_prefix(self.keys.prefix)
-        self._on_events([WatchEvent("put", kv.key, kv.value, kv.mod_revision) for kv in kvs])
-        self._cancel = self.client.watch_prefix(self.keys.prefix, revision + 1, self._on_events)
+        self._cancel = self.client.follow_prefix(self.keys.prefix, self._on_events)
 
     def stop(self) -> None:
         """Cancels the watch (the recorded pids stay readable)."""

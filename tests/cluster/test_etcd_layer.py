@@ -14,7 +14,6 @@ import pytest
 
 from elastic.errors import EtcdUnavailableError
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
-from elastic.cluster.etcd_store import EtcdStore
 from elastic.launch.job_config import JobConfig, claim
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership
@@ -118,27 +117,6 @@ def test_an_unreachable_etcd_raises_after_the_retry_deadline_naming_the_url():
         assert time.monotonic() - started < 15
     finally:
         client.close()
-
-
-def test_the_etcd_store_serves_torch_store_operations(client):
-    store = EtcdStore(client, "/t/store/", timedelta(seconds=5))
-    try:
-        store.set("a", b"1")
-        assert store.get("a") == b"1"
-        assert store.add("n", 2) == 2 and store.add("n", 3) == 5
-        assert store.compare_set("c", b"", b"x") == b"x"
-        assert store.compare_set("c", b"wrong", b"y") == b"x"
-        assert store.check(["a", "n"]) and not store.check(["missing"])
-        with pytest.raises(RuntimeError, match="missing"):
-            store.wait(["missing"], timedelta(milliseconds=200))
-        writer = EtcdClient(client.urls)
-        late_writer = threading.Timer(0.2, writer.put, args=("/t/store/late", b"v"))
-        late_writer.start()
-        assert store.get("late") == b"v"  # blocks on the watch until another writer puts it
-        late_writer.join(timeout=30)  # the watch can see the put before put() returns
-        writer.close()
-    finally:
-        store.close()
 
 
 def test_etcd_urls_without_a_port_are_rejected_with_an_example():

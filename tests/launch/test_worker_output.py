@@ -55,31 +55,26 @@ def test_tee_without_a_log_dir_is_refused_in_one_line(cli):
     assert len(lines) == 1 and "--tee needs --log-dir DIR" in lines[0], run.text()
 
 
-def test_a_script_that_fails_the_same_way_before_joining_is_restarted_once_not_max_restarts(
-        cli, etcd):
-    run = cli("run", "--etcd", etcd.url, "--job-id", f"repeat-{os.getpid()}",
-              "--max-restarts", "5", FAILS, "--when", "import")
-    assert run.wait(60) == 1, run.text()
-    text = run.text()
-    assert text.count("restarting worker") == 1
-    assert text.count("Traceback") == 2
-    [said] = [line for line in text.splitlines() if "failed the same way again" in line]
-    assert "ValueError: the script failed before it joined (on purpose)" in said
-    assert "not restarting it" in said
-    assert len(text.splitlines()) <= 25, text
+# when, what the refusal says, the error, most lines printed (two tracebacks and ours)
+REPEATS = [("import", "before it joined the job",
+            "ValueError: the script failed before it joined (on purpose)", 25),
+           ("first-step", "before its first commit",
+            "ValueError: the script failed in its first step (on purpose)", 50)]
 
 
-def test_a_script_that_joins_then_fails_the_same_way_before_its_first_commit_is_restarted_once(
-        cli, etcd):
-    run = cli("run", "--etcd", etcd.url, "--job-id", f"first-step-{os.getpid()}",
-              "--max-restarts", "5", FAILS, "--when", "first-step")
+@pytest.mark.parametrize("when, stage, error, most_lines", REPEATS, ids=[r[0] for r in REPEATS])
+def test_a_script_that_fails_the_same_way_before_its_first_commit_is_restarted_once_not_max(
+        cli, etcd, when, stage, error, most_lines):
+    run = cli("run", "--etcd", etcd.url, "--job-id", f"repeat-{when}-{os.getpid()}",
+              "--max-restarts", "5", FAILS, "--when", when)
     assert run.wait(90) == 1, run.text()
     text = run.text()
     assert text.count("restarting worker") == 1, text
+    assert text.count("Traceback") == 2, text
     [said] = [line for line in text.splitlines() if "failed the same way again" in line]
-    assert "before its first commit" in said and "not restarting it" in said
-    assert "ValueError: the script failed in its first step (on purpose)" in said
-    assert len(text.splitlines()) <= 50, text  # two tracebacks and six lines of ours
+    assert f"failed the same way again {stage}" in said and "not restarting it" in said
+    assert error in said
+    assert len(text.splitlines()) <= most_lines, text
 
 
 def test_a_torchrun_style_command_line_runs_with_one_note_per_flag_not_needed(cli):

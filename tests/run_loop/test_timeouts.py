@@ -227,7 +227,7 @@ def source_copy(tmp_path: Path) -> Path:
      "parameter timeout_s defaults to a literal"),
     ("elastic/launch/embedded_etcd.py", "from time import sleep\nsleep(0.05)",
      "sleep(<literal>)"),
-    ("elastic/cluster/etcd_store.py", "import tenacity\nw = tenacity.wait_exponential_jitter("
+    ("elastic/cluster/round_store.py", "import tenacity\nw = tenacity.wait_exponential_jitter("
      "max=2.0)", "wait_exponential_jitter(...)"),
     ("elastic/cluster/process_group.py", "def f(backoff_s):\n    return min(1.0, backoff_s)",
      "min(...) bounds a duration"),
