@@ -26,6 +26,12 @@ class FencedError(ElasticError):
     """This member's lease is gone: it must not act under its old identity."""
 
 
+class CutOffError(ElasticError):
+    """The job went on without this member: the network between it and the others went down.
+    It must not act under its old identity; it comes back as a new member once it reaches
+    them again."""
+
+
 class RendezvousTimeoutError(ElasticError):
     """A round could not be formed before its deadline (too few workers, or never admitted)."""
 

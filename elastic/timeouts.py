@@ -32,10 +32,11 @@ def _entry(seconds: float, env: str | None = None) -> Any:
 class Timeouts:
     """Every timeout and interval of a worker and its launcher; see each field.
 
-    The order it enforces (``validate``): 2 x keepalive < lease_ttl; settle and node_settle <
-    rendezvous; settle and node_settle < rejoin; form < collective; sync <= collective;
-    etcd_rpc <= etcd_retry <= etcd_outage; backoff and reconnect <= backoff_max. A frozen or
-    cut-off worker is dropped within lease_ttl (+ form while its survivors connect); a killed
+    The order it enforces (``validate``): 2 x keepalive < lease_ttl; peer_probe <= peer;
+    settle and node_settle < rendezvous; settle and node_settle < rejoin; form < collective;
+    sync <= collective; etcd_rpc <= etcd_retry <= etcd_outage; backoff and reconnect <=
+    backoff_max. A frozen worker, or one cut from etcd, is dropped within lease_ttl (+ form
+    while its survivors connect); one cut from its peers within peer + peer_probe; a killed
     one at once.
     """
 
@@ -63,6 +64,15 @@ class Timeouts:
     rendezvous: timedelta = _entry(300, "ELASTIC_RENDEZVOUS_TIMEOUT")
     """Default 300 s (``ELASTIC_RENDEZVOUS_TIMEOUT``, ``--rendezvous-timeout``): how long a
     round may wait for ``min_workers`` before ``RendezvousTimeoutError``."""
+    peer: timedelta = _entry(1.5, "ELASTIC_PEER_TIMEOUT")
+    """Default 1.5 s (``ELASTIC_PEER_TIMEOUT``, ``--peer-timeout``): how long an agreement
+    connection between two members may go without an acknowledgement from the other side (the
+    kernel's ``TCP_USER_TIMEOUT``, with a keepalive probe every ``peer_probe``) before it is
+    declared down. Only a silent network does that: a frozen or busy process's kernel still
+    acknowledges, and a dead process's kernel ends the connection at once."""
+    peer_probe: timedelta = _entry(1)
+    """Default 1 s (``ELASTIC_PEER_PROBE``): how often an idle agreement connection is probed
+    (``TCP_KEEPIDLE`` and ``TCP_KEEPINTVL``, which count whole seconds: rounded up)."""
     admit: timedelta = _entry(1800, "ELASTIC_ADMIT_TIMEOUT")
     """Default 1800 s (``ELASTIC_ADMIT_TIMEOUT``): how long a new worker waits to be admitted
     by the running members (they admit at a commit) before ``RendezvousTimeoutError``."""
@@ -152,6 +162,7 @@ class Timeouts:
         "rejoin": "seconds a re-formation waits for a live member of the last round",
         "rendezvous": "seconds a round may wait for --min-workers",
         "form": "seconds forming a round's process group may take",
+        "peer": "seconds a silent link between two workers is given before it counts as cut",
         "collective": "backstop on any collective, behind the failure detectors",
         "grace": "seconds workers get to leave after Ctrl-C/SIGTERM",
         "etcd_outage": "seconds workers wait for an unreachable etcd to form a new round",
@@ -221,6 +232,7 @@ class Timeouts:
             raise ValueError(f"{self._name('lease_ttl')} ({_seconds(self.lease_ttl)}) must be "
                              f"at least 1 s: etcd leases are whole seconds.")
         self._check("keepalive", "lease_ttl", factor=2)
+        self._check("peer_probe", "peer", or_equal=True)
         self._check("settle", "rendezvous")
         self._check("node_settle", "rendezvous")
         self._check("settle", "rejoin")

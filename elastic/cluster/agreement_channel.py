@@ -20,13 +20,17 @@ receiving side is shut), and a released channel is closed only once its holder's
 formed; so until then, a connection that the peer ended (``peers_gone``) means that the peer's
 process is gone, never that it is re-forming; ``watch`` reports such an end as it happens (rank
 0 sees any rank's; every rank sees rank 0's), so that survivors blocked where no socket of
-theirs breaks (an NCCL collective) are released at once. No torch.
+theirs breaks (an NCCL collective) are released at once. A connection can also end with both
+processes alive: the network between them acknowledged nothing for ``silence`` (the kernel's
+``TCP_USER_TIMEOUT``, ``ETIMEDOUT``); ``peers_silent`` tells those apart, so that a cut link is
+not mistaken for a death. No torch.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import math
 import select
 import socket
 import struct
@@ -79,6 +83,26 @@ def _listen(address: str) -> socket.socket:
             f"and route to it).") from exc
 
 
+def _end_when_silent(conn: socket.socket, silence: timedelta, probe: timedelta) -> None:
+    """Lets the kernel end ``conn`` once the peer acknowledged nothing for ``silence``: probed
+    every ``probe`` while idle (keepalive), and bounded by ``TCP_USER_TIMEOUT`` whether idle or
+    not, so a link cut without a reset ends like a dead peer's (``peers_gone``, ``watch``)."""
+    every_s = math.ceil(probe.total_seconds())  # the kernel counts whole seconds
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, every_s)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, every_s)
+    # With TCP_USER_TIMEOUT set, it alone decides when unanswered probes end the connection.
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 127)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
+                    int(silence.total_seconds() * 1000))
+
+
+def _unanswered(error: int | None) -> bool:
+    """Whether a connection's error says that the peer's side never answered (the kernel's
+    timeout, an unreachable route), not that the peer's kernel ended it (a reset)."""
+    return error not in (None, 0, errno.ECONNRESET, errno.EPIPE)
+
+
 def _receive_exactly(sock: socket.socket, size: int) -> bytes:
     """Reads ``size`` bytes; fewer means the peer closed the connection (or it was released)."""
     data = b""
@@ -101,14 +125,21 @@ class AgreementChannel:
         world_size: the round's size.
         timeout: how long an exchange may block without a release (a backstop; the membership
             watch releases a channel whose peer is gone long before).
+        silence: how long a connection may go unacknowledged before the kernel ends it (a
+            network that drops the link silently); None leaves the system's TCP defaults.
+        probe: how often an idle connection is probed, rounded up to whole seconds (with
+            ``silence``; both or neither).
     """
 
-    def __init__(self, rank: int, world_size: int, timeout: timedelta) -> None:
+    def __init__(self, rank: int, world_size: int, timeout: timedelta,
+                 silence: timedelta | None = None, probe: timedelta | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self._timeout_s = timeout.total_seconds()
+        self._silence, self._probe = silence, probe
         self._lock = threading.Lock()
         self._released: str | None = None
+        self._silent: set[int] = set()  # ranks whose connection the kernel timed out
         self._listener: socket.socket | None = None
         self._admission: Admission | None = None  # rank 0, while the others connect
         self._peers: dict[int, socket.socket] = {}  # rank 0: every other rank; else {0: rank 0}
@@ -176,6 +207,8 @@ class AgreementChannel:
 
     def _adopt(self, rank: int, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._silence is not None and self._probe is not None:
+            _end_when_silent(conn, self._silence, self._probe)
         with self._lock:
             if self._released is not None:
                 conn.close()
@@ -192,7 +225,8 @@ class AgreementChannel:
         """
         self._flags = (int(pending), int(leaving))
         if self.rank != 0 and self.world_size > 1:
-            self._guard(lambda: self._peers[0].sendall(_FLAGS.pack(*self._flags)))
+            self._guard(lambda: self._with(0, lambda: self._peers[0].sendall(
+                _FLAGS.pack(*self._flags))))
 
     def finish(self) -> tuple[bool, bool]:
         """Waits for the agreement; returns (a change is pending anywhere, someone leaves).
@@ -203,19 +237,30 @@ class AgreementChannel:
         if self.world_size == 1:
             return bool(self._flags[0]), bool(self._flags[1])
         if self.rank != 0:
-            return self._guard(lambda: self._decode(self._peers[0]))
+            return self._guard(lambda: self._with(0, lambda: self._decode(self._peers[0])))
         return self._guard(self._gather_and_reply)
 
     def _gather_and_reply(self) -> tuple[bool, bool]:
         pending, leaving = self._flags
-        peers = list(self._peers.values())
-        for sock in peers:
-            their_pending, their_leaving = self._decode(sock)
+        peers = dict(self._peers)
+        for rank, sock in peers.items():
+            their_pending, their_leaving = self._with(rank, lambda: self._decode(sock))
             pending, leaving = max(pending, their_pending), max(leaving, their_leaving)
         reply = _FLAGS.pack(pending, leaving)
-        for sock in peers:
-            sock.sendall(reply)
+        for rank, sock in peers.items():
+            self._with(rank, lambda: sock.sendall(reply))
         return bool(pending), bool(leaving)
+
+    def _with(self, rank: int, io: Callable[[], T]) -> T:
+        """Runs ``io`` on ``rank``'s connection, remembering a silent end (the kernel reports
+        the error once, to whichever reads it first: here or ``peers_gone``)."""
+        try:
+            return io()
+        except OSError as exc:
+            if _unanswered(exc.errno):
+                with self._lock:
+                    self._silent.add(rank)
+            raise
 
     def _decode(self, sock: socket.socket) -> tuple[int, int]:
         data = _receive_exactly(sock, _FLAGS.size)
@@ -306,11 +351,23 @@ class AgreementChannel:
         for rank, sock in sorted(peers.items()):
             try:
                 state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+                error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             except OSError:
                 continue  # closed by this side: nothing to tell
             if state != _TCP_ESTABLISHED:
                 gone.append(rank)
+                if _unanswered(error):
+                    with self._lock:
+                        self._silent.add(rank)
         return gone
+
+    def peers_silent(self) -> list[int]:
+        """Those of ``peers_gone`` whose connection the kernel ended because the network
+        acknowledged nothing for ``silence``: the peer may be alive on the other side of a cut
+        link (or its machine vanished), unlike a peer whose kernel ended the connection."""
+        gone = self.peers_gone()
+        with self._lock:
+            return [rank for rank in gone if rank in self._silent]
 
     def close(self) -> None:
         """Closes every socket (after ``release``, or once the round ended normally)."""

@@ -15,9 +15,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import tenacity
+
 from elastic.cluster.agreement_channel import AgreementChannel
-from elastic.cluster.ports import free_port
-from elastic.errors import EtcdUnavailableError, FencedError, PeerFailureError
+from elastic.cluster.ports import answers, free_port
+from elastic.errors import (CutOffError, EtcdUnavailableError, FencedError, LeaveInterrupt,
+                            PeerFailureError, RendezvousTimeoutError)
 from elastic.cluster.etcd_client import EtcdClient, parse_endpoints
 from elastic.events import EventLog, Stopwatch
 from elastic.cluster.keys import JobKeys
@@ -29,7 +32,7 @@ from elastic.cluster.process_group import ProcessGroup, cuda_device_count, resol
 from elastic.cluster.records import SkippedRecords
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
 from elastic.cluster.round_links import RoundLinks
-from elastic.cluster.round_store import RoundStore
+from elastic.cluster.round_store import RoundStore, reach
 from elastic.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -67,6 +70,7 @@ class Cluster:
                                        standby=settings.standby)
         self.topology: Topology | None = None
         self._last: Topology | None = None  # the round of the retired channel
+        self._probed = 0  # the round whose rank 0 this worker last checked it could reach
         self.links = RoundLinks(self.group, AgreementChannel(0, 1, self.group.timeout))
         self.skipped = SkippedRecords()  # malformed records read from etcd, warned once each
         self._said_committed = False
@@ -148,6 +152,13 @@ class Cluster:
                 except FencedError as exc:
                     self.membership.fence(str(exc))  # a write found the lease gone
                     continue
+                except CutOffError as exc:
+                    self.events.emit("cut_off", reason=str(exc))
+                    log.warning("%s; it comes back as a new member once it reaches them", exc)
+                    self.renew_identity()
+                    self._await_peers(cancelled)
+                    reason = "start"
+                    continue
             if topology is not None:
                 break
             self.events.emit("spare", waited_s=waited.seconds)
@@ -159,13 +170,51 @@ class Cluster:
             store = RoundStore(self.client, self.keys.store_address(topology.round),
                                topology.rank, self.settings.advertise_addr,
                                self.settings.timeouts.store)
+            timeouts = self.settings.timeouts
             self.links.open(store, AgreementChannel(topology.rank, topology.world_size,
-                                                    self.group.timeout))
+                                                    self.group.timeout, timeouts.peer,
+                                                    timeouts.peer_probe))
             self.topology = topology
             self.monitor.arm(topology, self.client)  # a member dying now aborts the forming
             self._connect(topology, store)
         self.events.emit("group_formed", backend=self.group.backend, form_s=formed.seconds)
         return topology
+
+    def _await_peers(self, cancelled: Callable[[], bool]) -> None:
+        """Waits until this member, which its peers lost, reaches rank 0 of the newest round
+        again, before it asks to join: a member still cut off would make the others re-form
+        around it and wait the form timeout for it, again and again.
+
+        Raises:
+            LeaveInterrupt: ``cancelled()`` turned true (SIGTERM) while waiting.
+            RendezvousTimeoutError: still unreachable after the admit timeout.
+        """
+        timeouts = self.settings.timeouts
+        told: list[str] = []
+
+        def tell_once(state: tenacity.RetryCallState) -> None:  # not a line per attempt
+            if not told and state.outcome is not None:
+                told.append(f"{state.outcome.exception()}")
+                log.warning("waiting to reach the job's other members again (%s)", told[0])
+
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_any(tenacity.stop_after_delay(timeouts.admit.total_seconds()),
+                                   lambda _: cancelled()),
+            retry=tenacity.retry_if_exception_type(OSError),
+            wait=tenacity.wait_exponential_jitter(initial=timeouts.backoff.total_seconds(),
+                                                  max=timeouts.backoff_max.total_seconds()),
+            before_sleep=tell_once, reraise=True)
+        try:
+            for attempt in retrying:
+                with attempt:
+                    latest = self.rendezvous.latest_round()
+                    reach(self.client, self.keys.store_address(latest), timeouts.peer)
+        except OSError as exc:
+            if cancelled():
+                raise LeaveInterrupt("asked to leave while cut off from the job") from None
+            raise RendezvousTimeoutError(
+                f"could not reach the job's other members within {timeouts.admit} ({exc}): "
+                f"check the network between this machine and theirs.") from None
 
     def _connect(self, topology: Topology, store: RoundStore) -> None:
         """Connects the round's store, then forms its group and agreement channel.
@@ -186,13 +235,27 @@ class Cluster:
             raise PeerFailureError(f"forming the group of round {topology.round} failed: "
                                    f"{exc}") from exc
 
-    def _members_gone(self, n: int) -> list[str]:
-        """The members of round ``n - 1`` whose agreement connection to this worker ended (dead
-        by direct evidence), when this worker was in that round; else none."""
+    def _members_gone(self, n: int) -> dict[str, bool]:
+        """The members of round ``n - 1`` whose agreement connection to this worker ended, when
+        this worker was in that round (else none): true for a link that went silent (the member
+        may be alive and cut off), false for one its kernel ended (dead).
+
+        A worker that was not rank 0 also checks once that rank 0's machine answers (its own
+        link may not have gone silent yet: a failure report woke it first), so that a split is
+        seen whole once everyone asked.
+        """
         last = self._last
         if last is None or last.round != n - 1:
-            return []
-        return [last.members[rank] for rank in self.channel.peers_gone()]
+            return {}
+        silent = set(self.channel.peers_silent())
+        gone = {last.members[rank]: rank in silent for rank in self.channel.peers_gone()}
+        rank0 = last.members[0]
+        if last.rank != 0 and rank0 not in gone and self._probed != n:
+            self._probed = n
+            if not answers(last.master_addr, last.master_port,
+                           self.settings.timeouts.peer.total_seconds()):
+                gone[rank0] = True
+        return gone
 
     def _drop_group(self) -> None:
         self.links.drop()

@@ -5,7 +5,7 @@ Every member runs a ``Coordinator``; the one whose member lease holds ``control/
 then try to take it. The leader watches the whole job prefix, keeps the members, join requests
 and done marks in memory (O(1) work per event), and:
 
-- closes round ``R + 1`` when the rules allow (``Rendezvous.may_close``: a first round's
+- closes round ``R + 1`` when the rules allow (``Rendezvous.verdict``: a first round's
   settle window, a re-formation's roll call of round ``R``), by the same compare-and-swap as
   always (``Rendezvous.close``: exactly one plan per round, ``round`` only moves forward), the
   news of round ``R + 1`` written in the same transaction;
@@ -313,7 +313,7 @@ class Coordinator:
             self._poke()
 
     def _close_next(self) -> None:
-        """Closes round ``R + 1`` when its join requests allow (``Rendezvous.may_close``)."""
+        """Closes round ``R + 1`` when its join requests allow (``Rendezvous.verdict``)."""
         n = self._round + 1
         with self._changed:
             leases = dict(self._members)
@@ -331,10 +331,11 @@ class Coordinator:
             self._rejoin_since = (n, now)
         since = self._rejoin_since
         waited = now - since[1] if since is not None and since[0] == n else 0.0
-        if not requests or not self._rendezvous.may_close(n, requests, leases, plan,
-                                                          now - self._last_change, waited):
+        cut = self._rendezvous.verdict(n, requests, leases, plan, now - self._last_change,
+                                       waited) if requests else None
+        if cut is None:
             return
-        if self._rendezvous.close(n, revision, requests, self._plan):
+        if self._rendezvous.close(n, revision, requests, self._plan, cut):
             self._poke()  # follow the new round at once
 
     def _admissible(self, n: int, kv: KeyValue, leases: dict[str, int]) -> JoinRequest | None:

@@ -7,9 +7,10 @@ Layout under ``/elastic/{job_id}/``:
 - ``rounds/{n}/join/{member}``: lease-bound request to be in round ``n``.
 - ``rounds/{n}/plan``: the agreed world of round ``n``, created once by compare-and-swap.
 - ``rounds/{n}/done/{member}``: the member returned from the training function.
-- ``rounds/{n}/gone/{member}``: bound to the lease of a member of round ``n - 1`` that saw
-  ``member``'s connection of round ``n - 1`` end (its process is gone); the value is the
-  reporter's id.
+- ``rounds/{n}/gone/{member}/{reporter}``: bound to the lease of ``reporter``, a member of round
+  ``n - 1`` that saw ``member``'s connection of round ``n - 1`` end: ``ended`` (by the peer's
+  kernel: its process is gone) or ``silent`` (the network acknowledged nothing for the peer
+  timeout: it may be alive and cut off).
 - ``rounds/{n}/store/address``: where round ``n``'s rank 0 hosts its TCPStore
   (``round_store.py``, what a worker forms its group on).
 - ``commit``: the newest commit version and the newest durable checkpoint, for ``elastic status``.
@@ -102,8 +103,9 @@ class JobKeys:
     def gones(self, n: int) -> str:
         return f"{self.round_prefix(n)}gone/"
 
-    def gone(self, n: int, member_id: str) -> str:
-        return f"{self.gones(n)}{member_id}"
+    def gone(self, n: int, member_id: str, reporter: str) -> str:
+        """A report by ``reporter`` that ``member_id`` of round ``n - 1`` is gone."""
+        return f"{self.gones(n)}{member_id}/{reporter}"
 
     def store(self, n: int) -> str:
         return f"{self.round_prefix(n)}store/"

@@ -17,7 +17,7 @@ REASONS = frozenset({"start", "change", "failure", "spare"})
 _JOIN_FIELDS = {"member_id": True, "version": True, "reason": True, "addr": True, "port": True,
                 "standby": False}
 _PLAN_FIELDS = {"round": True, "ranks": True, "spares": False, "master_addr": False,
-                "master_port": False, "versions": False}
+                "master_port": False, "versions": False, "cut": False}
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ class Plan:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     versions: dict[str, int] = field(default_factory=dict)
+    cut: list[str] = field(default_factory=list)  # left out, maybe alive: cut off
 
     @property
     def world_size(self) -> int:
@@ -95,6 +96,7 @@ class Plan:
             raise RecordError(f"round is {data['round']}, in the key of round {round_}")
         ranks = _member_list("ranks", data["ranks"], minimum=1)
         spares = _member_list("spares", data.get("spares", []), minimum=0)
+        cut = _member_list("cut", data.get("cut", []), minimum=0)
         versions = data.get("versions", {})
         if type(versions) is not dict:
             raise RecordError(f"versions is a {type(versions).__name__}, not an object")
@@ -106,7 +108,7 @@ class Plan:
                                                 data.get("master_addr", "127.0.0.1")),
                     master_port=records.integer("master_port", data.get("master_port", 0), 0,
                                                 65535),
-                    versions=versions)
+                    versions=versions, cut=cut)
 
 
 def _member_list(name: str, value: object, minimum: int) -> list[str]:

@@ -1,10 +1,11 @@
-"""Choosing a free TCP port on a given address of this machine (loopback by default)."""
+"""TCP ports: choosing a free one on an address of this machine (loopback by default), and
+asking whether another machine answers on one."""
 
 from __future__ import annotations
 
 import socket
 
-__all__ = ["free_port"]
+__all__ = ["answers", "free_port"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -17,3 +18,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def answers(host: str, port: int, timeout: float) -> bool:
+    """Whether the machine at ``host`` answers a connection to ``port`` within ``timeout``
+    seconds: accepted, or refused by its kernel (nothing listens there; the machine is
+    reachable all the same). No answer, or no route, is False."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False

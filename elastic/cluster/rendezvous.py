@@ -1,15 +1,14 @@
 """Rounds agreed on etcd: join requests, a roll call of the last round, one plan per round by CAS.
 
-A member asks to be in round ``R + 1`` (R = the newest planned round) with its newest commit
-version, and reports the members of round ``R`` it saw die (their agreement connection ended:
-``rounds/{n}/gone/``); then it waits for the news of round ``R + 1`` (``control/news``) and reads
-its plan once. The job's coordinator (``coordinator.py``, one member elected by
-compare-and-swap) closes the round once the rules allow (``plan.should_close`` for a first
-round; ``roll_call.may_close`` for a re-formation: every member of round ``R`` accounted for);
-the close is a compare-and-swap that creates ``rounds/{n}/plan``, moves ``round`` to ``n`` and
-writes the news in one transaction, so exactly one plan exists per round. Waiting wakes on the
-news, and on the wake cap for the deadlines, never on a polling sleep; a waiting member reads
-no other member's records.
+A member reports the members of round ``R`` (the newest planned) whose agreement connection
+it saw end (``gone_reports``), asks to be in round ``R + 1`` with its newest commit version,
+waits for the news of round ``R + 1`` (``control/news``) and reads its plan once. The job's
+coordinator (``coordinator.py``, elected by compare-and-swap) closes the round once the rules
+allow (``plan.should_close``; for a re-formation ``roll_call``: every member of round ``R``
+accounted for, the losing side of a split named cut off) by one compare-and-swap that creates
+``rounds/{n}/plan``, moves ``round`` to ``n`` and writes the news: one plan per round. Waiting
+wakes on the news and on the wake cap, never on a polling sleep; a waiting member reads no
+other member's records.
 """
 
 from __future__ import annotations
@@ -18,10 +17,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
-from elastic.errors import LeaveInterrupt, RendezvousClosedError, RendezvousTimeoutError
+from elastic.errors import (CutOffError, LeaveInterrupt, RendezvousClosedError,
+                            RendezvousTimeoutError)
 from elastic.timeouts import Timeouts
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.keys import JobKeys
@@ -29,7 +29,8 @@ from elastic.cluster.membership import EtcdMembership
 from elastic.cluster.etcd_client import KeyValue
 from elastic.cluster.plan import CloseRule, JoinRequest, Plan, assign_ranks, should_close
 from elastic.cluster import records
-from elastic.cluster.roll_call import Evidence, RollCall, may_close
+from elastic.cluster.gone_reports import GoneReports
+from elastic.cluster.roll_call import RollCall, cut_off, dead, may_close
 from elastic.cluster.coordinator import Coordinator
 from elastic.cluster.news import RoundNews, read_news
 from elastic.cluster.records import RecordError, SkippedRecords
@@ -91,7 +92,9 @@ class Rendezvous:
         self._epoch = 0
         self.standby = config.standby  # a warm spare until a round takes it
         self._news: RoundNews | None = None  # the newest news seen (by watch or one read)
+        self._last_round = 0  # the last round this member was in
         membership.add_listener(self._on_events)
+        self._gone = GoneReports(client, self._keys, self._skipped)
         self._coordinator = Coordinator(client, membership, self, self._skipped)
 
     def _on_events(self, events: list[WatchEvent]) -> None:
@@ -155,7 +158,7 @@ class Rendezvous:
 
     def join(self, reason: str, version: int, port: int,
              cancelled: Callable[[], bool] = lambda: False,
-             gone: Callable[[int], list[str]] = lambda n: []) -> Topology | None:
+             gone: Callable[[int], dict[str, bool]] = lambda n: {}) -> Topology | None:
         """Asks to be in the next round and waits until it forms.
 
         Args:
@@ -163,8 +166,9 @@ class Rendezvous:
             version: its newest commit version.
             port: the port it offers as the round's master port.
             cancelled: turns true when it must stop waiting (SIGTERM).
-            gone: the members of round ``n - 1`` this member saw die, asked while waiting for
-                round ``n`` (reported in etcd, so that nobody waits for their leases).
+            gone: the members of round ``n - 1`` this member saw die (true: their connection
+                ended silently, they may be cut off), asked while waiting for round ``n``
+                (reported in etcd, so that nobody waits for their leases).
 
         Returns:
             This member's topology, or None when it was left out as a spare (call again).
@@ -173,6 +177,8 @@ class Rendezvous:
             RendezvousTimeoutError: fewer than min_workers for longer than the timeout, or
                 never admitted by the running members.
             FencedError: this member's lease was lost while waiting.
+            CutOffError: the round went on without this member, whose connections to the
+                others went down (it must come back as a new member).
             LeaveInterrupt: ``cancelled()`` turned true (SIGTERM) while waiting.
         """
         started = time.monotonic()
@@ -180,13 +186,16 @@ class Rendezvous:
         while True:
             self._membership.check_not_fenced()
             n = self.latest_round() + 1
+            self._check_not_cut(n - 1)
             # A warm spare's joins never ask the running members to re-form.
             request = JoinRequest(self._membership.member_id, version,
                                   "spare" if self.standby else reason,
                                   self._membership.advertise_addr, port, standby=self.standby)
+            reported: set[str] = set()  # before asking: a split is seen whole when all asked
+            self._report_gone(n, gone(n), reported)
             self._client.put(self._keys.join(n, self._membership.member_id), request.to_json(),
                              lease=self._membership.lease)
-            plan = self._wait_for_plan(n, started, cancelled, gone)
+            plan = self._wait_for_plan(n, started, cancelled, gone, reported)
             if plan is None:
                 log.info("round %d was overtaken by later rounds; asking for the newest", n)
                 continue
@@ -195,15 +204,30 @@ class Rendezvous:
                 return self._topology(plan)
             if self._membership.member_id in plan.spares:
                 return None
+            if self._membership.member_id in plan.cut:
+                raise self._cut_off(n)
             log.info("round %d closed without %s; asking for the next", n,
                      self._membership.member_id)
 
+    def _check_not_cut(self, latest: int) -> None:
+        """Raises ``CutOffError`` when the round after this member's last went on without it
+        and named it cut off (its lease outlived the cut: it must not write as itself again)."""
+        if not self._last_round or latest <= self._last_round:
+            return
+        plan = self.read_plan(self._last_round + 1)
+        if plan is not None and self._membership.member_id in plan.cut:
+            raise self._cut_off(plan.round)
+
+    def _cut_off(self, n: int) -> CutOffError:
+        return CutOffError(f"round {n} went on without {self._membership.member_id}: the "
+                           f"network between it and the other members went down")
+
     def _wait_for_plan(self, n: int, started: float, cancelled: Callable[[], bool],
-                       gone: Callable[[int], list[str]]) -> Plan | None:
+                       gone: Callable[[int], dict[str, bool]],
+                       reported: set[str]) -> Plan | None:
         """Waits for the news of round ``n`` and reads its plan; None when round ``n`` was
         overtaken (the news is of a later round and no plan of ``n`` is left to read)."""
         enough_since = started  # when the round last had min_workers (checked past the timeout)
-        reported: set[str] = set()
         while True:
             with self._changed:
                 epoch = self._epoch
@@ -221,58 +245,52 @@ class Rendezvous:
                 if self._epoch == epoch:
                     self._changed.wait(timeout=self.config.timeouts.wake.total_seconds())
 
-    def may_close(self, n: int, requests: list[JoinRequest], live: dict[str, int],
-                  previous: Plan | None, quiet_s: float, waited_s: float) -> bool:
-        """The rules for round ``n`` (asked by the coordinator): a first round's
-        (``plan.should_close``), or a re-formation's (``roll_call.may_close``, with the credible
-        reports of deaths, read only while a member of the last round is missing).
+    def verdict(self, n: int, requests: list[JoinRequest], live: dict[str, int],
+                previous: Plan | None, quiet_s: float, waited_s: float) -> frozenset[str] | None:
+        """Whether round ``n`` may close now (asked by the coordinator), and without whom.
+
+        The rules are a first round's (``plan.should_close``) or a re-formation's
+        (``roll_call.may_close``, with the credible reports of connections that ended); when the
+        reports show the job split, the losing side is left out (``roll_call.cut_off``).
 
         Args:
             live: every registered member's lease, by member id.
             waited_s: seconds since the first request of a member of round ``n - 1``.
+
+        Returns:
+            None while the round may not close; else the members to name cut off in it: the
+            losing side of a split, and the live members dead by evidence (usually none).
         """
         members = set(live)
         if previous is None:
-            return should_close(requests, members, False, quiet_s, self.rule)
-        rejoin_s = self.config.timeouts.rejoin.total_seconds()
+            return frozenset() if should_close(requests, members, False, quiet_s,
+                                               self.rule) else None
         joined = {r.member_id for r in requests}
-        roll = RollCall(previous.ranks, frozenset(), waited_s, rejoin_s)
-        if roll.missing(joined, members):
-            roll = RollCall(previous.ranks, self._dead(n, previous, live), waited_s, rejoin_s)
-        if may_close(requests, members, roll, quiet_s, self.rule):
-            missing = roll.missing(joined, members)
-            if missing:
-                log.warning("round %d closes without %s: live members of round %d that did not "
-                            "ask to join within %s (ELASTIC_REJOIN_TIMEOUT)", n, missing, n - 1,
-                            self.config.timeouts.rejoin)
-            return True
-        return False
+        reports = self._gone.read(n, previous.ranks, live)
+        roll = RollCall(previous.ranks, dead(previous.ranks, joined, reports), waited_s,
+                        self.config.timeouts.rejoin.total_seconds())
+        if not may_close(requests, members, roll, quiet_s, self.rule):
+            return None
+        cut = cut_off(previous.ranks, joined, reports)
+        if len(joined - cut) < self.rule.min_workers:
+            cut = frozenset()  # neither side can go on alone: try the whole world again
+        missing = roll.missing(joined, members)
+        if missing:
+            log.warning("round %d closes without %s: live members of round %d that did not "
+                        "ask to join within %s (ELASTIC_REJOIN_TIMEOUT)", n, missing, n - 1,
+                        self.config.timeouts.rejoin)
+        if cut:
+            log.warning("round %d goes on without %s: the network between them and the rest "
+                        "of round %d went down (ELASTIC_PEER_TIMEOUT)", n, sorted(cut), n - 1)
+        return cut | (roll.dead & members) - joined  # alive, if at all, only cut off
 
-    def _report_gone(self, n: int, members: list[str], reported: set[str]) -> None:
-        """Records, under this member's lease, the members of round ``n - 1`` it saw die, and
-        frees the coordinator key if one of them held it."""
-        fresh = [member for member in members if member not in reported]
-        for member in fresh:
-            self._client.put(self._keys.gone(n, member), self._membership.member_id,
-                             lease=self._membership.lease)
-            reported.add(member)
-            log.info("member %s of round %d is gone (its connection ended)", member, n - 1)
-        if fresh:
-            self._coordinator.forget_dead(fresh)
-
-    def _dead(self, n: int, previous: Plan, leases: dict[str, int]) -> frozenset[str]:
-        """The members of round ``n - 1`` dead by credible reports (others are skipped)."""
-        kvs, _ = self._client.get_prefix(self._keys.gones(n))
-        dead = set()
-        for kv in kvs:
-            report = Evidence(kv.key[len(self._keys.gones(n)):],
-                              kv.value.decode("utf-8", errors="replace"), kv.lease)
-            if report.is_credible(previous.ranks, leases):
-                dead.add(report.member)
-            else:
-                self._skipped.skip(kv.key, kv.mod_revision, "it is not a report by a member of "
-                                   "the previous round about its rank 0 or by its rank 0")
-        return frozenset(dead)
+    def _report_gone(self, n: int, members: dict[str, bool], reported: set[str]) -> None:
+        """Reports the members of round ``n - 1`` this member lost (``GoneReports``), and
+        frees the coordinator key if a dead one held it."""
+        dead = self._gone.write(n, self._membership.member_id, self._membership.lease, members,
+                                reported)
+        if dead:
+            self._coordinator.forget_dead(dead)
 
     def _read_round(self, n: int) -> tuple[list[JoinRequest], set[str]]:
         """The round's admissible join requests and the live members' ids.
@@ -323,12 +341,15 @@ class Rendezvous:
         return enough_since
 
     def close(self, n: int, round_revision: int, requests: list[JoinRequest],
-              previous: Plan | None) -> bool:
+              previous: Plan | None, cut: frozenset[str] = frozenset()) -> bool:
         """Writes round ``n``'s plan, moves ``round`` to ``n`` and writes its news: only if no
         plan of ``n`` exists and ``round`` is still what the closer read (``n - 1``), so that
-        ``round`` only moves forward, even for a closer that was delayed past later rounds."""
-        plan = assign_ranks(requests, previous.ranks if previous else [], n,
+        ``round`` only moves forward, even for a closer that was delayed past later rounds.
+        The members in ``cut`` are left out and named in the plan (``verdict``)."""
+        plan = assign_ranks([r for r in requests if r.member_id not in cut],
+                            previous.ranks if previous else [], n,
                             self.config.max_workers, self.config.min_workers)
+        plan = replace(plan, cut=sorted(cut))
         if self._client.create(self._keys.plan(n), plan.to_json(),
                                also={self._keys.round: str(n),
                                      self._keys.news: RoundNews(n).to_json()},
@@ -342,6 +363,7 @@ class Rendezvous:
 
     def _topology(self, plan: Plan) -> Topology:
         me = self._membership.member_id
+        self._last_round = plan.round
         return Topology(round=plan.round, rank=plan.ranks.index(me), world_size=plan.world_size,
                         members=tuple(plan.ranks), master_addr=plan.master_addr,
                         master_port=plan.master_port,

@@ -7,13 +7,23 @@ long step (that would make a minority round):
 - it asked to join round ``n``;
 - its lease is gone (it left, was revoked by its launcher, or stopped renewing: a member on a
   machine that vanished is dropped at its lease TTL);
-- it is dead by direct evidence: its agreement connection to rank 0 of round ``n - 1`` ended
-  (reported by rank 0), or rank 0's connection ended (reported by any member), ``Evidence``.
+- it is dead by direct evidence (``dead``): its agreement connection to rank 0 of round ``n - 1``
+  ended (reported by rank 0); or, for rank 0, its connection ended for every other member that
+  asked (``Evidence``). One member's report alone does not kill rank 0: that member may be the
+  one cut off, while the others, still connected, do not report it.
 
 A live member of round ``n - 1`` that has done none of these is waited for, up to the rejoin
 timeout (``Timeouts.rejoin``) counted from the first request of a member of round ``n - 1``.
 The settle window applies only to unknown joiners: live members outside round ``n - 1`` that
 have not asked yet.
+
+A connection can also end with both of its members alive: the network between them went silent
+(``Timeouts.peer``; ``Evidence.silent``). Such a report kills nobody: the member is waited for
+until it asks (or its lease goes). Every member that was not rank 0 checks, before it asks,
+that rank 0's machine answers, and reports it silent when not; so once everyone asked, the
+reports show the whole split. ``cut_off`` names the side that is left out, so that exactly one
+side goes on: the side of rank 0 of round ``n - 1`` against the members whose link to it went
+down (the only connections are to rank 0), the larger going on, rank 0's on a tie.
 """
 
 from __future__ import annotations
@@ -31,11 +41,25 @@ class Evidence:
         member: the member reported dead.
         reporter: who saw its connection end.
         lease: the lease the report was written under.
+        silent: the connection ended because the network acknowledged nothing for the peer
+            timeout, not because the peer's kernel ended it: the member may be alive and cut
+            off, and the other links cut with its are reported shortly after.
     """
 
     member: str
     reporter: str
     lease: int
+    silent: bool = False
+
+    def to_value(self) -> str:
+        """The report's etcd value (its key names the member and the reporter)."""
+        return "silent" if self.silent else "ended"
+
+    @classmethod
+    def read(cls, name: str, value: bytes, lease: int) -> Evidence:
+        """The report stored under ``{member}/{reporter}`` (``name``) with ``value``."""
+        member, _, reporter = name.partition("/")
+        return cls(member, reporter, lease, silent=value == b"silent")
 
     def is_credible(self, previous: list[str], leases: dict[str, int]) -> bool:
         """Whether the report may count: both are members of the previous round (``previous``,
@@ -86,3 +110,52 @@ def may_close(requests: list[JoinRequest], live: set[str], roll: RollCall, quiet
     unknown = live - joined - set(roll.previous) - roll.dead
     full = rule.max_workers is not None and len(joined) >= rule.max_workers
     return not unknown or full or quiet_s >= rule.settle_s
+
+
+def dead(previous: list[str], joined: set[str], reports: list[Evidence]) -> frozenset[str]:
+    """The members of round ``n - 1`` dead by evidence (``RollCall.dead``).
+
+    Args:
+        previous: the members of round ``n - 1``, rank 0 first.
+        joined: the members that asked to join round ``n``.
+        reports: the credible reports of round ``n - 1``'s connections that ended.
+
+    Returns:
+        Those whose connection rank 0 saw end; and rank 0 itself when it has not asked and every
+        other member that asked saw its connection end. Only ends by the peer's kernel count:
+        a member lost on a silent link may be alive, and is waited for like any live member.
+    """
+    if not previous:
+        return frozenset()
+    rank0 = previous[0]
+    ended = [report for report in reports if not report.silent]
+    gone = {report.member for report in ended if report.reporter == rank0}
+    asked = {m for m in previous[1:] if m in joined}
+    saw_rank0_go = {report.reporter for report in ended if report.member == rank0}
+    if rank0 not in joined and asked and asked <= saw_rank0_go:
+        gone.add(rank0)
+    return frozenset(gone)
+
+
+def cut_off(previous: list[str], joined: set[str], reports: list[Evidence]) -> frozenset[str]:
+    """The members of round ``n - 1`` left out of round ``n`` because the job is split: they
+    asked to join, as did the member on the other end of their connection that went down.
+
+    Args:
+        previous: the members of round ``n - 1``, rank 0 first.
+        joined: the members that asked to join round ``n``.
+        reports: the credible reports of round ``n - 1``'s connections that ended.
+
+    Returns:
+        Rank 0 of round ``n - 1`` when more of the members that asked lost their connection to
+        it than kept it; else those that lost it (none when nobody on both ends asked).
+    """
+    if not previous or previous[0] not in joined:
+        return frozenset()
+    rank0 = previous[0]
+    apart = {m for report in reports for m in (report.member, report.reporter)
+             if m != rank0 and m in joined}
+    if not apart:
+        return frozenset()
+    together = {m for m in previous if m in joined} - apart
+    return frozenset({rank0}) if len(apart) > len(together) else frozenset(apart)

@@ -9,8 +9,9 @@ read once (by watch) by every other rank. A stale worker of an old round cannot 
 store: its address is published only under the new round's keys, once it listens.
 
 This module owns that store and its life: ``connect`` (host or join), ``abort`` (any thread:
-every blocked and later wait fails at once, so a group still forming is released), ``close``.
-It must not decide when to abort (``RoundLinks`` does).
+every blocked and later wait fails at once, so a group still forming is released), ``close``;
+and ``reach``, a probe that a round's rank 0 can be reached from this machine. It must not
+decide when to abort (``RoundLinks`` does).
 """
 
 from __future__ import annotations
@@ -26,9 +27,31 @@ import torch.distributed as dist
 
 from elastic.cluster import records
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
+from elastic.cluster.ports import answers
 from elastic.cluster.records import RecordError
 
 _ADDRESS_FIELDS = {"addr": True, "port": True}
+
+
+def reach(client: EtcdClient, address_key: str, timeout: timedelta) -> None:
+    """Connects to the round's store published at ``address_key`` and hangs up at once (the
+    store serves no one it has not heard from); returns at once when nothing valid is published
+    there (no round is running: nothing to reach).
+
+    Raises:
+        OSError: the store's machine does not answer within ``timeout``.
+    """
+    kv = client.get(address_key)
+    if kv is None:
+        return
+    try:
+        data = records.load_object(kv.value, _ADDRESS_FIELDS)
+        address = (records.address("addr", data["addr"]),
+                   records.integer("port", data["port"], 1, 65535))
+    except RecordError:
+        return  # not a store's address: the round's own members will find that out
+    if not answers(*address, timeout.total_seconds()):
+        raise OSError(f"{address[0]}:{address[1]} does not answer within {timeout}")
 
 
 class RoundStore(dist.Store):

@@ -44,9 +44,11 @@ def _in_threads(world_size: int, fn: Callable[[int], Any], timeout_s: float = 20
     return results
 
 
-def _connected(world_size: int, round_: int = 7) -> list[AgreementChannel]:
+def _connected(world_size: int, round_: int = 7,
+               silence: timedelta | None = None) -> list[AgreementChannel]:
     store = dist.HashStore()
-    channels = [AgreementChannel(r, world_size, _LONG) for r in range(world_size)]
+    probe = None if silence is None else timedelta(seconds=1)
+    channels = [AgreementChannel(r, world_size, _LONG, silence, probe) for r in range(world_size)]
     errors = _in_threads(world_size, lambda r: channels[r].connect(store, _ADDR, round_, _LONG))
     assert errors == [None] * world_size
     return channels
@@ -217,6 +219,8 @@ def test_a_peer_whose_process_ended_its_connection_is_reported_gone_after_any_re
         assert channels[1].peers_gone() == []
         channels[0].close()  # rank 0's process is gone
         assert poll_until(lambda: channels[1].peers_gone() == [0], 5)
+        # their kernels ended them: dead, not a silent link
+        assert channels[0].peers_silent() == channels[1].peers_silent() == []
     finally:
         _close(channels)
 
@@ -244,5 +248,21 @@ def test_the_watch_stays_silent_when_peers_re_form_and_ends_with_the_release():
         assert watcher is not None
         watcher.join(5)
         assert not watcher.is_alive() and seen == []
+    finally:
+        _close(channels)
+
+
+def test_every_connection_is_ended_by_the_kernel_after_the_peer_timeout_of_silence():
+    # A link cut without a reset is only seen by the kernel's timers (the partition scenario
+    # cuts one for real, in network namespaces); here: each connection carries them.
+    channels = _connected(3, silence=timedelta(seconds=1.5))
+    try:
+        for channel in channels:
+            for sock in channel._peers.values():  # noqa: SLF001 (the kernel's view of a socket)
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 1500
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 1
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 1
+        assert len(channels[0]._peers) == 2  # noqa: SLF001
     finally:
         _close(channels)

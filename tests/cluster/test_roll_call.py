@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic.cluster.plan import CloseRule, JoinRequest
-from elastic.cluster.roll_call import Evidence, RollCall, may_close
+from elastic.cluster.roll_call import Evidence, RollCall, cut_off, dead, may_close
 
 pytestmark = pytest.mark.unit
 
@@ -71,3 +71,57 @@ LEASES = {"a": 11, "b": 12, "c": 13}
 ])
 def test_only_reports_that_a_connection_to_rank_zero_ended_count(report, credible):
     assert report.is_credible(PREVIOUS, LEASES) is credible
+
+
+def link(member: str, reporter: str) -> Evidence:
+    return Evidence(member, reporter, LEASES[reporter])
+
+
+def silent(member: str, reporter: str) -> Evidence:
+    return Evidence(member, reporter, LEASES[reporter], silent=True)
+
+
+@pytest.mark.parametrize("joined, reports, cut", [
+    # rank 0 (a) cut from everyone: both others lost it, it lost both: it is left out
+    ({"a", "b", "c"}, [link("b", "a"), link("c", "a"), link("a", "b"), link("a", "c")], {"a"}),
+    # rank 2 (c) cut from everyone: only its connection (to rank 0) went down
+    ({"a", "b", "c"}, [link("c", "a"), link("a", "c")], {"c"}),
+    # one end's report is enough
+    ({"a", "b", "c"}, [link("a", "c")], {"c"}),
+    # two workers split: rank 0's side goes on
+    ({"a", "b"}, [link("b", "a"), link("a", "b")], {"b"}),
+    # c died (it did not ask): not a split
+    ({"a", "b"}, [link("c", "a")], set()),
+    # rank 0 died (it did not ask): not a split
+    ({"b", "c"}, [link("a", "b"), link("a", "c")], set()),
+    # nothing went down
+    ({"a", "b", "c"}, [], set()),
+    # silent links, as a cut makes them
+    ({"a", "b", "c"}, [silent("a", "b"), silent("a", "c"), silent("b", "a")], {"a"}),
+    ({"a", "b", "c"}, [silent("c", "a"), silent("a", "c")], {"c"}),
+])
+def test_a_split_job_leaves_out_the_smaller_side_of_rank_zero_and_the_rest(joined, reports, cut):
+    assert cut_off(PREVIOUS, joined, reports) == frozenset(cut)
+
+
+@pytest.mark.parametrize("joined, reports, gone", [
+    # rank 0 killed: every other member saw its connection end
+    ({"b", "c"}, [link("a", "b"), link("a", "c")], {"a"}),
+    # rank 0 killed, c not asked yet: c is waited for as missing, rank 0 counts dead
+    ({"b"}, [link("a", "b")], {"a"}),
+    # b cut from rank 0 alone: c, still connected, asked without a report: rank 0 lives
+    ({"b", "c"}, [link("a", "b")], set()),
+    # rank 0 saw c's connection end: c is dead whether or not it asked
+    ({"a", "b"}, [link("c", "a")], {"c"}),
+    ({"a", "b", "c"}, [link("c", "a"), link("a", "c")], {"c"}),
+    # rank 0 asked: it is alive, whatever the others saw (a split, for cut_off)
+    ({"a", "b", "c"}, [link("a", "b"), link("a", "c")], set()),
+    # nobody asked yet
+    (set(), [link("a", "b")], set()),
+    # silent links kill nobody: the member may be alive on the other side of a cut
+    ({"b", "c"}, [silent("a", "b"), silent("a", "c")], set()),
+    ({"a", "b"}, [silent("c", "a")], set()),
+])
+def test_rank_zero_is_dead_only_when_every_other_member_that_asked_saw_it_go(joined, reports,
+                                                                             gone):
+    assert dead(PREVIOUS, joined, reports) == frozenset(gone)

@@ -1,6 +1,8 @@
 """A small ElasticState worker for the CLI tests: a linear model, a commit every 5 steps."""
 
 import argparse
+import logging
+import os
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -12,6 +14,8 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=100)
 p.add_argument("--step-ms", type=float, default=20.0)
 args = p.parse_args()
+logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "WARNING").upper(),
+                    format="%(asctime)s %(name)s %(message)s")
 
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
