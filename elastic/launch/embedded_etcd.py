@@ -220,13 +220,16 @@ class EmbeddedEtcd:
         if self._own_dir and self.data_dir and not self._died:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
-    def restart(self) -> None:
-        """Stops the server and starts it again on the same ports with the same data.
+    def restart(self, lose_data: bool = False) -> None:
+        """Stops the server and starts it again on the same ports, with the same data or, with
+        ``lose_data``, none (as after a lost disk: a fresh etcd at the same URL).
 
         Raises:
             EtcdUnavailableError: it did not come back.
         """
         self._terminate()
+        if lose_data:
+            shutil.rmtree(Path(self.data_dir) / f"member-{self.client_port}")
         self._spawn(self._binary, self._peer_port)
         if not self._wait_healthy():
             raise EtcdUnavailableError(f"etcd did not come back on {self.url}; see {self.log_path}.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import time
 
+from elastic.checkpoint import CheckpointStore
 from tests.scenarios.test_elastic_recovery import EPOCHS, SAMPLES, check_outcome
 from tests.support.harness import Job
 
@@ -78,3 +79,25 @@ def test_survivors_of_a_worker_killed_while_etcd_is_down_re_form_once_it_returns
     for i in range(2):
         assert job.wait_exit(i, timeout=180) == 0, job.tails()
     check_outcome(job, [0, 1])
+
+
+def test_a_job_whose_etcd_lost_its_data_re_forms_once_and_its_durable_commits_still_land(
+        make_private_job, private_etcd, tmp_path):
+    url = str(tmp_path / "ckpt")
+    job = make_private_job(SHORT_ARGS, {**ENV, "ELASTIC_CHECKPOINT": url})
+    job.start_together(range(3))
+    job.wait_until(lambda: training_in_world(job, 3), 60, "a world of 3 training")
+    private_etcd.restart(lose_data=True)  # the same URL, no leases, rounds counted from 1
+    lost_at = time.time()
+    for i in range(3):
+        assert job.wait_exit(i, timeout=180) == 0, job.tails()
+    check_outcome(job, [0, 1, 2])
+    events = [e for e in job.events() if e["t"] > lost_at]
+    reregistered = {e["pid"] for e in events if e["event"] == "reregistered"}
+    assert reregistered == {job.procs[i].pid for i in range(3)}, "some did not re-register"
+    rounds = {e["round"] for e in events if e["event"] == "round_formed"}
+    assert len(rounds) == 1, f"re-formed {len(rounds)} times after the loss: {sorted(rounds)}"
+    written = [e for e in events if e["event"] == "checkpoint_written"]
+    assert written and not [e for e in events if e["event"] == "checkpoint_failed"], \
+        "durable commits stopped landing after the loss"
+    assert CheckpointStore(url).latest().epoch == EPOCHS
