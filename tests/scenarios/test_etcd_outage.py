@@ -25,8 +25,9 @@ def training_in_world(job: Job, world: int) -> bool:
     return any(p.get("world") == world and "loss" in p for p in job.progress(0))
 
 
-def test_training_goes_on_through_a_minute_long_etcd_freeze(make_private_job, private_etcd):
-    job = make_private_job(LONG_ARGS, ENV)
+def test_training_and_durable_commits_go_on_through_a_minute_long_etcd_freeze(
+        make_private_job, private_etcd, tmp_path):
+    job = make_private_job(LONG_ARGS, {**ENV, "ELASTIC_CHECKPOINT": str(tmp_path / "ckpt")})
     job.start_together(range(3))
     job.wait_until(lambda: training_in_world(job, 3), 60, "a world of 3 training")
     private_etcd.pause()
@@ -39,6 +40,9 @@ def test_training_goes_on_through_a_minute_long_etcd_freeze(make_private_job, pr
         private_etcd.resume()
     # 2 steps/s unhindered; a stalled job would make none (the bound allows a loaded machine).
     assert trained > OUTAGE_S / 2, f"only {trained} steps while etcd was frozen"
+    landed = [e for e in job.events() if e["event"] == "checkpoint_written"
+              and frozen_at < e["t"] < frozen_at + OUTAGE_S]
+    assert landed, "no durable commit landed while etcd was frozen"
     for i in range(3):
         assert job.wait_exit(i, timeout=180) == 0, job.tails()
     check_outcome(job, [0, 1, 2])

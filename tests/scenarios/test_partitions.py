@@ -78,6 +78,18 @@ class Job:
         return "\n".join(f"--- {host}\n{(self.tmp / f'{host}.log').read_text()[-1500:]}"
                          for host in self.procs)
 
+    def dump_stacks(self) -> None:
+        """Every worker's threads to its log (SIGUSR1: ``faulthandler``)."""
+        workers = [self.procs[host] for host in ("h1", "h2", "h3")]
+        for proc in workers:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGUSR1)
+        for proc in workers:
+            try:
+                proc.wait(timeout=1)  # gives the dumps time to land; the workers keep running
+            except subprocess.TimeoutExpired:
+                pass
+
     def stop(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
@@ -103,6 +115,7 @@ def wait_for(job: Job, condition, timeout: float, what: str) -> None:
     try:
         wait_until(condition, timeout, what)
     except AssertionError as exc:
+        job.dump_stacks()
         raise AssertionError(f"{exc}\n{job.logs()}") from None
 
 

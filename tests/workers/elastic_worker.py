@@ -1,8 +1,10 @@
 """A small ElasticState worker for the CLI tests: a linear model, a commit every 5 steps."""
 
 import argparse
+import faulthandler
 import logging
 import os
+import signal
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -16,6 +18,7 @@ p.add_argument("--step-ms", type=float, default=20.0)
 args = p.parse_args()
 logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "WARNING").upper(),
                     format="%(asctime)s %(name)s %(message)s")
+faulthandler.register(signal.SIGUSR1)  # a test dumps every thread's stack on a hang
 
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
