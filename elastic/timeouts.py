@@ -64,11 +64,11 @@ class Timeouts:
     rendezvous: timedelta = _entry(300, "ELASTIC_RENDEZVOUS_TIMEOUT")
     """Default 300 s (``ELASTIC_RENDEZVOUS_TIMEOUT``, ``--rendezvous-timeout``): how long a
     round may wait for ``min_workers`` before ``RendezvousTimeoutError``."""
-    peer: timedelta = _entry(1.5, "ELASTIC_PEER_TIMEOUT")
-    """Default 1.5 s (``ELASTIC_PEER_TIMEOUT``, ``--peer-timeout``): how long an agreement
+    peer: timedelta = _entry(2.5, "ELASTIC_PEER_TIMEOUT")
+    """Default 2.5 s (``ELASTIC_PEER_TIMEOUT``, ``--peer-timeout``): how long an agreement
     connection between two members may go without an acknowledgement from the other side (the
-    kernel's ``TCP_USER_TIMEOUT``, with a keepalive probe every ``peer_probe``) before it is
-    declared down. Only a silent network does that: a frozen or busy process's kernel still
+    kernel's ``TCP_USER_TIMEOUT``, with a keepalive probe every ``peer_probe``: one lost probe
+    is survived) before it is declared down. Only a silent network does that: a frozen or busy process's kernel still
     acknowledges, and a dead process's kernel ends the connection at once."""
     peer_probe: timedelta = _entry(1)
     """Default 1 s (``ELASTIC_PEER_PROBE``): how often an idle agreement connection is probed

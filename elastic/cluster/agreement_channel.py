@@ -22,7 +22,7 @@ process is gone, never that it is re-forming; ``watch`` reports such an end as i
 0 sees any rank's; every rank sees rank 0's), so that survivors blocked where no socket of
 theirs breaks (an NCCL collective) are released at once. A connection can also end with both
 processes alive: the network between them acknowledged nothing for ``silence`` (the kernel's
-``TCP_USER_TIMEOUT``, ``ETIMEDOUT``); ``peers_silent`` tells those apart, so that a cut link is
+``TCP_USER_TIMEOUT``, ``ETIMEDOUT``); ``peers_lost`` tells those apart, so that a cut link is
 not mistaken for a death. No torch.
 """
 
@@ -316,7 +316,7 @@ class AgreementChannel:
                 rank = ranks.pop(fd, None)
                 if rank is not None:
                     poller.unregister(fd)
-                    if rank in self.peers_gone():  # the kernel says the peer ended it
+                    if rank in self.peers_gone():  # its kernel, or the silence, ended it
                         on_gone(rank)
 
     # -- teardown ---------------------------------------------------------------------------
@@ -328,11 +328,12 @@ class AgreementChannel:
             self._released = reason
             if self._admission is not None:
                 self._admission.abort(reason)
-            for sock in self._peers.values():
+            for rank, sock in self._peers.items():
                 try:  # never blocks: the message is 2 bytes, the buffer holds at most a few
                     sock.send(_ABANDON, socket.MSG_DONTWAIT)
-                except OSError:
-                    pass  # the peer is gone already, or its buffer is full: it is not waiting
+                except OSError as exc:  # gone already, or its buffer is full: it is not waiting
+                    if _unanswered(exc.errno):
+                        self._silent.add(rank)  # the error is read once: remember what it said
             for sock in self._sockets():
                 try:  # the receiving side only: the peer must not see this as our death
                     sock.shutdown(socket.SHUT_RD)
@@ -340,34 +341,43 @@ class AgreementChannel:
                     pass  # not connected (a listener) or already reset by the peer
 
     def peers_gone(self) -> list[int]:
-        """The ranks whose connection the peer ended (rank 0: any rank; another rank: rank 0).
+        """The ranks whose connection ended (rank 0: any rank; another rank: rank 0)."""
+        return list(self.peers_lost())
 
-        Until this channel is closed, such a peer's process is gone: no live member ends its
-        connection before its next round formed.
+    def peers_lost(self) -> dict[int, bool]:
+        """The ranks whose connection ended, each with whether it ended silently.
+
+        Until this channel is closed, a connection that ended means that the peer's process is
+        gone (its kernel ended it: false), no live member ends its connection before its next
+        round formed; or that the network acknowledged nothing for ``silence`` (true): the peer
+        may be alive on the other side of a cut link, or its machine vanished.
         """
         with self._lock:
             peers = dict(self._peers)
-        gone = []
+        lost = {}
         for rank, sock in sorted(peers.items()):
-            try:
+            try:  # the state first: an error that comes between the two reads is still seen
                 state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
                 error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             except OSError:
                 continue  # closed by this side: nothing to tell
-            if state != _TCP_ESTABLISHED:
-                gone.append(rank)
+            with self._lock:
                 if _unanswered(error):
-                    with self._lock:
-                        self._silent.add(rank)
-        return gone
+                    self._silent.add(rank)  # the error is read once: remember what it said
+                silent = rank in self._silent
+            if state != _TCP_ESTABLISHED:
+                lost[rank] = silent
+        return lost
 
-    def peers_silent(self) -> list[int]:
-        """Those of ``peers_gone`` whose connection the kernel ended because the network
-        acknowledged nothing for ``silence``: the peer may be alive on the other side of a cut
-        link (or its machine vanished), unlike a peer whose kernel ended the connection."""
-        gone = self.peers_gone()
+    def peer_address(self, rank: int) -> tuple[str, int] | None:
+        """Where this channel's connection to ``rank`` ends on the peer's machine (rank 0's
+        listening address, open until its next round formed); None once it is closed."""
         with self._lock:
-            return [rank for rank in gone if rank in self._silent]
+            sock = self._peers.get(rank)
+        try:
+            return None if sock is None else sock.getpeername()[:2]
+        except OSError:
+            return None
 
     def close(self) -> None:
         """Closes every socket (after ``release``, or once the round ended normally)."""

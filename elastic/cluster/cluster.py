@@ -240,22 +240,22 @@ class Cluster:
         this worker was in that round (else none): true for a link that went silent (the member
         may be alive and cut off), false for one its kernel ended (dead).
 
-        A worker that was not rank 0 also checks once that rank 0's machine answers (its own
-        link may not have gone silent yet: a failure report woke it first), so that a split is
-        seen whole once everyone asked.
+        A worker that was not rank 0 also checks once that rank 0's machine answers on the
+        port its connection ends at (rank 0's channel listener; its own link may not have gone
+        silent yet: a failure report woke it first), so that a split is seen whole once
+        everyone asked.
         """
         last = self._last
         if last is None or last.round != n - 1:
             return {}
-        silent = set(self.channel.peers_silent())
-        gone = {last.members[rank]: rank in silent for rank in self.channel.peers_gone()}
+        lost = {last.members[rank]: silent for rank, silent in self.channel.peers_lost().items()}
         rank0 = last.members[0]
-        if last.rank != 0 and rank0 not in gone and self._probed != n:
+        address = self.channel.peer_address(0) if last.rank != 0 else None
+        if address is not None and rank0 not in lost and self._probed != n:
             self._probed = n
-            if not answers(last.master_addr, last.master_port,
-                           self.settings.timeouts.peer.total_seconds()):
-                gone[rank0] = True
-        return gone
+            if not answers(*address, self.settings.timeouts.peer.total_seconds()):
+                lost[rank0] = True
+        return lost
 
     def _drop_group(self) -> None:
         self.links.drop()

@@ -61,9 +61,10 @@ class GoneReports:
         reports = []
         for kv in kvs:
             report = Evidence.read(kv.key[len(self._keys.gones(n)):], kv.value, kv.lease)
-            if report.is_credible(previous, leases):
+            if report is not None and report.is_credible(previous, leases):
                 reports.append(report)
             else:
-                self._skipped.skip(kv.key, kv.mod_revision, "it is not a report by a member of "
-                                   "the previous round about its rank 0 or by its rank 0")
+                self._skipped.skip(kv.key, kv.mod_revision, "it is not a report (ended or "
+                                   "silent) by a member of the previous round about its rank 0 "
+                                   "or by its rank 0")
         return reports

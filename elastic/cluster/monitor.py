@@ -94,9 +94,9 @@ class ChangeMonitor:
             self._on_broken(broken)
 
     def on_peer_gone(self, member: str) -> None:
-        """A member's agreement connection ended (its process is gone; ``AgreementChannel.watch``):
-        acted on as the deletion of its key, which comes only at its lease TTL when no launcher
-        revokes it."""
+        """A member's agreement connection ended (its process is gone, or the link to it went
+        silent; ``AgreementChannel.watch``): acted on as the deletion of its key, which comes
+        only at its lease TTL when no launcher revokes it."""
         self.on_events([WatchEvent("delete", self._keys.member(member), b"", 0)])
 
     def _consider(self, event: WatchEvent) -> str | None:

@@ -121,8 +121,9 @@ class NewsMonitor:
             self._round = None
 
     def on_peer_gone(self, member: str) -> None:
-        """A member's agreement connection ended (its process is gone; ``AgreementChannel
-        .watch``): the round is broken now, without waiting for its lease or the news."""
+        """A member's agreement connection ended (its process is gone, or the link went silent;
+        ``AgreementChannel.watch``): the round is broken now, without waiting for its lease or
+        the news."""
         with self._lock:
             if self._round is None or self._broken:
                 return

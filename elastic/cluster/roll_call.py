@@ -7,10 +7,9 @@ long step (that would make a minority round):
 - it asked to join round ``n``;
 - its lease is gone (it left, was revoked by its launcher, or stopped renewing: a member on a
   machine that vanished is dropped at its lease TTL);
-- it is dead by direct evidence (``dead``): its agreement connection to rank 0 of round ``n - 1``
-  ended (reported by rank 0); or, for rank 0, its connection ended for every other member that
-  asked (``Evidence``). One member's report alone does not kill rank 0: that member may be the
-  one cut off, while the others, still connected, do not report it.
+- it is dead by direct evidence (``dead``): its kernel ended its agreement connection to rank 0
+  of round ``n - 1`` (reported by rank 0), or rank 0's connection (reported by any member,
+  while rank 0 has not asked itself), ``Evidence``.
 
 A live member of round ``n - 1`` that has done none of these is waited for, up to the rejoin
 timeout (``Timeouts.rejoin``) counted from the first request of a member of round ``n - 1``.
@@ -23,7 +22,8 @@ until it asks (or its lease goes). Every member that was not rank 0 checks, befo
 that rank 0's machine answers, and reports it silent when not; so once everyone asked, the
 reports show the whole split. ``cut_off`` names the side that is left out, so that exactly one
 side goes on: the side of rank 0 of round ``n - 1`` against the members whose link to it went
-down (the only connections are to rank 0), the larger going on, rank 0's on a tie.
+down (the only connections are to rank 0), the larger going on, rank 0's on a tie; the
+losing side is left out whole.
 """
 
 from __future__ import annotations
@@ -56,9 +56,12 @@ class Evidence:
         return "silent" if self.silent else "ended"
 
     @classmethod
-    def read(cls, name: str, value: bytes, lease: int) -> Evidence:
-        """The report stored under ``{member}/{reporter}`` (``name``) with ``value``."""
+    def read(cls, name: str, value: bytes, lease: int) -> Evidence | None:
+        """The report stored under ``{member}/{reporter}`` (``name``) with ``value``; None
+        when the value is neither ``ended`` nor ``silent``."""
         member, _, reporter = name.partition("/")
+        if value not in (b"ended", b"silent"):
+            return None
         return cls(member, reporter, lease, silent=value == b"silent")
 
     def is_credible(self, previous: list[str], leases: dict[str, int]) -> bool:
@@ -113,33 +116,25 @@ def may_close(requests: list[JoinRequest], live: set[str], roll: RollCall, quiet
 
 
 def dead(previous: list[str], joined: set[str], reports: list[Evidence]) -> frozenset[str]:
-    """The members of round ``n - 1`` dead by evidence (``RollCall.dead``).
+    """The members of round ``n - 1`` dead by evidence (``RollCall.dead``): those whose
+    connection the peer's kernel ended, as a credible report says; rank 0 only while it has not
+    asked itself. A report of a silent link kills nobody: that member may be alive and cut off,
+    and is waited for like any live member.
 
     Args:
         previous: the members of round ``n - 1``, rank 0 first.
         joined: the members that asked to join round ``n``.
         reports: the credible reports of round ``n - 1``'s connections that ended.
-
-    Returns:
-        Those whose connection rank 0 saw end; and rank 0 itself when it has not asked and every
-        other member that asked saw its connection end. Only ends by the peer's kernel count:
-        a member lost on a silent link may be alive, and is waited for like any live member.
     """
     if not previous:
         return frozenset()
-    rank0 = previous[0]
-    ended = [report for report in reports if not report.silent]
-    gone = {report.member for report in ended if report.reporter == rank0}
-    asked = {m for m in previous[1:] if m in joined}
-    saw_rank0_go = {report.reporter for report in ended if report.member == rank0}
-    if rank0 not in joined and asked and asked <= saw_rank0_go:
-        gone.add(rank0)
-    return frozenset(gone)
+    return frozenset(report.member for report in reports if not report.silent
+                     and (report.member != previous[0] or previous[0] not in joined))
 
 
 def cut_off(previous: list[str], joined: set[str], reports: list[Evidence]) -> frozenset[str]:
-    """The members of round ``n - 1`` left out of round ``n`` because the job is split: they
-    asked to join, as did the member on the other end of their connection that went down.
+    """The members of round ``n - 1`` left out of round ``n`` because the job is split: links
+    to rank 0 went silent while the members on both ends were alive to ask.
 
     Args:
         previous: the members of round ``n - 1``, rank 0 first.
@@ -147,15 +142,15 @@ def cut_off(previous: list[str], joined: set[str], reports: list[Evidence]) -> f
         reports: the credible reports of round ``n - 1``'s connections that ended.
 
     Returns:
-        Rank 0 of round ``n - 1`` when more of the members that asked lost their connection to
-        it than kept it; else those that lost it (none when nobody on both ends asked).
+        Rank 0 and the members still linked to it when more of those that asked lost their
+        link to it than kept it; else those that lost it (none when rank 0 did not ask).
     """
     if not previous or previous[0] not in joined:
         return frozenset()
     rank0 = previous[0]
-    apart = {m for report in reports for m in (report.member, report.reporter)
-             if m != rank0 and m in joined}
+    apart = {m for report in reports if report.silent
+             for m in (report.member, report.reporter) if m != rank0 and m in joined}
     if not apart:
         return frozenset()
     together = {m for m in previous if m in joined} - apart
-    return frozenset({rank0}) if len(apart) > len(together) else frozenset(apart)
+    return frozenset(together) if len(apart) > len(together) else frozenset(apart)

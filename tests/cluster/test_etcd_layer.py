@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
@@ -116,6 +118,28 @@ def test_an_unreachable_etcd_raises_after_the_retry_deadline_naming_the_url():
             client.put("/x", "y")
         assert time.monotonic() - started < 15
     finally:
+        client.close()
+
+
+# The attempts cancelled while the loop was busy never start: asyncio says so, as intended.
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
+def test_a_client_thread_that_never_replies_is_an_etcd_error_naming_the_url_not_a_timeout(etcd):
+    S = timedelta(seconds=1)
+    timeouts = dataclasses.replace(Timeouts(), etcd_rpc=0.2 * S, etcd_retry=S, shutdown=0.1 * S)
+    client = EtcdClient(etcd.url, timeouts=timeouts)
+    stuck, free = threading.Event(), threading.Event()
+
+    async def block_the_loop() -> None:
+        stuck.set()
+        free.wait(10)  # the client's own thread, busy: no reply comes back from it
+
+    try:
+        asyncio.run_coroutine_threadsafe(block_the_loop(), client._loop)
+        assert stuck.wait(5)
+        with pytest.raises(EtcdUnavailableError, match=etcd.url.replace(".", r"\.")):
+            client.get("/x")
+    finally:
+        free.set()
         client.close()
 
 

@@ -83,45 +83,57 @@ def silent(member: str, reporter: str) -> Evidence:
 
 @pytest.mark.parametrize("joined, reports, cut", [
     # rank 0 (a) cut from everyone: both others lost it, it lost both: it is left out
-    ({"a", "b", "c"}, [link("b", "a"), link("c", "a"), link("a", "b"), link("a", "c")], {"a"}),
-    # rank 2 (c) cut from everyone: only its connection (to rank 0) went down
-    ({"a", "b", "c"}, [link("c", "a"), link("a", "c")], {"c"}),
+    ({"a", "b", "c"}, [silent("b", "a"), silent("c", "a"), silent("a", "b"), silent("a", "c")],
+     {"a"}),
+    # rank 2 (c) cut from everyone: only its link (to rank 0) went silent
+    ({"a", "b", "c"}, [silent("c", "a"), silent("a", "c")], {"c"}),
     # one end's report is enough
-    ({"a", "b", "c"}, [link("a", "c")], {"c"}),
+    ({"a", "b", "c"}, [silent("a", "c")], {"c"}),
     # two workers split: rank 0's side goes on
-    ({"a", "b"}, [link("b", "a"), link("a", "b")], {"b"}),
-    # c died (it did not ask): not a split
-    ({"a", "b"}, [link("c", "a")], set()),
-    # rank 0 died (it did not ask): not a split
-    ({"b", "c"}, [link("a", "b"), link("a", "c")], set()),
+    ({"a", "b"}, [silent("b", "a"), silent("a", "b")], {"b"}),
+    # c went silent but did not ask (its lease decides): not a split
+    ({"a", "b"}, [silent("c", "a")], set()),
+    # rank 0 did not ask: not a split
+    ({"b", "c"}, [silent("a", "b"), silent("a", "c")], set()),
+    # ends by a kernel are deaths, never a split: a dead rank 0 that had asked wins nothing
+    ({"a", "b"}, [link("a", "b")], set()),
+    ({"a", "b", "c"}, [link("c", "a")], set()),
     # nothing went down
     ({"a", "b", "c"}, [], set()),
-    # silent links, as a cut makes them
-    ({"a", "b", "c"}, [silent("a", "b"), silent("a", "c"), silent("b", "a")], {"a"}),
-    ({"a", "b", "c"}, [silent("c", "a"), silent("a", "c")], {"c"}),
 ])
 def test_a_split_job_leaves_out_the_smaller_side_of_rank_zero_and_the_rest(joined, reports, cut):
     assert cut_off(PREVIOUS, joined, reports) == frozenset(cut)
 
 
 @pytest.mark.parametrize("joined, reports, gone", [
-    # rank 0 killed: every other member saw its connection end
+    # rank 0 killed: one end by its kernel is enough
     ({"b", "c"}, [link("a", "b"), link("a", "c")], {"a"}),
-    # rank 0 killed, c not asked yet: c is waited for as missing, rank 0 counts dead
     ({"b"}, [link("a", "b")], {"a"}),
-    # b cut from rank 0 alone: c, still connected, asked without a report: rank 0 lives
-    ({"b", "c"}, [link("a", "b")], set()),
     # rank 0 saw c's connection end: c is dead whether or not it asked
     ({"a", "b"}, [link("c", "a")], {"c"}),
     ({"a", "b", "c"}, [link("c", "a"), link("a", "c")], {"c"}),
-    # rank 0 asked: it is alive, whatever the others saw (a split, for cut_off)
+    # rank 0 asked: it is alive, whatever the others saw
     ({"a", "b", "c"}, [link("a", "b"), link("a", "c")], set()),
-    # nobody asked yet
-    (set(), [link("a", "b")], set()),
     # silent links kill nobody: the member may be alive on the other side of a cut
     ({"b", "c"}, [silent("a", "b"), silent("a", "c")], set()),
     ({"a", "b"}, [silent("c", "a")], set()),
 ])
-def test_rank_zero_is_dead_only_when_every_other_member_that_asked_saw_it_go(joined, reports,
-                                                                             gone):
+def test_only_an_end_by_the_peers_kernel_is_a_death_and_rank_zero_only_before_it_asks(
+        joined, reports, gone):
     assert dead(PREVIOUS, joined, reports) == frozenset(gone)
+
+
+def test_a_split_leaves_out_rank_zero_with_everyone_still_linked_to_it():
+    previous = ["a", "b", "c", "d", "e"]
+    leases = dict(zip(previous, range(11, 16)))
+    lost = [Evidence("a", m, leases[m], silent=True) for m in ("c", "d", "e")]
+    assert cut_off(previous, set(previous), lost) == frozenset({"a", "b"})
+
+
+@pytest.mark.parametrize("value, silent", [(b"ended", False), (b"silent", True), (b"dead", None),
+                                           (b"", None)])
+def test_a_stored_report_is_read_only_when_it_says_ended_or_silent(value, silent):
+    report = Evidence.read("c/a", value, 11)
+    assert (None if report is None else report.silent) == silent
+    if report is not None:
+        assert (report.member, report.reporter) == ("c", "a")

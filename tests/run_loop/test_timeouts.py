@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 DEFAULTS_S = {
     "lease_ttl": 3, "keepalive": 0.75, "settle": 0.5, "node_settle": 1, "rejoin": 120,
-    "rendezvous": 300, "peer": 1.5, "peer_probe": 1,
+    "rendezvous": 300, "peer": 2.5, "peer_probe": 1,
     "admit": 1800, "form": 20, "store": 60, "collective": 1800, "sync": 300, "finish": 300,
     "progress": 0.5, "storage_retry": 60, "etcd_rpc": 3, "etcd_retry": 10, "etcd_outage": 600,
     "connect": 5,

@@ -26,7 +26,7 @@ from tests.support.netns_hosts import Hosts, skip_without_namespaces
 
 pytestmark = pytest.mark.timeout(240)
 TTL_S = 2.0
-PEER_S = 1.5  # the default peer timeout
+PEER_S = 2.5  # the default peer timeout
 HOSTS = ["etcd", "h1", "h2", "h3"]
 
 
