@@ -18,6 +18,7 @@ from elastic.checkpoint.errors import (
     CheckpointIncompatibleError,
     CheckpointLocationError,
     CheckpointNotFoundError,
+    CheckpointStorageError,
     CheckpointUnsafeError,
     CheckpointWriteError,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "CheckpointLocationError",
     "CheckpointNotFoundError",
     "CheckpointRef",
+    "CheckpointStorageError",
     "CheckpointStore",
     "CheckpointUnsafeError",
     "CheckpointWriteError",

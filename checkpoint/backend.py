@@ -29,13 +29,27 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from elastic.checkpoint.errors import CheckpointBackendError, CheckpointCredentialsError
+from elastic.checkpoint.errors import (CheckpointBackendError, CheckpointCredentialsError,
+                                       CheckpointError, CheckpointStorageError)
 
 logger = logging.getLogger(__name__)
 
+def _object_store_connection_errors() -> tuple[type[BaseException], ...]:
+    """The object-store clients' own connection errors that are importable here (by type, never
+    by message): botocore's (s3fs), which derive from neither ``ConnectionError`` nor
+    ``OSError``."""
+    try:
+        from botocore.exceptions import ConnectionError as BotoConnectionError  # noqa: PLC0415
+        from botocore.exceptions import ReadTimeoutError  # noqa: PLC0415
+    except ImportError:
+        return ()  # no boto: no s3fs either
+    return (BotoConnectionError, ReadTimeoutError)
+
+
 #: Errors worth another try: a dropped connection or a timeout. Everything else (missing file,
 #: permission denied, a full disk) is reported at once.
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError,
+                                                     *_object_store_connection_errors())
 
 #: How long one storage call retries transient errors before its error is raised, unless the
 #: caller chooses (``CheckpointStore(retry_for=...)``; ``ElasticState`` passes its timeout
@@ -87,6 +101,12 @@ def io_retry(call: Callable[Concatenate[Storage, P], T]) -> Callable[Concatenate
                 f"({type(exc).__name__}: {exc}). Give them to every worker, e.g. "
                 "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or AWS_PROFILE for s3://, "
                 "GOOGLE_APPLICATION_CREDENTIALS for gs://.") from exc
+        except (OSError, CheckpointError):
+            raise  # ours, or the file errors callers tell apart (a missing file, a full disk)
+        except Exception as exc:  # an object store's own error type: typed here, at the edge
+            raise CheckpointStorageError(
+                f"{call.__name__} on {storage.url_of(storage.root)!r} failed: "
+                f"{type(exc).__name__}: {exc}") from exc
     return retried
 
 

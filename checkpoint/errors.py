@@ -44,5 +44,9 @@ class CheckpointCredentialsError(CheckpointError):
     """The object store refused us for lack of credentials (none found, or incomplete)."""
 
 
+class CheckpointStorageError(CheckpointError):
+    """A storage call failed with the store's own error (after the retries of transient ones)."""
+
+
 class CheckpointLocationError(CheckpointError):
     """The checkpoint location cannot be written (permissions, a file in the way, no bucket)."""
