@@ -21,6 +21,9 @@ import grpc
 from elastic.errors import EtcdAccessError
 from elastic.settings import EtcdSecurity
 from elastic.timeouts import Timeouts
+# The errors of a connection that may work again: retried, and a watch re-opened.
+TRANSIENT = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, aetcd.InternalError)
+
 
 def grpc_options(timeouts: Timeouts) -> dict[str, int]:
     """gRPC channel options from the table. gRPC's default reconnect backoff waits long after an

@@ -35,9 +35,9 @@ import grpc  # noqa: E402
 import tenacity  # noqa: E402
 
 from elastic.cluster.etcd_channel import (  # noqa: E402
-    Client, grpc_options, parse_endpoints, refusal, status_of, uses_tls)
-from elastic.cluster.etcd_values import (  # noqa: E402
-    KeyValue, WatchEvent, deliver, kv_of, utf8_keys)
+    TRANSIENT, Client, grpc_options, parse_endpoints, refusal, status_of, uses_tls)
+from elastic.cluster.etcd_values import KeyValue, WatchEvent, kv_of, utf8_keys  # noqa: E402
+from elastic.cluster.etcd_watch import Watches, within  # noqa: E402
 from elastic.cluster.etcd_tls import channel_credentials, plaintext_problem, tls_problem  # noqa: E402
 from elastic.errors import EtcdAccessError, EtcdUnavailableError, FencedError  # noqa: E402
 from elastic.settings import EtcdSecurity  # noqa: E402
@@ -46,9 +46,8 @@ from elastic.timeouts import Timeouts  # noqa: E402
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_TRANSIENT = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, aetcd.InternalError)
 # Retried after fetching a new token: etcd expired or forgot the one we hold.
-_RETRIED = (*_TRANSIENT, aetcd.exceptions.UnauthenticatedError)
+_RETRIED = (*TRANSIENT, aetcd.exceptions.UnauthenticatedError)
 
 
 class EtcdClient:
@@ -91,6 +90,9 @@ class EtcdClient:
         self._connecting: asyncio.Lock | None = None  # made on the loop thread, on first use
         self._closed = False
         self._probed_plaintext = False
+        self._watches = Watches(self._connected, self._drop,
+                                self._fail_over if len(self._endpoints) > 1 else None,
+                                self.timeouts)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _submit(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -129,6 +131,16 @@ class EtcdClient:
         if client is not None:
             await client.close()
 
+    async def _drop(self, client: aetcd.Client) -> None:
+        """Forgets ``client`` (the next call connects again) and closes it, within the close
+        timeout (a connection in trouble may never finish closing)."""
+        if self._client is client:
+            self._client = None
+        try:
+            await within(client.close(), self._shutdown_s)
+        except (asyncio.TimeoutError, aetcd.ClientError) as exc:
+            log.debug("closing a dropped etcd connection: %r", exc)
+
     async def _fail_over(self) -> None:
         """Drops the current connection and moves to the next endpoint."""
         self._endpoint_index += 1
@@ -148,7 +160,7 @@ class EtcdClient:
             except aetcd.exceptions.UnauthenticatedError:
                 await self._reconnect()  # the token expired: authenticate again
                 raise
-            except _TRANSIENT:
+            except TRANSIENT:
                 if len(self._endpoints) > 1:
                     await self._fail_over()
                 raise
@@ -156,7 +168,7 @@ class EtcdClient:
         def once() -> T:
             try:
                 return self._submit(attempt())
-            except _TRANSIENT:
+            except TRANSIENT:
                 self._check_tls()
                 raise
             except aetcd.ClientError as exc:
@@ -182,7 +194,7 @@ class EtcdClient:
                 f"etcd at {self.urls} kept refusing the auth token of user "
                 f"{self.security.user!r} for {what} ({exc}): check that authentication is "
                 "enabled as expected and that the user still exists.") from exc
-        except _TRANSIENT as exc:
+        except TRANSIENT as exc:
             raise EtcdUnavailableError(
                 f"etcd at {self.urls} did not answer {what} for "
                 f"{retry_for.total_seconds():g} s ({type(exc).__name__}: {exc}). "
@@ -369,7 +381,7 @@ class EtcdClient:
         """
         stopped = asyncio.Event()
         task = asyncio.run_coroutine_threadsafe(
-            self._watch_forever(prefix, start_revision, callback, stopped), self._loop)
+            self._watches.forever(prefix, start_revision, callback, stopped), self._loop)
 
         def cancel() -> None:
             self._loop.call_soon_threadsafe(stopped.set)
@@ -379,46 +391,6 @@ class EtcdClient:
                 task.cancel()
 
         return cancel
-
-    async def _watch_forever(self, prefix: str, revision: int,
-                             callback: Callable[[list[WatchEvent]], None],
-                             stopped: asyncio.Event) -> None:
-        """Delivers events until ``stopped``; never ends on its own: a broken watch is
-        re-opened from the last revision seen, a key that is not UTF-8 is skipped, and a
-        callback's exception is logged and the next event delivered."""
-        first_s = self.timeouts.backoff.total_seconds()
-        max_s = self.timeouts.backoff_max.total_seconds()
-        backoff_s = first_s
-        while not stopped.is_set():
-            try:
-                client = await self._connected()
-                watch = await client.watch_prefix(prefix.encode(), start_revision=revision)
-                stopper = asyncio.ensure_future(_cancel_when(stopped, watch))
-                try:
-                    async for event in watch:
-                        revision = event.kv.mod_revision + 1
-                        backoff_s = first_s
-                        deliver(event, callback)
-                finally:
-                    stopper.cancel()
-            except aetcd.ClientError as exc:
-                if stopped.is_set():
-                    return
-                log.debug("watch on %s broke (%r); re-watching from revision %d", prefix, exc,
-                          revision)
-                if isinstance(exc, aetcd.RevisionCompactedError):
-                    revision = exc.compacted_revision
-                if isinstance(exc, _TRANSIENT) and len(self._endpoints) > 1:
-                    await self._fail_over()
-            except Exception as exc:  # noqa: BLE001 (the watch must outlive any surprise)
-                if stopped.is_set():
-                    return
-                log.warning("watch on %s failed unexpectedly (%s: %s); re-watching from "
-                            "revision %d", prefix, type(exc).__name__, exc, revision)
-            try:
-                await asyncio.wait_for(stopped.wait(), backoff_s)
-            except asyncio.TimeoutError:
-                backoff_s = min(max_s, backoff_s * 2)
 
     def close(self) -> None:
         """Closes the connection and stops the loop thread."""
@@ -438,11 +410,6 @@ class EtcdClient:
             log.debug("etcd client close: %r", exc)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=self._shutdown_s)
-
-
-async def _cancel_when(stopped: asyncio.Event, watch: Any) -> None:
-    await stopped.wait()
-    await watch.cancel()
 
 
 def _ranges_without(prefix: bytes, key: bytes) -> list[tuple[bytes, bytes]]:

@@ -108,6 +108,41 @@ def test_a_watch_resumes_after_etcd_restarts_without_losing_events(private_etcd)
         client.close()
 
 
+def test_watches_created_while_etcd_is_frozen_each_get_their_own_events(private_etcd):
+    """aetcd hands a watch-create answer to whichever create is waiting when it arrives: a
+    create that gave up while etcd was frozen must not feed its events to a later watch."""
+    client = EtcdClient(private_etcd.url, retry_for=timedelta(seconds=30))
+    got: dict[str, list[str]] = {"/t/b/": [], "/t/c/": []}
+    arrived = threading.Condition()
+
+    def collect(prefix: str):
+        def on_events(events: list[WatchEvent]) -> None:
+            with arrived:
+                got[prefix].extend(e.key for e in events)
+                arrived.notify_all()
+        return on_events
+
+    try:
+        _, revision = client.get_prefix("/t/")  # connected before etcd freezes
+        private_etcd.pause()
+        try:
+            cancels = [client.watch_prefix("/t/b/", revision + 1, collect("/t/b/"))]
+            time.sleep(1.5)  # b's first create is pending: c's waits behind it
+            cancels.append(client.watch_prefix("/t/c/", revision + 1, collect("/t/c/")))
+            time.sleep(3.0)  # b's create gave up (the RPC timeout) and c's went out
+        finally:
+            private_etcd.resume()
+        client.put("/t/c/x", "1")
+        client.put("/t/b/x", "2")
+        with arrived:
+            arrived.wait_for(lambda: all(got.values()), timeout=20)
+        assert got == {"/t/b/": ["/t/b/x"], "/t/c/": ["/t/c/x"]}
+        for cancel in cancels:
+            cancel()
+    finally:
+        client.close()
+
+
 def test_an_unreachable_etcd_raises_after_the_retry_deadline_naming_the_url():
     from elastic.cluster.ports import free_port
     url = f"http://127.0.0.1:{free_port()}"

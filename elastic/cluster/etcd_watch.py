@@ -1,0 +1,141 @@
+"""Watches on one etcd connection: each re-opened after errors from the last revision it saw.
+
+aetcd hands a watch-create answer to whichever create is waiting when the answer arrives. An
+answer that comes after its create gave up (etcd was frozen, or the stream connected late)
+therefore binds a later watch to the wrong keys: that watch gets another's events and never
+its own. So watches are created one at a time, each within the RPC timeout, and a create that
+is not answered in time drops the whole connection: every watch on it is re-opened, from the
+last revision it saw, on a fresh connection that holds no stale create.
+
+Used by ``etcd_client`` (which sets gRPC's environment before anything imports it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import aetcd
+
+from elastic.cluster.etcd_channel import TRANSIENT
+from elastic.cluster.etcd_values import WatchEvent, deliver
+from elastic.timeouts import Timeouts
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Watches:
+    """Opens and keeps the watches of one client.
+
+    Args:
+        connected: the client's current connection (connecting on first use).
+        drop: forgets a connection (the next ``connected()`` makes a fresh one) and closes it.
+        fail_over: moves to the next endpoint after a transient error (None: one endpoint).
+        timeouts: the RPC timeout (one create) and the pauses between re-opens.
+    """
+
+    def __init__(self, connected: Callable[[], Awaitable[aetcd.Client]],
+                 drop: Callable[[aetcd.Client], Awaitable[None]],
+                 fail_over: Callable[[], Awaitable[None]] | None, timeouts: Timeouts) -> None:
+        self._connected = connected
+        self._drop = drop
+        self._fail_over = fail_over
+        self._timeouts = timeouts
+        self._creating = asyncio.Lock()  # one create in flight per client
+        self._dropped = asyncio.Event()  # set when the connection of the open watches went
+
+    async def forever(self, prefix: str, revision: int,
+                      callback: Callable[[list[WatchEvent]], None],
+                      stopped: asyncio.Event) -> None:
+        """Delivers events until ``stopped``; never ends on its own: a broken watch is
+        re-opened from the last revision seen, a key that is not UTF-8 is skipped, and a
+        callback's exception is logged and the next event delivered."""
+        first_s = self._timeouts.backoff.total_seconds()
+        max_s = self._timeouts.backoff_max.total_seconds()
+        backoff_s = first_s
+        while not stopped.is_set():
+            try:
+                watch, dropped = await self._open(prefix, revision)
+                stopper = asyncio.ensure_future(_cancel_when(watch, stopped, dropped))
+                try:
+                    async for event in watch:
+                        revision = event.kv.mod_revision + 1
+                        backoff_s = first_s
+                        deliver(event, callback)
+                finally:
+                    stopper.cancel()
+            except aetcd.ClientError as exc:
+                if stopped.is_set():
+                    return
+                log.debug("watch on %s broke (%r); re-watching from revision %d", prefix, exc,
+                          revision)
+                if isinstance(exc, aetcd.RevisionCompactedError):
+                    revision = exc.compacted_revision
+                if isinstance(exc, TRANSIENT) and self._fail_over is not None:
+                    await self._fail_over()
+            except Exception as exc:  # noqa: BLE001 (the watch must outlive any surprise)
+                if stopped.is_set():
+                    return
+                log.warning("watch on %s failed unexpectedly (%s: %s); re-watching from "
+                            "revision %d", prefix, type(exc).__name__, exc, revision)
+            try:
+                await asyncio.wait_for(stopped.wait(), backoff_s)
+            except asyncio.TimeoutError:
+                backoff_s = min(max_s, backoff_s * 2)
+
+    async def _open(self, prefix: str, revision: int) -> tuple[Any, asyncio.Event]:
+        """Creates one watch; with it, the event set when its connection is dropped.
+
+        Raises:
+            aetcd.ConnectionTimeoutError: not created within the RPC timeout (the connection
+                is dropped: its late answer must reach no other create).
+        """
+        timeout_s = self._timeouts.etcd_rpc.total_seconds()
+        async with self._creating:
+            client = await self._connected()
+            dropped = self._dropped
+            try:
+                watch = await within(client.watch_prefix(prefix.encode(), start_revision=revision),
+                                     timeout_s)
+            except (asyncio.TimeoutError, aetcd.WatchTimeoutError):
+                self._dropped = asyncio.Event()
+                dropped.set()
+                await self._drop(client)
+                raise aetcd.ConnectionTimeoutError(
+                    f"the watch on {prefix} was not created within {timeout_s:g} s; "
+                    "reconnecting") from None
+            return watch, dropped
+
+
+async def within(coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+    """``coro``'s result within ``timeout_s``, else ``asyncio.TimeoutError`` at once: the
+    attempt is cancelled but not awaited (aetcd can hold a lock that its own cancellation
+    waits for)."""
+    task = asyncio.ensure_future(coro)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()
+        task.add_done_callback(_quiet)
+        raise asyncio.TimeoutError
+    return task.result()
+
+
+def _quiet(task: asyncio.Future) -> None:
+    """Reads an abandoned task's outcome, so that asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def _cancel_when(watch: Any, *events: asyncio.Event) -> None:
+    """Cancels ``watch`` once any of ``events`` is set (it was stopped, or its connection
+    dropped: then it is re-opened on the next)."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+    await watch.cancel()
