@@ -148,7 +148,7 @@ class Cluster:
             with Stopwatch() as waited:
                 try:
                     topology = self.rendezvous.join(reason, version, free_port(), cancelled,
-                                                    self._members_gone)
+                                                    self._members_gone, self._came_from())
                 except FencedError as exc:
                     self.membership.fence(str(exc))  # a write found the lease gone
                     continue
@@ -246,8 +246,8 @@ class Cluster:
         everyone asked.
         """
         last = self._last
-        if last is None or last.round != n - 1:
-            return {}
+        if last is None or last.round != n - 1 or last.members[last.rank] != self.member_id:
+            return {}  # not in that round, or only under an identity it dropped since
         lost = {last.members[rank]: silent for rank, silent in self.channel.peers_lost().items()}
         rank0 = last.members[0]
         address = self.channel.peer_address(0) if last.rank != 0 else None
@@ -256,6 +256,17 @@ class Cluster:
             if not answers(*address, self.settings.timeouts.peer.total_seconds()):
                 lost[rank0] = True
         return lost
+
+    def _came_from(self) -> tuple[int, int]:
+        """The round this process was last in and how many of its members may still live
+        ((0, 0): none): its world less the members whose kernel ended their connection to this
+        one. Told in its join requests: after etcd lost its data, the first round waits for
+        that many (``roll_call.returning_short``)."""
+        last = self._last
+        if last is None:
+            return 0, 0
+        dead = sum(not silent for silent in self.channel.peers_lost().values())
+        return last.round, last.world_size - dead
 
     def _drop_group(self) -> None:
         self.links.drop()

@@ -326,8 +326,9 @@ class Coordinator:
         if state != self._seen:
             self._seen, self._last_change = state, now
         plan = self._plan
-        if plan is not None and state[0] & set(plan.ranks) and (
-                self._rejoin_since is None or self._rejoin_since[0] != n):
+        returning = state[0] & set(plan.ranks) if plan is not None else any(
+            r.from_round for r in requests)  # a first round: members that etcd forgot
+        if returning and (self._rejoin_since is None or self._rejoin_since[0] != n):
             self._rejoin_since = (n, now)
         since = self._rejoin_since
         waited = now - since[1] if since is not None and since[0] == n else 0.0

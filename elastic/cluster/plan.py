@@ -12,10 +12,12 @@ from dataclasses import asdict, dataclass, field
 
 from elastic.cluster import records
 from elastic.cluster.records import MAX_ROUND, MAX_VERSION, RecordError
+from elastic.timeouts import Timeouts
 
 REASONS = frozenset({"start", "change", "failure", "spare"})
 _JOIN_FIELDS = {"member_id": True, "version": True, "reason": True, "addr": True, "port": True,
-                "standby": False}
+                "standby": False, "from_round": False, "from_world": False}
+_MAX_WORLD = 10**7
 _PLAN_FIELDS = {"round": True, "ranks": True, "spares": False, "master_addr": False,
                 "master_port": False, "versions": False, "cut": False}
 
@@ -28,7 +30,9 @@ class JoinRequest:
     re-formation), "failure" (a running member whose group broke), "spare" (a member left out by
     ``max_workers`` asking again, or a warm spare). ``standby`` marks a warm spare
     (``elastic run --spares``): it takes a place in a round only when a member of the previous
-    round is gone, never to grow the world.
+    round is gone, never to grow the world. ``from_round`` and ``from_world`` name the round this
+    process was last in and its world size (0: none), so that a first round after etcd lost
+    its rounds waits for the old world (``roll_call.returning_short``).
     """
 
     member_id: str
@@ -38,6 +42,8 @@ class JoinRequest:
     port: int
     revision: int = 0
     standby: bool = False
+    from_round: int = 0
+    from_world: int = 0
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -62,7 +68,11 @@ class JoinRequest:
                            addr=records.address("addr", data["addr"]),
                            port=records.integer("port", data["port"], 1, 65535),
                            revision=revision,
-                           standby=records.boolean("standby", data.get("standby", False)))
+                           standby=records.boolean("standby", data.get("standby", False)),
+                           from_round=records.integer("from_round", data.get("from_round", 0), 0,
+                                                      records.MAX_ROUND),
+                           from_world=records.integer("from_world", data.get("from_world", 0), 0,
+                                                      _MAX_WORLD))
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,23 @@ def _member_list(name: str, value: object, minimum: int) -> list[str]:
     if len(set(members)) != len(members):
         raise RecordError(f"{name} names a member twice")
     return members
+
+
+@dataclass(frozen=True)
+class RendezvousConfig:
+    """Limits of a job's rounds; the waits come from the job's ``Timeouts``."""
+
+    min_workers: int = 1
+    max_workers: int | None = None
+    timeouts: Timeouts = Timeouts()
+    standby: bool = False  # this member is a warm spare (``elastic run --spares``)
+
+    def __post_init__(self) -> None:
+        if self.min_workers < 1:
+            raise ValueError(f"min_workers ({self.min_workers}) must be >= 1.")
+        if self.max_workers is not None and self.max_workers < self.min_workers:
+            raise ValueError(f"max_workers ({self.max_workers}) must be >= min_workers "
+                             f"({self.min_workers}).")
 
 
 @dataclass(frozen=True)

@@ -22,37 +22,20 @@ from datetime import timedelta
 
 from elastic.errors import (CutOffError, LeaveInterrupt, RendezvousClosedError,
                             RendezvousTimeoutError)
-from elastic.timeouts import Timeouts
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership
 from elastic.cluster.etcd_client import KeyValue
-from elastic.cluster.plan import CloseRule, JoinRequest, Plan, assign_ranks, should_close
+from elastic.cluster.plan import (CloseRule, JoinRequest, Plan, RendezvousConfig, assign_ranks,
+                                  should_close)
 from elastic.cluster import records
 from elastic.cluster.gone_reports import GoneReports
-from elastic.cluster.roll_call import RollCall, cut_off, dead, may_close
+from elastic.cluster.roll_call import RollCall, cut_off, dead, may_close, returning_short
 from elastic.cluster.coordinator import Coordinator
 from elastic.cluster.news import RoundNews, read_news
 from elastic.cluster.records import RecordError, SkippedRecords
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RendezvousConfig:
-    """Limits of a job's rounds; the waits come from the job's ``Timeouts``."""
-
-    min_workers: int = 1
-    max_workers: int | None = None
-    timeouts: Timeouts = Timeouts()
-    standby: bool = False  # this member is a warm spare (``elastic run --spares``)
-
-    def __post_init__(self) -> None:
-        if self.min_workers < 1:
-            raise ValueError(f"min_workers ({self.min_workers}) must be >= 1.")
-        if self.max_workers is not None and self.max_workers < self.min_workers:
-            raise ValueError(f"max_workers ({self.max_workers}) must be >= min_workers "
-                             f"({self.min_workers}).")
 
 
 @dataclass(frozen=True)
@@ -158,7 +141,8 @@ class Rendezvous:
 
     def join(self, reason: str, version: int, port: int,
              cancelled: Callable[[], bool] = lambda: False,
-             gone: Callable[[int], dict[str, bool]] = lambda n: {}) -> Topology | None:
+             gone: Callable[[int], dict[str, bool]] = lambda n: {},
+             came_from: tuple[int, int] = (0, 0)) -> Topology | None:
         """Asks to be in the next round and waits until it forms.
 
         Args:
@@ -169,6 +153,7 @@ class Rendezvous:
             gone: the members of round ``n - 1`` this member saw die (true: their connection
                 ended silently, they may be cut off), asked while waiting for round ``n``
                 (reported in etcd, so that nobody waits for their leases).
+            came_from: the round this process was last in and its world size (0, 0: none).
 
         Returns:
             This member's topology, or None when it was left out as a spare (call again).
@@ -186,11 +171,13 @@ class Rendezvous:
         while True:
             self._membership.check_not_fenced()
             n = self.latest_round() + 1
-            self._check_not_cut(n - 1)
+            if self._last_round and n - 1 > self._last_round:  # it went on: without this one?
+                self._check_not_cut(self.read_plan(self._last_round + 1))
             # A warm spare's joins never ask the running members to re-form.
             request = JoinRequest(self._membership.member_id, version,
                                   "spare" if self.standby else reason,
-                                  self._membership.advertise_addr, port, standby=self.standby)
+                                  self._membership.advertise_addr, port, standby=self.standby,
+                                  from_round=came_from[0], from_world=came_from[1])
             reported: set[str] = set()  # before asking: a split is seen whole when all asked
             self._report_gone(n, gone(n), reported)
             self._client.put(self._keys.join(n, self._membership.member_id), request.to_json(),
@@ -204,23 +191,17 @@ class Rendezvous:
                 return self._topology(plan)
             if self._membership.member_id in plan.spares:
                 return None
-            if self._membership.member_id in plan.cut:
-                raise self._cut_off(n)
+            self._check_not_cut(plan)
             log.info("round %d closed without %s; asking for the next", n,
                      self._membership.member_id)
 
-    def _check_not_cut(self, latest: int) -> None:
-        """Raises ``CutOffError`` when the round after this member's last went on without it
-        and named it cut off (its lease outlived the cut: it must not write as itself again)."""
-        if not self._last_round or latest <= self._last_round:
-            return
-        plan = self.read_plan(self._last_round + 1)
+    def _check_not_cut(self, plan: Plan | None) -> None:
+        """Raises ``CutOffError`` when ``plan`` went on without this member and named it cut
+        off (also when its lease outlived the cut: it must not write as itself again)."""
         if plan is not None and self._membership.member_id in plan.cut:
-            raise self._cut_off(plan.round)
-
-    def _cut_off(self, n: int) -> CutOffError:
-        return CutOffError(f"round {n} went on without {self._membership.member_id}: the "
-                           f"network between it and the other members went down")
+            raise CutOffError(f"round {plan.round} went on without "
+                              f"{self._membership.member_id}: the network between it and the "
+                              "other members went down")
 
     def _wait_for_plan(self, n: int, started: float, cancelled: Callable[[], bool],
                        gone: Callable[[int], dict[str, bool]],
@@ -249,26 +230,37 @@ class Rendezvous:
                 previous: Plan | None, quiet_s: float, waited_s: float) -> frozenset[str] | None:
         """Whether round ``n`` may close now (asked by the coordinator), and without whom.
 
-        The rules are a first round's (``plan.should_close``) or a re-formation's
+        The rules are a first round's (``plan.should_close``, and the old world of members
+        that etcd forgot: ``roll_call.returning_short``) or a re-formation's
         (``roll_call.may_close``, with the credible reports of connections that ended); when the
         reports show the job split, the losing side is left out (``roll_call.cut_off``).
 
         Args:
             live: every registered member's lease, by member id.
-            waited_s: seconds since the first request of a member of round ``n - 1``.
+            waited_s: seconds since the first request of a member of round ``n - 1`` (for a
+                first round: of a member that was in a round before).
 
         Returns:
             None while the round may not close; else the members to name cut off in it: the
             losing side of a split, and the live members dead by evidence (usually none).
         """
         members = set(live)
+        rejoin = self.config.timeouts.rejoin
         if previous is None:
-            return frozenset() if should_close(requests, members, False, quiet_s,
-                                               self.rule) else None
+            if not should_close(requests, members, False, quiet_s, self.rule):
+                return None
+            short = returning_short(requests)
+            if short and waited_s < rejoin.total_seconds():
+                return None
+            if short:
+                log.warning("round %d closes without %d member(s) of the rounds its members were "
+                            "in before etcd lost them: none asked within %s "
+                            "(ELASTIC_REJOIN_TIMEOUT)", n, short, rejoin)
+            return frozenset()
         joined = {r.member_id for r in requests}
         reports = self._gone.read(n, previous.ranks, live)
         roll = RollCall(previous.ranks, dead(previous.ranks, joined, reports), waited_s,
-                        self.config.timeouts.rejoin.total_seconds())
+                        rejoin.total_seconds())
         if not may_close(requests, members, roll, quiet_s, self.rule):
             return None
         cut = cut_off(previous.ranks, joined, reports)
@@ -277,8 +269,7 @@ class Rendezvous:
         missing = roll.missing(joined, members)
         if missing:
             log.warning("round %d closes without %s: live members of round %d that did not "
-                        "ask to join within %s (ELASTIC_REJOIN_TIMEOUT)", n, missing, n - 1,
-                        self.config.timeouts.rejoin)
+                        "ask to join within %s (ELASTIC_REJOIN_TIMEOUT)", n, missing, n - 1, rejoin)
         if cut:
             log.warning("round %d goes on without %s: the network between them and the rest "
                         "of round %d went down (ELASTIC_PEER_TIMEOUT)", n, sorted(cut), n - 1)

@@ -24,10 +24,18 @@ reports show the whole split. ``cut_off`` names the side that is left out, so th
 side goes on: the side of rank 0 of round ``n - 1`` against the members whose link to it went
 down (the only connections are to rank 0), the larger going on, rank 0's on a tie; the
 losing side is left out whole.
+
+A first round has no round ``n - 1`` in etcd, but it may have one in its members' memory: when
+etcd lost its data (a fresh etcd at the same URL) every member re-registers and asks for round 1
+again, each naming the round it was last in and how many of that round's members may live (its
+world less those it saw die). Such a round waits, up to the rejoin timeout, until that many of
+each old round asked (the fewest any of them named: ``returning_short``), so that members whose
+etcd client reconnects late make one round, not a round and then a re-formation.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from elastic.cluster.plan import CloseRule, JoinRequest
@@ -154,3 +162,19 @@ def cut_off(previous: list[str], joined: set[str], reports: list[Evidence]) -> f
         return frozenset()
     together = {m for m in previous if m in joined} - apart
     return frozenset(together) if len(apart) > len(together) else frozenset(apart)
+
+
+def returning_short(requests: list[JoinRequest]) -> int:
+    """How many members of the rounds that this first round's requesters were last in have not
+    asked yet (0 for fresh processes: they were in none).
+
+    Args:
+        requests: the first round's join requests (``from_round``, ``from_world``).
+    """
+    worlds: dict[int, int] = {}
+    asked: Counter[int] = Counter()
+    for r in requests:
+        if r.from_round:
+            worlds[r.from_round] = min(worlds.get(r.from_round, r.from_world), r.from_world)
+            asked[r.from_round] += 1
+    return sum(max(0, world - asked[n]) for n, world in worlds.items())

@@ -204,3 +204,12 @@ def test_a_join_request_that_says_standby_in_anything_but_a_boolean_is_refused()
     with pytest.raises(RecordError, match="standby is 1, not true or false"):
         JoinRequest.from_json(raw, 1, "m")
     assert JoinRequest.from_json(raw.replace(b"1}", b"true}"), 1, "m").standby
+
+
+def test_the_round_a_process_was_last_in_travels_in_its_join_request():
+    request = JoinRequest("a", 7, "start", "10.0.0.1", 29500, from_round=12, from_world=3)
+    assert JoinRequest.from_json(request.to_json().encode(), 0, "a") == request
+    older = b'{"member_id": "a", "version": 0, "reason": "start", "addr": "10.0.0.1", "port": 1}'
+    assert JoinRequest.from_json(older, 0, "a").from_round == 0
+    with pytest.raises(RecordError, match="from_world is -1"):
+        JoinRequest.from_json(older.replace(b"}", b', "from_world": -1}'), 0, "a")

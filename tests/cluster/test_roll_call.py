@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from elastic.cluster.plan import CloseRule, JoinRequest
-from elastic.cluster.roll_call import Evidence, RollCall, cut_off, dead, may_close
+from elastic.cluster.roll_call import (Evidence, RollCall, cut_off, dead, may_close,
+                                       returning_short)
 
 pytestmark = pytest.mark.unit
 
@@ -137,3 +138,22 @@ def test_a_stored_report_is_read_only_when_it_says_ended_or_silent(value, silent
     assert (None if report is None else report.silent) == silent
     if report is not None:
         assert (report.member, report.reporter) == ("c", "a")
+
+
+def back(member: str, from_round: int, from_world: int) -> JoinRequest:
+    """A request of a process that was in ``from_round`` before etcd forgot it."""
+    return JoinRequest(member, 3, "start", f"addr-{member}", 1000, from_round=from_round,
+                       from_world=from_world)
+
+
+@pytest.mark.parametrize("requests, short", [
+    ([req("a", "start"), req("b", "start")], 0),  # fresh processes: they were in no round
+    ([back("a", 7, 3)], 2),  # the first of a world of 3 whose etcd lost its data
+    ([back("a", 7, 3), back("b", 7, 3)], 1),
+    ([back("a", 7, 3), back("b", 7, 3), back("c", 7, 3)], 0),
+    ([back("a", 7, 3), back("b", 7, 2)], 0),  # b saw the third die: the fewest named counts
+    ([back("a", 7, 3), back("b", 8, 2)], 3),  # two old rounds, each waited for
+    ([back("a", 7, 2), req("new", "start")], 1),  # a newcomer is not of the old world
+])
+def test_a_first_round_after_etcd_lost_its_data_waits_for_the_old_world_to_ask(requests, short):
+    assert returning_short(requests) == short

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import logging
 import os
 import signal
 import time
@@ -87,6 +88,8 @@ def fire_faults(state: ElasticState, out: Path, index: int, at_commit: bool = Fa
 
 def main() -> None:
     faulthandler.register(signal.SIGUSR1)  # the harness dumps every thread's stack on a hang
+    logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "WARNING").upper(),
+                        format="%(asctime)s %(threadName)s %(name)s %(message)s")
     args = parse()
     out = Path(args.out)
     index = int(os.environ["TEST_WORKER_INDEX"])
