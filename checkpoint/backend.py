@@ -34,6 +34,7 @@ from elastic.checkpoint.errors import (CheckpointBackendError, CheckpointCredent
 
 logger = logging.getLogger(__name__)
 
+
 def _object_store_connection_errors() -> tuple[type[BaseException], ...]:
     """The object-store clients' own connection errors that are importable here (by type, never
     by message): botocore's (s3fs), which derive from neither ``ConnectionError`` nor
@@ -106,7 +107,8 @@ def io_retry(call: Callable[Concatenate[Storage, P], T]) -> Callable[Concatenate
         except Exception as exc:  # an object store's own error type: typed here, at the edge
             raise CheckpointStorageError(
                 f"{call.__name__} on {storage.url_of(storage.root)!r} failed: "
-                f"{type(exc).__name__}: {exc}") from exc
+                f"{type(exc).__name__}: {exc}. Check that the storage is reachable from this "
+                "machine and that its settings (endpoint, bucket, region) are right.") from exc
     return retried
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from elastic.launch.embedded_etcd import find_etcd_binary
 from tests.support.cli import WORKERS, events, wait_until
-from tests.support.harness import REPO
+from tests.support.harness import REPO, dump_stacks
 from tests.support.netns_hosts import Hosts, skip_without_namespaces
 
 pytestmark = pytest.mark.timeout(240)
@@ -79,16 +79,7 @@ class Job:
                          for host in self.procs)
 
     def dump_stacks(self) -> None:
-        """Every worker's threads to its log (SIGUSR1: ``faulthandler``)."""
-        workers = [self.procs[host] for host in ("h1", "h2", "h3")]
-        for proc in workers:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGUSR1)
-        for proc in workers:
-            try:
-                proc.wait(timeout=1)  # gives the dumps time to land; the workers keep running
-            except subprocess.TimeoutExpired:
-                pass
+        dump_stacks(self.procs[host] for host in ("h1", "h2", "h3"))
 
     def stop(self) -> None:
         for proc in self.procs.values():
@@ -150,7 +141,9 @@ def test_a_host_cut_from_etcd_its_peers_or_everything_is_dropped_and_rejoins_whe
         job: Job):
     wait_for(job, lambda: all(job.resumed(h, 0, 3) for h in ("h1", "h2", "h3")), 90,
              "a world of 3")
-    from_etcd = cut_and_heal(job, "h1", etcd=True, peers=False)
+    # Not rank 0: its cut from etcd can hit the gloo release race of README's Known limits.
+    from_etcd = cut_and_heal(job, next(h for h in ("h1", "h2", "h3") if h != rank_zero(job)),
+                             etcd=True, peers=False)
     # rank 0 holds every agreement connection: its cut is the one that splits the job
     from_peers = cut_and_heal(job, rank_zero(job), etcd=False, peers=True)
     from_all = cut_and_heal(job, next(h for h in ("h1", "h2", "h3") if h != rank_zero(job)),

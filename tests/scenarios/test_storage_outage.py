@@ -27,9 +27,10 @@ def test_storage_that_cannot_be_listed_at_a_re_formation_costs_warnings_not_the_
     # Both trained to the end, exactly once, from the commits in memory; rank 0 (the only
     # writer) then says in one error that nothing of the run was saved.
     check_outcome(job, [i for i, code in codes.items() if code == 0])
-    logs = (job.out / f"worker-{next(i for i, c in codes.items() if c == 1)}.log").read_text(
-        errors="replace")
-    assert "DurableCommitsFailedError: none of the durable commits" in logs
-    assert logs.count("going on from the commits in memory") >= 2, job.tails()  # both rounds
+    logs = {i: (job.out / f"worker-{i}.log").read_text(errors="replace") for i in codes}
+    failed = next(i for i, code in codes.items() if code == 1)
+    assert "DurableCommitsFailedError: none of the durable commits" in logs[failed]
+    # Whichever was rank 0 of each round (the newest holder: it may change) warned once.
+    assert "".join(logs.values()).count("going on from the commits in memory") >= 2, job.tails()
     assert [e for e in job.events() if e["event"] == "checkpoint_failed"], \
         "the failed durable writes were not recorded"

@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,20 @@ def loopback_env() -> dict[str, str]:
     env.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", ELASTIC_ADVERTISE_ADDR="127.0.0.1",
                PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return env
+
+
+def dump_stacks(procs: Iterable[subprocess.Popen[bytes]]) -> None:
+    """Asks every live process of ``procs`` (workers that registered ``faulthandler`` on
+    SIGUSR1) to write its threads' stacks to its log."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGUSR1)
+    for proc in procs:
+        try:
+            proc.wait(timeout=1)  # gives the dumps time to land; the workers keep running
+        except subprocess.TimeoutExpired:
+            pass
 
 
 class Job:
@@ -118,14 +132,7 @@ class Job:
 
     def dump_stacks(self) -> None:
         """Asks every live worker to write its threads' stacks to its log (SIGUSR1)."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGUSR1)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=1)  # gives the dumps time to land; the workers keep running
-            except subprocess.TimeoutExpired:
-                pass
+        dump_stacks(self.procs.values())
 
     def tails(self, lines: int = 25) -> str:
         parts = []
