@@ -5,7 +5,8 @@ answer that comes after its create gave up (etcd was frozen, or the stream conne
 therefore binds a later watch to the wrong keys: that watch gets another's events and never
 its own. So watches are created one at a time, each within the RPC timeout, and a create that
 is not answered in time drops the whole connection: every watch on it is re-opened, from the
-last revision it saw, on a fresh connection that holds no stale create.
+last revision it saw, on a fresh connection that holds no stale create. A watch that re-opens
+on an etcd whose revision went back (it lost its data) starts from that etcd's beginning.
 
 Used by ``etcd_client`` (which sets gRPC's environment before anything imports it).
 """
@@ -56,9 +57,11 @@ class Watches:
         first_s = self._timeouts.backoff.total_seconds()
         max_s = self._timeouts.backoff_max.total_seconds()
         backoff_s = first_s
+        opens = 0
         while not stopped.is_set():
             try:
-                watch, dropped = await self._open(prefix, revision)
+                opens += 1
+                watch, dropped, revision = await self._open(prefix, revision, opens > 1)
                 stopper = asyncio.ensure_future(_cancel_when(watch, stopped, dropped))
                 try:
                     async for event in watch:
@@ -86,8 +89,10 @@ class Watches:
             except asyncio.TimeoutError:
                 backoff_s = min(max_s, backoff_s * 2)
 
-    async def _open(self, prefix: str, revision: int) -> tuple[Any, asyncio.Event]:
-        """Creates one watch; with it, the event set when its connection is dropped.
+    async def _open(self, prefix: str, revision: int,
+                    reopened: bool) -> tuple[Any, asyncio.Event, int]:
+        """Creates one watch; with it, the event set when its connection is dropped, and the
+        revision it starts from (``revision``, unless etcd lost its data: ``_start``).
 
         Raises:
             aetcd.ConnectionTimeoutError: not created within the RPC timeout (the connection
@@ -96,6 +101,8 @@ class Watches:
         timeout_s = self._timeouts.etcd_rpc.total_seconds()
         async with self._creating:
             client = await self._connected()
+            if reopened:
+                revision = await self._start(client, prefix, revision)
             dropped = self._dropped
             try:
                 watch = await within(client.watch_prefix(prefix.encode(), start_revision=revision),
@@ -107,7 +114,27 @@ class Watches:
                 raise aetcd.ConnectionTimeoutError(
                     f"the watch on {prefix} was not created within {timeout_s:g} s; "
                     "reconnecting") from None
-            return watch, dropped
+            return watch, dropped, revision
+
+    async def _start(self, client: aetcd.Client, prefix: str, revision: int) -> int:
+        """Where a watch re-opens: ``revision``, or 1 when etcd's own revision went back below
+        the last one the watch saw (etcd lost its data: a fresh one at the same URL), so that it
+        replays the fresh etcd's keys instead of waiting for a revision it may never reach.
+
+        Raises:
+            aetcd.ConnectionTimeoutError: etcd did not answer within the RPC timeout.
+        """
+        timeout_s = self._timeouts.etcd_rpc.total_seconds()
+        try:
+            read = await within(client.get_prefix(prefix.encode(), keys_only=True), timeout_s)
+        except asyncio.TimeoutError:
+            raise aetcd.ConnectionTimeoutError(f"no reply within {timeout_s:g} s") from None
+        if read.header.revision >= revision - 1:
+            return revision
+        log.warning("etcd's revision went back from %d to %d (it lost its data): the watch on "
+                    "%s starts again from the beginning", revision - 1, read.header.revision,
+                    prefix)
+        return 1
 
 
 async def within(coro: Coroutine[Any, Any, T], timeout_s: float) -> T:

@@ -84,9 +84,12 @@ def test_a_graceful_leave_deletes_the_member_key_at_once(client):
     assert not membership.fenced.is_set()
 
 
-def test_a_watch_resumes_after_etcd_restarts_without_losing_events(private_etcd):
+@pytest.mark.parametrize("lose_data", [False, True], ids=["on its data", "without its data"])
+def test_a_watch_sees_every_key_across_an_etcd_restart(private_etcd, lose_data):
     client = EtcdClient(private_etcd.url, retry_for=timedelta(seconds=30))
     try:
+        for i in range(20):  # a fresh etcd's revision then starts well below the old one's
+            client.put(f"/t/old/{i}", "x")
         _, revision = client.get_prefix("/t/restart/")
         got: list[str] = []
         arrived = threading.Condition()
@@ -98,7 +101,9 @@ def test_a_watch_resumes_after_etcd_restarts_without_losing_events(private_etcd)
 
         cancel = client.watch_prefix("/t/restart/", revision + 1, on_events)
         client.put("/t/restart/before", "1")
-        private_etcd.restart()
+        with arrived:  # the watch is open on the old etcd
+            assert arrived.wait_for(lambda: got, timeout=30), got
+        private_etcd.restart(lose_data=lose_data)
         client.put("/t/restart/after", "2")
         with arrived:
             assert arrived.wait_for(lambda: len(got) >= 2, timeout=30), got
