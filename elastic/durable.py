@@ -16,21 +16,24 @@ never publishes after the job moved on.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from elastic.checkpoint import (CheckpointError, CheckpointFencedError, CheckpointNotFoundError,
-                                CheckpointRef, CheckpointStore, check_compatible)
+                                CheckpointRef, CheckpointStorageError, CheckpointStore,
+                                check_compatible)
 from elastic.checkpoint.backend import DEFAULT_RETRY_FOR
 from elastic.errors import EtcdUnavailableError
 from elastic.events import EventLog
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ROUNDS_PER_EPOCH = 1 << 32
 
@@ -97,7 +100,7 @@ class DurableCommits:
         if self._claim_epoch is None:
             return None
         if self.generation is None:
-            floor = next_epoch(self.store.list())
+            floor = next_epoch(self._answered(self.store.list, "listing"))
             self.generation = fencing_generation(self._claim_epoch(floor), self._round)
         return self.generation
 
@@ -154,20 +157,27 @@ class DurableCommits:
             self._published(ref)
 
     def _failed(self, version: int, exc: Exception) -> None:
-        self.last_error = exc
-        log.warning("durable commit of version %d failed (training goes on; the previous "
-                    "checkpoint stays valid): %s: %s", version, type(exc).__name__, exc)
+        """Records a write that did not land. A fenced one is no failure of the storage: a
+        newer rank 0 took over (it is not ``last_error``, which says nothing was saved)."""
+        fenced = isinstance(exc, CheckpointFencedError)
+        if not fenced:
+            self.last_error = exc
+        log.warning("durable commit of version %d %s (training goes on; the previous "
+                    "checkpoint stays valid): %s: %s", version,
+                    "was discarded" if fenced else "failed", type(exc).__name__, exc)
         if self.events:
-            self.events.emit("checkpoint_failed", version=version, error=str(exc)[:300])
+            self.events.emit("checkpoint_failed", version=version, fenced=fenced,
+                             error=str(exc)[:300])
 
     def survey(self) -> tuple[int, int]:
         """Lists the store once: the newest complete checkpoint's version (0: none) and the
         fencing epoch a fresh etcd must claim (``next_epoch``).
 
         Raises:
-            CheckpointError: the storage failed while listing.
+            CheckpointError: the storage failed while listing, or did not answer within
+                twice its retry time (``_answered``).
         """
-        refs = self.store.list()
+        refs = self._answered(self.store.list, "listing")
         return (refs[-1].step if refs else 0), next_epoch(refs)
 
     def load_latest(self, live: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -181,9 +191,10 @@ class DurableCommits:
 
         Raises:
             CheckpointIncompatibleError: a model's keys or shapes differ from the live ones.
+            CheckpointError: the storage failed, or did not answer in time (``_answered``).
         """
         try:
-            loaded = self.store.load()
+            loaded = self._answered(self.store.load, "loading the newest checkpoint of")
         except CheckpointNotFoundError as exc:
             log.warning("no valid checkpoint to resume from: %s", exc)
             return None
@@ -193,6 +204,30 @@ class DurableCommits:
             self.events.emit("checkpoint_loaded", version=loaded.ref.step, url=loaded.ref.url,
                              epoch=loaded.ref.epoch)
         return payload
+
+    def _answered(self, call: Callable[[], T], what: str) -> T:
+        """``call()``'s result, for no longer than twice the time one storage call may retry:
+        a storage that never answers (a black-holed endpoint, a hung mount) costs that long
+        and a ``CheckpointStorageError``, never the whole job waiting on its rank 0. The call
+        runs on a daemon thread, left to end on its own when it does not answer.
+        """
+        result: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                result.set_result(call())
+            except Exception as exc:  # noqa: BLE001 (handed to the caller, typed there)
+                result.set_exception(exc)
+
+        threading.Thread(target=run, name="checkpoint-call", daemon=True).start()
+        deadline = self._hung_after * 2
+        try:
+            return result.result(timeout=deadline.total_seconds())
+        except TimeoutError:
+            raise CheckpointStorageError(
+                f"{what} {self.url} did not answer within {deadline}. Check that the storage "
+                "is reachable from this machine, or raise ELASTIC_STORAGE_RETRY if it is this "
+                "slow.") from None
 
     def close(self) -> None:
         """Waits for the in-flight write and closes the store."""

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from elastic.checkpoint import (CheckpointFencedError, CheckpointIncompatibleError,
+from elastic.checkpoint import (CheckpointIncompatibleError,
                                 CheckpointStore, CheckpointWriteError)
 from elastic.cluster.etcd_client import EtcdClient
 from elastic.cluster.keys import JobKeys
@@ -98,8 +98,13 @@ def test_a_writer_whose_lease_expired_before_publishing_never_publishes(tmp_path
     lease_alive[0] = False  # frozen past its lease at the next commit(durable=True)
     durable.write(payload(2.0), 2, {"epoch": 2})
     durable.close()
-    assert isinstance(durable.last_error, CheckpointFencedError)
     assert [ref.step for ref in durable.store.list()] == [1]
+    # A fenced write is discarded, not a storage failure: it never reads as "nothing saved".
+    assert durable.last_error is None
+    discarded = [json.loads(line) for path in tmp_path.glob("*.jsonl")
+                 for line in path.read_text().splitlines()]
+    assert [(e["version"], e["fenced"]) for e in discarded
+            if e["event"] == "checkpoint_failed"] == [(2, True)]
 
 
 def test_a_confirmation_asks_etcd_so_a_revoked_lease_refuses_at_once(etcd):

@@ -5,7 +5,10 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import pytest
+
 from elastic.checkpoint import CheckpointStore
+from tests.scenarios.test_elastic_recovery import check_outcome
 from tests.support.resume_scenario import model_params, resume, run_until_checkpoint
 
 
@@ -75,3 +78,44 @@ def test_durable_commits_still_land_after_a_resume_on_a_fresh_etcd_that_counts_r
     failed = [e["error"] for e in events if e["event"] == "checkpoint_failed"]
     assert failed == [], "durable commits were refused after the resume"
     assert store.latest().step > before
+
+
+@pytest.mark.parametrize("woken, refused_by", [
+    ("after the others' next durable commit", "has already written"),  # the store's generation
+    ("once the others went on, before they commit", "lease expired"),  # its own lease check
+])
+def test_a_rank_zero_frozen_with_its_durable_write_in_flight_never_publishes_it(
+        make_job, tmp_path, woken, refused_by):
+    url = str(tmp_path / "ckpt")
+    job = make_job(["--epochs", "3", "--samples", "480", "--batch", "8", "--step-ms", "100"],
+                   {"ELASTIC_CHECKPOINT": url, "FAULTS": "stop-durable:r0:1", "BALLAST_MB": "64"})
+    job.start_together(range(3))
+    job.wait_until(lambda: (job.out / "fired-stop-durable-r0").exists(), 90,
+                   "rank 0 to freeze inside its first durable write")
+    frozen = job.fired("stop-durable", "r0")
+    zombie = job.procs[frozen["index"]].pid
+
+    def landed_after_the_freeze() -> list[dict]:
+        return [e for e in job.events() if e["event"] == "checkpoint_written"
+                and e["t"] > frozen["t"]]
+
+    def went_on() -> bool:
+        return any(e["event"] == "resumed" and e["world_size"] == 2 and e["t"] > frozen["t"]
+                   for e in job.events())
+
+    if refused_by == "lease expired":
+        job.wait_until(went_on, 90, "the others to go on without the frozen rank 0")
+        assert not landed_after_the_freeze(), "the others committed durably before the wake-up"
+    else:
+        job.wait_until(landed_after_the_freeze, 90, "the others to go on and commit durably")
+    assert frozen["version"] not in [r.step for r in CheckpointStore(url).list()], \
+        "the frozen write landed before the freeze: nothing was in flight to fence"
+    job.signal(frozen["index"], signal.SIGCONT)  # the zombie wakes up, its write half done
+    for index in range(3):
+        assert job.wait_exit(index, timeout=180) == 0, job.tails()
+    check_outcome(job, [0, 1, 2])
+    refused = [e for e in job.events() if e["event"] == "checkpoint_failed" and e["fenced"]
+               and e["pid"] == zombie and e["version"] == frozen["version"]]
+    assert refused and refused_by in refused[0]["error"], refused
+    assert frozen["version"] not in [r.step for r in CheckpointStore(url).list()], \
+        "the zombie published after the job moved on"

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
+import socket
+
+import pytest
 
 from elastic.cluster.ports import free_port
 from tests.scenarios.test_elastic_recovery import EPOCHS, SAMPLES, check_outcome
@@ -12,10 +16,34 @@ ARGS = ["--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--batch", "8", "--c
         "--step-ms", "100"]
 
 
-def test_storage_that_cannot_be_listed_at_a_re_formation_costs_warnings_not_the_job(make_job):
-    # An S3 endpoint where nothing listens: every listing and write fails after its retries.
+READ_TIMEOUT_S = 15  # how long the S3 client waits for an answer that never comes
+
+
+@contextlib.contextmanager
+def s3_endpoint(kind: str):
+    """The port of an S3 endpoint where nothing listens ("refused": every call fails at once),
+    or of one that accepts connections and never answers ("silent": the kernel completes the
+    handshake into the listen backlog, nobody reads)."""
+    if kind == "refused":
+        yield free_port()
+        return
+    with socket.create_server(("127.0.0.1", 0), backlog=128) as hole:
+        yield hole.getsockname()[1]
+
+
+@pytest.mark.parametrize("kind", ["refused", "silent"])
+def test_storage_that_cannot_be_listed_at_a_re_formation_costs_warnings_not_the_job(make_job,
+                                                                                    kind):
+    with s3_endpoint(kind) as port:
+        run_and_kill_one(make_job, port)
+
+
+def run_and_kill_one(make_job, port: int) -> None:
+    """Every listing and write fails (or never answers) after its retries (1 s)."""
     dead = {"key": "k", "secret": "s", "client_kwargs": {
-        "endpoint_url": f"http://127.0.0.1:{free_port()}", "region_name": "us-east-1"}}
+        "endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"},
+        "config_kwargs": {"connect_timeout": 2, "read_timeout": READ_TIMEOUT_S,
+                          "retries": {"max_attempts": 1}}}
     job = make_job(ARGS, {"ELASTIC_CHECKPOINT": "s3://nowhere/ckpt",
                           "FSSPEC_S3": json.dumps(dead), "ELASTIC_STORAGE_RETRY": "1"})
     job.start_together(range(3))
@@ -23,6 +51,11 @@ def test_storage_that_cannot_be_listed_at_a_re_formation_costs_warnings_not_the_
                    "a world of 3 training")
     job.signal(2, signal.SIGKILL)  # a re-formation, whose rank 0 lists the storage again
     codes = {i: job.wait_exit(i, timeout=180) for i in range(2)}
+    # The survivors' new round waited for the listing at most twice the retry time, never for
+    # the S3 client's read timeout.
+    detected = min(e["t"] for e in job.events() if e["event"] == "failure_detected")
+    resumed = [e["t"] for e in job.events() if e["event"] == "resumed" and e["t"] > detected]
+    assert resumed and resumed[0] - detected < READ_TIMEOUT_S / 2, job.tails()
     assert sorted(codes.values()) == [0, 1], job.tails()
     # Both trained to the end, exactly once, from the commits in memory; rank 0 (the only
     # writer) then says in one error that nothing of the run was saved.

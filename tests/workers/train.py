@@ -8,7 +8,10 @@ holds rank N, step), each leaving a marker;
 ``raise`` is a bug in the user's own code: a ``RuntimeError`` whose message reads like a network
 error;
 ``stop-commit`` freezes the worker right before its commit, so that the others wait for it inside
-the commit's membership agreement; ``slow`` makes one step last ``SLOW_STEP_MS`` (3000) longer.
+the commit's membership agreement; ``stop-durable`` freezes it right after an epoch's
+``commit(durable=True)`` returned, with the checkpoint's write in flight (``BALLAST_MB`` adds a
+tensor of that size to the state, so that the write lasts long enough to be caught); ``slow``
+makes one step last ``SLOW_STEP_MS`` (3000) longer.
 """
 
 from __future__ import annotations
@@ -62,27 +65,30 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def fire_faults(state: ElasticState, out: Path, index: int, at_commit: bool = False) -> None:
-    """Fires this worker's faults that are due: after a step, or (kinds ending in "-commit")
-    right before the commit() of a step."""
+def fire_faults(state: ElasticState, out: Path, index: int, moment: str = "step") -> None:
+    """Fires this worker's faults that are due at ``moment``: "step" (after a step), "commit"
+    (kinds ending in "-commit": right before the commit() of a step) or "durable" (kinds ending
+    in "-durable": right after an epoch's durable commit returned)."""
     for spec in filter(None, os.environ.get("FAULTS", "").split(",")):
         kind, who, step = spec.split(":")
         # who: a worker index, or "r0", "r1", ...: whichever worker holds that rank at the step
         mine = state.rank == int(who[1:]) if who.startswith("r") else int(who) == index
-        if not mine or state.step < int(step) or kind.endswith("-commit") != at_commit:
+        when = kind.rpartition("-")[2] if kind.endswith(("-commit", "-durable")) else "step"
+        if not mine or state.step < int(step) or when != moment:
             continue
         marker = out / f"fired-{kind}-{who}"
         if marker.exists():
             continue
         write_marker(marker, {"step": state.step, "rank": state.rank, "index": index,
-                              "world": state.world_size, "t": time.time()})
+                              "world": state.world_size, "version": state.version,
+                              "t": time.time()})
         if kind == "raise":
             raise RuntimeError("file closed: the user's own error (connection, socket, timeout)")
         if kind == "slow":  # one long step (no collective in it): a live member, only slow
             compute_for(float(os.environ.get("SLOW_STEP_MS", "3000")))
             continue
         sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP,
-               "stop-commit": signal.SIGSTOP}[kind]
+               "stop-commit": signal.SIGSTOP, "stop-durable": signal.SIGSTOP}[kind]
         os.kill(os.getpid(), sig)
 
 
@@ -100,7 +106,8 @@ def main() -> None:
     sampler = ElasticSampler(dataset, seed=7, batch_size=args.batch)
     state = ElasticState(model=model, optimizer=opt, sampler=sampler, epoch=0, step=0,
                          ledger=[[] for _ in range(args.epochs)],
-                         skipped=[[] for _ in range(args.epochs)])
+                         skipped=[[] for _ in range(args.epochs)],
+                         ballast=torch.zeros(int(os.environ.get("BALLAST_MB", "0")) << 18))
     progress = open(out / f"progress-{index}.jsonl", "a", buffering=1)
 
     def after_reset(s: ElasticState) -> None:
@@ -133,7 +140,7 @@ def main() -> None:
                 compute_for(args.step_ms)
                 if s.sampler.batches_done % args.commit_every == 0:
                     record(s, pending)
-                    fire_faults(s, out, index, at_commit=True)
+                    fire_faults(s, out, index, "commit")
                     s.commit()
                     if args.hold_at >= 0 and s.step >= args.hold_at:
                         hold_until_world(s, 3)
@@ -143,6 +150,7 @@ def main() -> None:
             s.skipped[s.epoch] = s.sampler.skipped_indices()
             s.epoch += 1
             s.commit(durable=True)
+            fire_faults(s, out, index, "durable")
         return {"loss": full_loss(s.model, dataset)}
 
     def record(s: ElasticState, pending: list[int]) -> None:
