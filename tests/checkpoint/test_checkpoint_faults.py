@@ -214,3 +214,16 @@ def test_retention_keeps_an_older_checkpoint_while_a_newer_one_fails_its_checksu
 
     assert [ref.step for ref in store.list()] == [1, 2, 3]  # 1 stays: 2 does not verify
     assert store.load(store.list()[0]).state_dict["w"][0] == 1.0
+
+
+def test_with_keep_one_a_newer_checkpoint_that_fails_its_checksum_never_costs_the_last_good_one(
+        faulty_fs) -> None:
+    store = CheckpointStore(URL, keep=1)
+    store.save(1, big_state(1.0))
+    faulty_fs.plan.corrupt = True  # step 2's payload rots as it is stored: same size
+    store.save(2, big_state(2.0))
+    assert faulty_fs.plan.fired == 1
+    assert 1 in [ref.step for ref in store.list()]  # 2 does not verify: 1 must stay
+    assert torch.equal(store.load().state_dict["w"], big_state(1.0)["w"])
+    store.save(3, big_state(3.0))  # a newer one that verifies: now 1 may go
+    assert [ref.step for ref in store.list()] == [3]

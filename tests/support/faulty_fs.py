@@ -1,6 +1,7 @@
 """A fault-injecting fsspec filesystem, registered as ``faultmem://``, and its fixture.
 
-Writes of one named file fail after a number of bytes, or stall until the test releases them.
+Writes of one named file fail after a number of bytes, rot (one byte flipped), or stall until the
+test releases them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class FaultPlan:
         fail_after_bytes: Raise once this many bytes of the target were written (None: never).
         failures: How many writes fail before the filesystem heals.
         error: Builds the exception to raise.
+        corrupt: Flip one byte of the next target write as it is stored (bit rot that keeps
+            the size: only a checksum can tell).
         gate: If set, every target write blocks until this Event is set.
         started: Set when a target write begins.
         fired: How many failures were injected.
@@ -34,6 +37,7 @@ class FaultPlan:
     fail_after_bytes: int | None = None
     failures: int = 1
     error: Callable[[], Exception] = lambda: OSError(28, "injected: no space left on device")
+    corrupt: bool = False
     gate: threading.Event | None = None
     started: threading.Event = field(default_factory=threading.Event)
     fired: int = 0
@@ -58,6 +62,12 @@ class _FaultyFile(MemoryFile):
                 super().write(memoryview(data)[: max(0, limit - self._written)])
                 raise plan.error()
             self._written += n
+            if plan.corrupt and n:
+                plan.corrupt = False
+                plan.fired += 1
+                rotten = bytearray(memoryview(data).cast("B"))
+                rotten[n // 2] ^= 0xFF
+                return super().write(bytes(rotten))
         return super().write(data)
 
 
