@@ -83,7 +83,8 @@ class DurableCommits:
         Args:
             round_: the round's number.
             claim_epoch: returns the job's fencing epoch, claiming the given floor if none.
-            confirm_lease: asks etcd whether this member's lease is still alive.
+            confirm_lease: asks etcd whether the lease of the identity that formed this round
+                is still alive (not a later identity's: ``Cluster.lease_confirmer``).
             floor: ``next_epoch`` of the store, when it was just listed; None claims it at
                 the first write instead.
         """

@@ -263,5 +263,5 @@ class RunLoop:
             log.warning("could not list %s while forming round %d (%s); going on from the "
                         "commits in memory", durable.url, topology.round, exc)
             version, floor = 0, None
-        durable.arm(topology.round, cluster.fencing_epoch, cluster.confirm_lease, floor)
+        durable.arm(topology.round, cluster.fencing_epoch, cluster.lease_confirmer(), floor)
         return version

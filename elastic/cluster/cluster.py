@@ -274,10 +274,12 @@ class Cluster:
             self._last = self.topology
         self.topology = None
 
-    def confirm_lease(self) -> bool:
-        """Asks etcd now whether this member's lease is alive (False once it is gone; True
-        while etcd cannot be reached, when only the fencing generation can refuse a writer)."""
-        return self.membership.confirm_lease()
+    def lease_confirmer(self) -> Callable[[], bool]:
+        """What asks etcd, when called, whether the lease of this member's identity *now* is
+        alive (False once it is gone; True while etcd cannot be reached, when only the fencing
+        generation can refuse a writer). Bound now: a write armed under this identity is never
+        confirmed by the lease of the identity it registers as after it was fenced."""
+        return self.membership.confirm_lease
 
     def fencing_epoch(self, floor: int) -> int:
         """The job's fencing epoch in this etcd: claimed once as ``floor`` (create-if-absent),

@@ -88,7 +88,7 @@ def test_a_rank_zero_frozen_with_its_durable_write_in_flight_never_publishes_it(
         make_job, tmp_path, woken, refused_by):
     url = str(tmp_path / "ckpt")
     job = make_job(["--epochs", "3", "--samples", "480", "--batch", "8", "--step-ms", "100"],
-                   {"ELASTIC_CHECKPOINT": url, "FAULTS": "stop-durable:r0:1", "BALLAST_MB": "64"})
+                   {"ELASTIC_CHECKPOINT": url, "FAULTS": "stop-durable:r0:1", "BALLAST_MB": "256"})
     job.start_together(range(3))
     job.wait_until(lambda: (job.out / "fired-stop-durable-r0").exists(), 90,
                    "rank 0 to freeze inside its first durable write")
@@ -114,8 +114,8 @@ def test_a_rank_zero_frozen_with_its_durable_write_in_flight_never_publishes_it(
     for index in range(3):
         assert job.wait_exit(index, timeout=180) == 0, job.tails()
     check_outcome(job, [0, 1, 2])
+    assert frozen["version"] not in [r.step for r in CheckpointStore(url).list()], \
+        "the zombie published after the job moved on"
     refused = [e for e in job.events() if e["event"] == "checkpoint_failed" and e["fenced"]
                and e["pid"] == zombie and e["version"] == frozen["version"]]
     assert refused and refused_by in refused[0]["error"], refused
-    assert frozen["version"] not in [r.step for r in CheckpointStore(url).list()], \
-        "the zombie published after the job moved on"

@@ -60,10 +60,11 @@ def run_and_kill_one(make_job, port: int) -> None:
     # Both trained to the end, exactly once, from the commits in memory; rank 0 (the only
     # writer) then says in one error that nothing of the run was saved.
     check_outcome(job, [i for i, code in codes.items() if code == 0])
-    logs = {i: (job.out / f"worker-{i}.log").read_text(errors="replace") for i in codes}
+    logs = {i: (job.out / f"worker-{i}.log").read_text(errors="replace") for i in range(3)}
     failed = next(i for i, code in codes.items() if code == 1)
     assert "DurableCommitsFailedError: none of the durable commits" in logs[failed]
-    # Whichever was rank 0 of each round (the newest holder: it may change) warned once.
+    # Whichever was rank 0 of each round (the newest holder: it may change, and the first
+    # round's may be the worker killed) warned once.
     assert "".join(logs.values()).count("going on from the commits in memory") >= 2, job.tails()
     assert [e for e in job.events() if e["event"] == "checkpoint_failed"], \
         "the failed durable writes were not recorded"
