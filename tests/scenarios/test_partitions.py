@@ -27,6 +27,12 @@ from tests.support.netns_hosts import Hosts, skip_without_namespaces
 pytestmark = pytest.mark.timeout(240)
 TTL_S = 2.0
 PEER_S = 2.5  # the default peer timeout
+# README's Known limits: a released gloo collective can stay blocked until it times out (seen in
+# about 1 of 10 runs of this test, on a survivor of any cut); README's advice, short collective
+# timeouts, bounds that wait here to seconds instead of 30 minutes.
+COLLECTIVE_S = 4.0
+SHORT_COLLECTIVES = {"ELASTIC_COLLECTIVE_TIMEOUT": str(COLLECTIVE_S), "ELASTIC_FORM_TIMEOUT": "3",
+                     "ELASTIC_SYNC_TIMEOUT": str(COLLECTIVE_S)}
 HOSTS = ["etcd", "h1", "h2", "h3"]
 
 
@@ -50,7 +56,7 @@ class Job:
                 "PYTHONPATH": str(REPO), "ELASTIC_ETCD": self.url, "ELASTIC_JOB_ID": "part",
                 "ELASTIC_ADVERTISE_ADDR": hosts.addresses[host], "GLOO_SOCKET_IFNAME": "eth0",
                 "ELASTIC_LEASE_TTL": str(TTL_S), "ELASTIC_LOG_DIR": str(self.log_dir),
-                "OMP_NUM_THREADS": "1"})
+                "OMP_NUM_THREADS": "1", **SHORT_COLLECTIVES})
 
     def _start(self, host: str, argv: list[str], extra: dict[str, str]) -> None:
         env = {k: v for k, v in os.environ.items()
@@ -127,6 +133,9 @@ def cut_and_heal(job: Job, host: str, etcd: bool, peers: bool) -> float:
     wait_for(job, lambda: all(job.resumed(h, cut_at, 2) for h in others), 30,
              f"{' and '.join(others)} to go on in a world of 2 without {host}")
     went_on = max(job.resumed(h, cut_at, 2)[0]["t"] for h in others) - cut_at
+    # The gloo release race (Known limits): a survivor's send waited for its timeout.
+    raced = any(e["event"] == "failure_detected" and "for send operation" in e.get("error", "")
+                and e["t"] > cut_at for e in events(job.log_dir))
     healed_at = time.time()
     assert not [e for e in events(job.log_dir) if e["pid"] == job.pid(host)
                 and e["t"] > cut_at and e["event"] == "resumed"], f"{host} trained while cut off"
@@ -134,6 +143,9 @@ def cut_and_heal(job: Job, host: str, etcd: bool, peers: bool) -> float:
     wait_for(job, lambda: all(job.resumed(h, healed_at, 3) for h in ("h1", "h2", "h3")), 60,
              "the healed host to rejoin a world of 3")
     assert job.member(host) != old_member, f"{host} came back under its old identity"
+    # TTL + 1 s is the target (benchmarks/soak.py); the bound leaves room for a loaded CI box.
+    bound = TTL_S + 4 + (COLLECTIVE_S if raced else 0)
+    assert went_on < bound, f"the majority went on {went_on:.2f} s after {host} was cut"
     return went_on
 
 
@@ -141,9 +153,7 @@ def test_a_host_cut_from_etcd_its_peers_or_everything_is_dropped_and_rejoins_whe
         job: Job):
     wait_for(job, lambda: all(job.resumed(h, 0, 3) for h in ("h1", "h2", "h3")), 90,
              "a world of 3")
-    # Not rank 0: its cut from etcd can hit the gloo release race of README's Known limits.
-    from_etcd = cut_and_heal(job, next(h for h in ("h1", "h2", "h3") if h != rank_zero(job)),
-                             etcd=True, peers=False)
+    from_etcd = cut_and_heal(job, "h1", etcd=True, peers=False)
     # rank 0 holds every agreement connection: its cut is the one that splits the job
     from_peers = cut_and_heal(job, rank_zero(job), etcd=False, peers=True)
     from_all = cut_and_heal(job, next(h for h in ("h1", "h2", "h3") if h != rank_zero(job)),
@@ -152,5 +162,3 @@ def test_a_host_cut_from_etcd_its_peers_or_everything_is_dropped_and_rejoins_whe
           f"{from_peers:.2f} s after rank 0's host was cut from its peers (peer timeout "
           f"{PEER_S:g} s), {from_all:.2f} s after a host was cut from everything (lease TTL "
           f"{TTL_S:g} s)")
-    # TTL + 1 s is the target (benchmarks/soak.py); the bound leaves room for a loaded CI box.
-    assert max(from_etcd, from_peers, from_all) < TTL_S + 4, (from_etcd, from_peers, from_all)
