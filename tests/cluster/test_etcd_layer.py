@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import subprocess
 import sys
@@ -127,14 +128,18 @@ def test_watches_created_while_etcd_is_frozen_each_get_their_own_events(private_
                 arrived.notify_all()
         return on_events
 
+    gave_up = _LogSeen("watch on /t/b/ broke")
+    watch_log = logging.getLogger("elastic.cluster")
+    level = watch_log.level
+    watch_log.setLevel(logging.DEBUG)
+    watch_log.addHandler(gave_up)
     try:
         _, revision = client.get_prefix("/t/")  # connected before etcd freezes
         private_etcd.pause()
         try:
-            cancels = [client.watch_prefix("/t/b/", revision + 1, collect("/t/b/"))]
-            time.sleep(1.5)  # b's first create is pending: c's waits behind it
-            cancels.append(client.watch_prefix("/t/c/", revision + 1, collect("/t/c/")))
-            time.sleep(3.0)  # b's create gave up (the RPC timeout) and c's went out
+            # b's create goes out first; c's waits behind it and goes out once b's gives up
+            cancels = [client.watch_prefix(p, revision + 1, collect(p)) for p in got]
+            assert gave_up.wait(30), "b's watch create never gave up while etcd was frozen"
         finally:
             private_etcd.resume()
         client.put("/t/c/x", "1")
@@ -145,7 +150,25 @@ def test_watches_created_while_etcd_is_frozen_each_get_their_own_events(private_
         for cancel in cancels:
             cancel()
     finally:
+        watch_log.removeHandler(gave_up)
+        watch_log.setLevel(level)
         client.close()
+
+
+class _LogSeen(logging.Handler):
+    """Turns set once a log record containing ``text`` is emitted (any thread)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.text = text
+        self._seen = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self._seen.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._seen.wait(timeout_s)
 
 
 def test_an_unreachable_etcd_raises_after_the_retry_deadline_naming_the_url():
