@@ -67,6 +67,8 @@ class Coordinator:
         self._members: dict[str, int] = {}
         self._joins: dict[int, dict[str, KeyValue]] = {}
         self._dones: dict[int, set[str]] = {}
+        self._gones: dict[int, dict[str, KeyValue]] = {}
+        self._closed = 0  # the newest round this leader closed (its watch may not show it yet)
         self._round = 0
         self._latest = 0  # the ``round`` counter as last seen (by the snapshot or the watch)
         self._round_revision = 0
@@ -174,8 +176,9 @@ class Coordinator:
         """Reads the job once, then follows it by watch from that revision."""
         with self._changed:
             self.is_leading = True
-            self._members, self._joins, self._dones = {}, {}, {}
+            self._members, self._joins, self._dones, self._gones = {}, {}, {}, {}
             self._round, self._latest, self._plan, self._monitor = 0, 0, None, None
+            self._closed = 0
             self._broken, self._seen, self._lost = "", None, False
         self._cancel_watch = self._client.follow_prefix(self._keys.prefix, self._on_job_events)
         self._step()
@@ -236,6 +239,12 @@ class Coordinator:
                 joins.pop(member, None)
         elif e.key.startswith(keys.dones(n)) and e.kind == "put":
             self._dones.setdefault(n, set()).add(e.key[len(keys.dones(n)):])
+        elif e.key.startswith(keys.gones(n)):
+            gones = self._gones.setdefault(n, {})
+            if e.kind == "put":
+                gones[e.key] = KeyValue(e.key, e.value, e.revision, e.create_revision, e.lease)
+            else:
+                gones.pop(e.key, None)
 
     # -- one step ------------------------------------------------------------------------------
     def _step(self) -> None:
@@ -256,6 +265,7 @@ class Coordinator:
         with self._changed:
             self._round, self._plan, self._broken = latest, plan, ""
             self._joins = {n: j for n, j in self._joins.items() if n > latest}
+            self._gones = {n: g for n, g in self._gones.items() if n > latest}
             self._checked = {k: r for k, r in self._checked.items()
                              if (self._keys.round_of(k[0]) or 0) > latest}
             self._dones = {n: d for n, d in self._dones.items() if n >= latest}
@@ -315,9 +325,12 @@ class Coordinator:
     def _close_next(self) -> None:
         """Closes round ``R + 1`` when its join requests allow (``Rendezvous.verdict``)."""
         n = self._round + 1
+        if n <= self._closed:
+            return  # closed by this leader: its watch brings the new round next
         with self._changed:
             leases = dict(self._members)
             joins = list(self._joins.get(n, {}).values())
+            gone = list(self._gones.get(n, {}).values())
             revision = self._round_revision if self._round else 0
         requests = [r for r in (self._admissible(n, kv, leases) for kv in joins)
                     if r is not None]
@@ -333,11 +346,11 @@ class Coordinator:
         since = self._rejoin_since
         waited = now - since[1] if since is not None and since[0] == n else 0.0
         cut = self._rendezvous.verdict(n, requests, leases, plan, now - self._last_change,
-                                       waited) if requests else None
+                                       waited, gone) if requests else None
         if cut is None:
             return
         if self._rendezvous.close(n, revision, requests, self._plan, cut):
-            self._poke()  # follow the new round at once
+            self._closed = n
 
     def _admissible(self, n: int, kv: KeyValue, leases: dict[str, int]) -> JoinRequest | None:
         """``Rendezvous.admissible``, once per version of a request and of its member's lease

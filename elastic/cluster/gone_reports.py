@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from elastic.cluster.etcd_client import EtcdClient
+from elastic.cluster.etcd_client import EtcdClient, KeyValue
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.records import SkippedRecords
 from elastic.cluster.roll_call import Evidence
@@ -54,10 +54,13 @@ class GoneReports:
                 dead.append(member)
         return dead
 
-    def read(self, n: int, previous: list[str], leases: dict[str, int]) -> list[Evidence]:
+    def read(self, n: int, previous: list[str], leases: dict[str, int],
+             kvs: list[KeyValue] | None = None) -> list[Evidence]:
         """The credible reports about round ``n - 1`` (``previous``: its members, rank 0
-        first; ``leases``: every registered member's lease)."""
-        kvs, _ = self._client.get_prefix(self._keys.gones(n))
+        first; ``leases``: every registered member's lease), from ``kvs`` (the keys under
+        ``rounds/{n}/gone/``, as a watch of them holds them) or else read from etcd."""
+        if kvs is None:
+            kvs, _ = self._client.get_prefix(self._keys.gones(n))
         reports = []
         for kv in kvs:
             report = Evidence.read(kv.key[len(self._keys.gones(n)):], kv.value, kv.lease)

@@ -102,15 +102,21 @@ class NewsMonitor:
         self.reason = ""
         self._round: int | None = None
         self._broken = False
+        self._latest: RoundNews | None = None  # the newest news the watch brought, armed or not
 
     def arm(self, topology: "Topology", client: EtcdClient) -> None:
-        """Starts tracking a newly formed round; reads the news once (one key), so that news
-        written while this member was forming is acted on now."""
+        """Starts tracking a newly formed round and acts on the news written while this member
+        was forming: the newest the watch brought, or, when the watch has not yet brought the
+        news of this round, the record itself (one read)."""
         with self._lock:
             self._round = topology.round
             self._broken = False
             self.pending.clear()
             self.reason = ""
+            latest = self._latest
+        if latest is not None and latest.round >= topology.round:
+            self._apply(latest)
+            return
         kv = client.get(self._keys.news)
         if kv is not None:
             self.on_events([WatchEvent("put", kv.key, kv.value, kv.mod_revision)])
@@ -139,7 +145,14 @@ class NewsMonitor:
         read = read_news(self._keys, events, self._skipped)
         if read is None:
             return
-        news = read[0]  # news only adds to a round (pending, broken): an older copy does no harm
+        with self._lock:
+            if self._latest is None or read[0].round >= self._latest.round:
+                self._latest = read[0]
+        self._apply(read[0])
+
+    def _apply(self, news: RoundNews) -> None:
+        """Acts on ``news`` if it is of the tracked round. News only adds to a round (pending,
+        broken): an older copy, or the same one twice, does no harm."""
         broken = None
         with self._lock:
             if self._round is None or news.round != self._round:

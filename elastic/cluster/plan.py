@@ -192,14 +192,17 @@ def assign_ranks(requests: list[JoinRequest], previous: list[str], round_: int,
     old_rank = {member: i for i, member in enumerate(previous)}
     ordered = sorted(requests, key=lambda r: (-r.version, old_rank.get(r.member_id, len(previous)),
                                               r.revision, r.member_id))
-    waiting = [r for r in ordered if r.standby and r.member_id not in old_rank]
-    candidates = [r for r in ordered if r not in waiting]
-    places = max(len(previous), min_workers) - len(candidates)
-    candidates += waiting[:max(0, places)]
-    candidates.sort(key=ordered.index)
+    # Positions and ids, not the requests themselves: comparing requests is slow, and these
+    # lists hold every member of the job.
+    waiting = [i for i, r in enumerate(ordered) if r.standby and r.member_id not in old_rank]
+    taken = set(range(len(ordered))).difference(waiting)
+    places = max(len(previous), min_workers) - len(taken)
+    taken.update(waiting[:max(0, places)])
+    candidates = [ordered[i] for i in sorted(taken)]
     cut = len(candidates) if max_workers is None else max_workers
     chosen = candidates[:cut]
-    spares = [r for r in ordered if r not in chosen]
+    chosen_ids = {r.member_id for r in chosen}
+    spares = [r for r in ordered if r.member_id not in chosen_ids]
     return Plan(round=round_, ranks=[r.member_id for r in chosen],
                 spares=[r.member_id for r in spares], master_addr=chosen[0].addr,
                 master_port=chosen[0].port, versions={r.member_id: r.version for r in requests})

@@ -170,7 +170,7 @@ class Rendezvous:
         self._coordinator.start()
         while True:
             self._membership.check_not_fenced()
-            n = self.latest_round() + 1
+            n = self._news_now().round + 1  # written with ``round`` by every close
             if self._last_round and n - 1 > self._last_round:  # it went on: without this one?
                 self._check_not_cut(self.read_plan(self._last_round + 1))
             # A warm spare's joins never ask the running members to re-form.
@@ -227,7 +227,8 @@ class Rendezvous:
                     self._changed.wait(timeout=self.config.timeouts.wake.total_seconds())
 
     def verdict(self, n: int, requests: list[JoinRequest], live: dict[str, int],
-                previous: Plan | None, quiet_s: float, waited_s: float) -> frozenset[str] | None:
+                previous: Plan | None, quiet_s: float, waited_s: float,
+                gone: list[KeyValue] | None = None) -> frozenset[str] | None:
         """Whether round ``n`` may close now (asked by the coordinator), and without whom.
 
         The rules are a first round's (``plan.should_close``, and the old world of members
@@ -239,6 +240,8 @@ class Rendezvous:
             live: every registered member's lease, by member id.
             waited_s: seconds since the first request of a member of round ``n - 1`` (for a
                 first round: of a member that was in a round before).
+            gone: the keys under ``rounds/{n}/gone/`` as the caller's watch holds them (None:
+                read them from etcd).
 
         Returns:
             None while the round may not close; else the members to name cut off in it: the
@@ -258,7 +261,7 @@ class Rendezvous:
                             "(ELASTIC_REJOIN_TIMEOUT)", n, short, rejoin)
             return frozenset()
         joined = {r.member_id for r in requests}
-        reports = self._gone.read(n, previous.ranks, live)
+        reports = self._gone.read(n, previous.ranks, live, gone)
         roll = RollCall(previous.ranks, dead(previous.ranks, joined, reports), waited_s,
                         rejoin.total_seconds())
         if not may_close(requests, members, roll, quiet_s, self.rule):

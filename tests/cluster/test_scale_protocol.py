@@ -96,6 +96,44 @@ def test_a_change_costs_each_member_a_few_events_and_never_another_members_recor
             m.leave()
 
 
+class CountingClient(EtcdClient):
+    """An etcd client that keeps the description of every request it sends."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sent: list[str] = []
+
+    def _call(self, op, what, retry_for=None):
+        self.sent.append(what)
+        return super()._call(op, what, retry_for)
+
+
+def test_a_death_costs_each_survivor_one_write_and_one_read_and_the_plan_is_written_once(etcd):
+    counting = CountingClient(etcd.url)
+    members = [Member(counting, "scale-requests") for _ in range(12)]
+    try:
+        first = form_all(members, "start")
+        victim = next(m for m, t in zip(members, first) if t.rank == 11)
+        survivors = [m for m in members if m is not victim]
+        counting.sent.clear()
+        counting.revoke(victim.membership.lease)
+        assert all(m.broken.wait(WAIT_S) for m in survivors)
+        form_all(survivors, "failure")
+        sent = [w for w in counting.sent if w != "lease keepalive"]
+        joins = [w for w in sent if w.startswith("put ") and "/join/" in w]
+        reads = [w for w in sent if w.startswith("get ")]
+        plans = [w for w in sent if w.startswith("create ") and w.endswith("/plan")]
+        assert len(joins) == len(survivors)
+        assert len(plans) == 1
+        # Each survivor reads the new plan (and, when its watch is slower than its read, the
+        # news once more); the coordinator reads the plan, the news and the joins it follows.
+        assert len(reads) < 2 * len(survivors), reads
+    finally:
+        for m in members:
+            m.leave()
+        counting.close()
+
+
 def test_the_newest_holder_is_rank_0_of_a_round_closed_by_the_coordinator(client):
     members = [Member(client, "scale-newest", version=v) for v in (3, 9, 5)]
     try:
