@@ -110,9 +110,10 @@ class Plan:
         versions = data.get("versions", {})
         if type(versions) is not dict:
             raise RecordError(f"versions is a {type(versions).__name__}, not an object")
+        records.member_ids("a member of versions", list(versions))
         for member, version in versions.items():
-            records.member_id("a member of versions", member)
-            records.integer(f"the version of {member}", version, 0, MAX_VERSION)
+            if type(version) is not int or not 0 <= version <= MAX_VERSION:  # a message, once
+                records.integer(f"the version of {member}", version, 0, MAX_VERSION)
         return Plan(round=round_, ranks=ranks, spares=spares,
                     master_addr=records.address("master_addr",
                                                 data.get("master_addr", "127.0.0.1")),
@@ -124,7 +125,7 @@ class Plan:
 def _member_list(name: str, value: object, minimum: int) -> list[str]:
     if type(value) is not list or len(value) < minimum:
         raise RecordError(f"{name} is not a list of at least {minimum} member ids")
-    members = [records.member_id(f"an entry of {name}", member) for member in value]
+    members = records.member_ids(f"an entry of {name}", value)
     if len(set(members)) != len(members):
         raise RecordError(f"{name} names a member twice")
     return members

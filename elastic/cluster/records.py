@@ -92,6 +92,20 @@ def member_id(name: str, value: Any) -> str:
     return value
 
 
+def member_ids(name: str, values: list[Any]) -> list[str]:
+    """``values`` if each can be a member id (``member_id``), checked in a few passes over them
+    all: a plan names every member of the job.
+
+    Raises:
+        RecordError: an entry is not a member id.
+    """
+    if all(type(v) is str and 0 < len(v) <= _MAX_MEMBER_ID for v in values):
+        joined = "".join(values)
+        if joined.isprintable() and "/" not in joined and " " not in joined:
+            return values
+    return [member_id(name, value) for value in values]  # raises, naming the entry
+
+
 def address(name: str, value: Any) -> str:
     """``value`` if it is an IP address or a host name.
 

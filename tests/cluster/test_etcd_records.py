@@ -69,6 +69,12 @@ def test_a_plan_is_checked_against_its_round_and_its_fields():
                 raw.replace(b'"master_port": 29400', b'"master_port": -1'),
                 raw.replace(b'"ranks": ["a-1-x", "b-2-y"]', b'"ranks": []'),
                 raw.replace(b'"ranks": ["a-1-x", "b-2-y"]', b'"ranks": ["a-1-x", "a-1-x"]'),
+                raw.replace(b'"ranks": ["a-1-x", "b-2-y"]', b'"ranks": ["a-1-x", "b/2-y"]'),
+                raw.replace(b'"ranks": ["a-1-x", "b-2-y"]', b'"ranks": ["a-1-x", 7]'),
+                raw.replace(b'"ranks": ["a-1-x", "b-2-y"]', b'"ranks": ["a-1-x", "b 2"]'),
+                raw.replace(b'"ranks": ["a-1-x", "b-2-y"]', b'"ranks": ["a-1-x", "\\n"]'),
+                raw.replace(b'"spares": ["c-3-z"]', b'"spares": [""]'),
+                raw.replace(b'"b-2-y": 5', b'"b/2-y": 5'),
                 raw.replace(b'"b-2-y": 5', b'"b-2-y": "5"'), b"garbage"):
         assert bad != raw
         with pytest.raises(RecordError):
