@@ -33,9 +33,9 @@ class Timeouts:
     """Every timeout and interval of a worker and its launcher; see each field.
 
     The order it enforces (``validate``): 2 x keepalive < lease_ttl; peer_probe <= peer;
-    settle and node_settle < rendezvous; settle and node_settle < rejoin; form < collective;
-    sync <= collective; etcd_rpc <= etcd_retry <= etcd_outage; backoff and reconnect <=
-    backoff_max. A frozen worker, or one cut from etcd, is dropped within lease_ttl (+ form
+    settle and node_settle < rendezvous; settle and node_settle < rejoin; release < rejoin;
+    form < collective; sync <= collective; etcd_rpc <= etcd_retry <= etcd_outage; backoff and
+    reconnect <= backoff_max. A frozen worker, or one cut from etcd, is dropped within lease_ttl (+ form
     while its survivors connect); one cut from its peers within peer + peer_probe; a killed
     one at once.
     """
@@ -61,6 +61,13 @@ class Timeouts:
     waits for a live member of the previous round (one inside a long step, say) that has not
     asked to join; a member that died is not waited for (its connection ended, or its lease is
     gone), so this bounds only a live member that never comes back."""
+    release: timedelta = _entry(30, "ELASTIC_RELEASE_GRACE")
+    """Default 30 s (``ELASTIC_RELEASE_GRACE``, ``--release-grace``): how long the training
+    thread may stay inside its step after a peer failure released the round. Past it the
+    worker leaves the job and restarts in place (same process id, command line and
+    environment) as a new member: its collective was not woken (a gloo race, see the README's
+    Known limits), or its step runs longer than this without any collective. Under
+    ``rejoin``."""
     rendezvous: timedelta = _entry(300, "ELASTIC_RENDEZVOUS_TIMEOUT")
     """Default 300 s (``ELASTIC_RENDEZVOUS_TIMEOUT``, ``--rendezvous-timeout``): how long a
     round may wait for ``min_workers`` before ``RendezvousTimeoutError``."""
@@ -160,6 +167,8 @@ class Timeouts:
         "lease_ttl": "seconds without a keepalive before a worker is dropped",
         "settle": "seconds a round waits for more joiners once it could close",
         "rejoin": "seconds a re-formation waits for a live member of the last round",
+        "release": "seconds a step may stay blocked after a peer failure released its round "
+                   "before the worker restarts in place",
         "rendezvous": "seconds a round may wait for --min-workers",
         "form": "seconds forming a round's process group may take",
         "peer": "seconds a silent link between two workers is given before it counts as cut",
@@ -237,6 +246,7 @@ class Timeouts:
         self._check("node_settle", "rendezvous")
         self._check("settle", "rejoin")
         self._check("node_settle", "rejoin")
+        self._check("release", "rejoin")
         self._check("form", "collective")
         self._check("sync", "collective", or_equal=True)
         self._check("etcd_rpc", "etcd_retry", or_equal=True)

@@ -19,8 +19,8 @@ import tenacity
 
 from elastic.cluster.agreement_channel import AgreementChannel
 from elastic.cluster.ports import answers, free_port
-from elastic.errors import (CutOffError, EtcdUnavailableError, FencedError, LeaveInterrupt,
-                            PeerFailureError, RendezvousTimeoutError)
+from elastic.errors import (CutOffError, EtcdAccessError, EtcdUnavailableError, FencedError,
+                            LeaveInterrupt, PeerFailureError, RendezvousTimeoutError)
 from elastic.cluster.etcd_client import EtcdClient, parse_endpoints
 from elastic.events import EventLog, Stopwatch
 from elastic.cluster.keys import JobKeys
@@ -31,6 +31,8 @@ from elastic.cluster.news import NewsMonitor
 from elastic.cluster.process_group import ProcessGroup, cuda_device_count, resolve_backend
 from elastic.cluster.records import SkippedRecords
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
+from elastic.cluster.release_watchdog import ReleaseWatchdog
+from elastic.cluster.restart_in_place import restart_in_place
 from elastic.cluster.round_links import RoundLinks
 from elastic.cluster.round_store import RoundStore, reach
 from elastic.settings import WorkerSettings
@@ -72,6 +74,7 @@ class Cluster:
         self._last: Topology | None = None  # the round of the retired channel
         self._probed = 0  # the round whose rank 0 this worker last checked it could reach
         self.links = RoundLinks(self.group, AgreementChannel(0, 1, self.group.timeout))
+        self.stuck = ReleaseWatchdog(timeouts.release, self._restart_in_place)
         self.skipped = SkippedRecords()  # malformed records read from etcd, warned once each
         self._said_committed = False
         self.membership: EtcdMembership
@@ -89,14 +92,38 @@ class Cluster:
         self.rendezvous = Rendezvous(self.client, self.membership, self.config, self.skipped)
         self.monitor = NewsMonitor(self.keys, self._on_broken, self.skipped)
         self.membership.add_listener(self.monitor.on_events)
-        self.membership.on_fenced(lambda: self.release("this member was fenced"))
+        self.membership.on_fenced(lambda: self._release_for_peers("this member was fenced"))
         self.membership.register()
         self.events.bind(member=self.membership.member_id)
         self.events.emit("joined", lease_ttl_s=self.settings.timeouts.lease_ttl.total_seconds())
 
     def _on_broken(self, reason: str) -> None:
         self.events.emit("failure_detected", reason=reason, source="watch")
+        self._release_for_peers(reason)
+
+    def _release_for_peers(self, reason: str) -> None:
+        """Releases the round because the others go on without it (a member is gone, or this
+        one was fenced); the training thread must now drop the round within the release
+        grace."""
+        self.monitor.if_armed(lambda: self.stuck.arm(reason))  # before the drop can come
         self.release(reason)
+
+    def _restart_in_place(self, reason: str) -> None:
+        """The release watchdog's verdict: leaves the job (so that nobody waits for this
+        member) and replaces the process with a fresh run of its command."""
+        log.error("the training thread is still inside its step %s after the round was "
+                  "released (%s): a collective that the release did not wake, or a step with "
+                  "no collective longer than ELASTIC_RELEASE_GRACE; leaving the job and "
+                  "restarting this worker in place", self.stuck.grace, reason)
+        self.events.emit("restarting_in_place", reason=reason,
+                         grace_s=self.stuck.grace.total_seconds())
+        try:
+            self.rendezvous.stop()
+            self.membership.leave()
+        except (EtcdUnavailableError, EtcdAccessError, FencedError) as exc:
+            log.warning("could not leave the job before restarting (%s); the lease expires "
+                        "in %s", exc, self.settings.timeouts.lease_ttl)
+        restart_in_place()
 
     def release(self, reason: str) -> None:
         """Unblocks every collective and agreement of the round now; safe from any thread."""
@@ -270,6 +297,7 @@ class Cluster:
 
     def _drop_group(self) -> None:
         self.links.drop()
+        self.stuck.disarm()
         if self.topology is not None:
             self._last = self.topology
         self.topology = None
@@ -330,6 +358,7 @@ class Cluster:
         """Destroys the group, leaves the job (revoking the lease) and closes the client."""
         self.monitor.disarm()
         self.links.close()
+        self.stuck.disarm()
         self.topology = None
         self.rendezvous.stop()
         self.membership.leave()

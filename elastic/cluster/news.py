@@ -121,6 +121,14 @@ class NewsMonitor:
         if kv is not None:
             self.on_events([WatchEvent("put", kv.key, kv.value, kv.mod_revision)])
 
+    def if_armed(self, action: Callable[[], None]) -> None:
+        """Runs ``action`` if a formed round is tracked (not while forming, nor once finished),
+        under the lock that ``disarm`` takes: it runs before a re-formation starts, or not at
+        all."""
+        with self._lock:
+            if self._round is not None:
+                action()
+
     def disarm(self) -> None:
         """Stops tracking (during a re-formation nothing may release the group being formed)."""
         with self._lock:

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 DEFAULTS_S = {
     "lease_ttl": 3, "keepalive": 0.75, "settle": 0.5, "node_settle": 1, "rejoin": 120,
-    "rendezvous": 300, "peer": 2.5, "peer_probe": 1,
+    "release": 30, "rendezvous": 300, "peer": 2.5, "peer_probe": 1,
     "admit": 1800, "form": 20, "store": 60, "collective": 1800, "sync": 300, "finish": 300,
     "progress": 0.5, "storage_retry": 60, "etcd_rpc": 3, "etcd_retry": 10, "etcd_outage": 600,
     "connect": 5,
@@ -35,7 +35,7 @@ DEFAULTS_S = {
 # (shorter, longer, may they be equal): the hierarchy, as README.md states it.
 ORDER = [("keepalive", "lease_ttl", False), ("peer_probe", "peer", True), ("settle", "rendezvous", False),
          ("node_settle", "rendezvous", False), ("settle", "rejoin", False),
-         ("node_settle", "rejoin", False),
+         ("node_settle", "rejoin", False), ("release", "rejoin", False),
          ("form", "collective", False),
          ("sync", "collective", True), ("etcd_rpc", "etcd_retry", True),
          ("etcd_retry", "etcd_outage", True),
@@ -162,7 +162,7 @@ def test_a_derived_table_is_validated_too():
 def test_the_flags_of_elastic_run_set_their_fields_on_top_of_the_environment(monkeypatch):
     assert {n: Timeouts.flag_name(n) for n in Timeouts.FLAGS} == {
         "lease_ttl": "--lease-ttl", "settle": "--settle", "rejoin": "--rejoin-timeout",
-        "rendezvous": "--rendezvous-timeout",
+        "release": "--release-grace", "rendezvous": "--rendezvous-timeout",
         "form": "--form-timeout", "collective": "--collective-timeout", "grace": "--grace",
         "etcd_outage": "--etcd-outage", "peer": "--peer-timeout"}
     monkeypatch.setenv("ELASTIC_FORM_TIMEOUT", "40")

@@ -87,6 +87,11 @@ def fire_faults(state: ElasticState, out: Path, index: int, moment: str = "step"
         if kind == "slow":  # one long step (no collective in it): a live member, only slow
             compute_for(float(os.environ.get("SLOW_STEP_MS", "3000")))
             continue
+        if kind == "stuck":  # blocked like a collective that its release did not wake
+            wake, keep_open = os.pipe()
+            os.read(wake, 1)  # nothing ever writes: only a restart in place ends this
+            os.close(keep_open)
+            continue
         sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP,
                "stop-commit": signal.SIGSTOP, "stop-durable": signal.SIGSTOP}[kind]
         os.kill(os.getpid(), sig)

@@ -1,0 +1,36 @@
+"""End to end: a worker whose step stays blocked after a peer failure released its round.
+
+gloo can leave a send blocked past the release of its group (README, Known limits); the
+``stuck`` fault blocks the training thread the same way (a read that nothing ever answers)
+right when another worker dies. Without a remedy the job waits ``--rejoin-timeout`` (120 s)
+for the blocked member and that member waits for the collective timeout (30 minutes).
+"""
+
+from __future__ import annotations
+
+import signal
+
+from tests.scenarios.test_elastic_recovery import ARGS, check_outcome
+
+GRACE_S = 3.0
+
+
+def test_a_worker_blocked_after_its_round_was_released_restarts_in_place_and_rejoins(make_job):
+    job = make_job(ARGS + ["--step-ms", "100"],
+                   {"FAULTS": "kill:1:20,stuck:2:20", "ELASTIC_RELEASE_GRACE": str(GRACE_S)})
+    job.start_together(range(3))
+    assert job.wait_exit(1) == -signal.SIGKILL
+    stuck_at = job.fired("stuck", 2)["t"]
+    job.wait_until(lambda: any(e["event"] == "restarting_in_place" for e in job.events()), 60,
+                   "the blocked worker to restart in place")
+    restart = next(e for e in job.events() if e["event"] == "restarting_in_place")
+    assert restart["t"] - stuck_at < GRACE_S + 10
+    # The job went on without waiting for the blocked member's --rejoin-timeout (120 s) ...
+    job.wait_until(lambda: any(e["event"] == "resumed" and e["t"] > restart["t"]
+                               for e in job.events()), 60, "the job to go on")
+    # ... and the restarted process (the same pid: its launcher keeps it) came back and finished.
+    assert job.wait_exit(0) == 0 and job.wait_exit(2) == 0
+    results = check_outcome(job, [0, 2])
+    assert results[1]["params"] == results[0]["params"]
+    rejoined = [e for e in job.events() if e["event"] == "joined" and e["t"] > restart["t"]]
+    assert rejoined, "the restarted worker never registered again"
