@@ -28,7 +28,8 @@ from elastic.checkpoint.errors import (
 from elastic.checkpoint.listing import CheckpointRef, Scan, scan_checkpoints
 from elastic.checkpoint.manifest import MANIFEST_NAME, Manifest, checked_metadata, step_dir_name
 from elastic.checkpoint.payload import (PAYLOAD_NAME, HostStaging, read_payload, to_host,
-                                        verify_payload, write_payload)
+                                        write_payload)
+from elastic.checkpoint.retention import Retention
 
 logger = logging.getLogger(__name__)
 #: Storage failures that a write translates into CheckpointWriteError.
@@ -76,7 +77,7 @@ class CheckpointStore:
         self._storage = Storage(fs, root, retry_for)
         self._url = url
         self._keep = keep
-        self._verified: set[int] = set()  # steps whose payload this store read back intact
+        self._retention = Retention(self._storage, keep, url)
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._in_flight: Future[CheckpointRef] | None = None
@@ -216,7 +217,7 @@ class CheckpointStore:
             self._writing_step = None
         logger.info("checkpoint step %d written to %s", step, self._dir_url(step))
         try:
-            self._apply_retention()
+            self._retention.apply(self._scan(), self._writing_step)
         except CheckpointError as exc:  # published already; retention retries on the next save
             logger.warning("retention after step %d failed: %s", step, exc)
         return CheckpointRef(step, self._dir_url(step), manifest)
@@ -242,6 +243,7 @@ class CheckpointStore:
             raise
         except _WRITE_FAILURES as exc:
             self._discard(step_dir)
+            self._check_fence_after(exc, meta.get("generation"), step)
             raise CheckpointWriteError(
                 f"writing checkpoint step {step} to {self._dir_url(step)} failed: {exc!r}. "
                 f"Earlier checkpoints are intact; training can go on and save again.") from exc
@@ -253,6 +255,21 @@ class CheckpointStore:
             logger.warning("could not remove the unfinished checkpoint %s (%r); it is ignored "
                            "by readers and removed by a later save", step_dir, exc)
 
+    def _check_fence_after(self, exc: BaseException, generation: int | None, step: int) -> None:
+        """After a failed write: ``CheckpointFencedError`` if a newer generation published
+        meanwhile (whose cleanup of unfinished writes may be why this one failed). When the
+        storage cannot even be listed, the write's own error stands."""
+        if generation is None:
+            return
+        try:
+            scan = self._scan()
+        except CheckpointError:
+            return
+        try:
+            self._check_fence(scan, generation, step)
+        except CheckpointFencedError as fenced:
+            raise fenced from exc
+
     def _check_fence(self, scan: Scan, generation: int | None, step: int) -> None:
         if generation is None:
             return
@@ -262,67 +279,6 @@ class CheckpointStore:
                 f"step {step} from generation {generation} was not published: generation "
                 f"{newest} has already written to {self._url}. This writer is stale; rejoin the "
                 f"job to get the current generation.")
-
-    def _apply_retention(self) -> None:
-        """Removes complete checkpoints beyond the newest ``keep`` ones that verify (their
-        checksums are read back once before anything older goes), and torn directories."""
-        scan = self._scan()
-        if not scan.valid:
-            return
-        newest = scan.valid[-1].step
-        stale = self._beyond_kept(scan.valid)
-        torn = [s for s in sorted(scan.removable) if s < newest and s != self._writing_step]
-        for ref in stale:
-            self._remove_checkpoint(ref.step, manifest_first=True)
-        for step in torn:
-            logger.warning("removing unfinished checkpoint directory %s (%s)",
-                           self._dir_url(step), scan.invalid[step])
-            self._remove_checkpoint(step, manifest_first=False)
-
-    def _beyond_kept(self, valid: list[CheckpointRef]) -> list[CheckpointRef]:
-        """The checkpoints older than the ``keep`` newest that verify; none when fewer verify."""
-        self._verified &= {ref.step for ref in valid}  # forget what is gone
-        if self._keep is None or len(valid) <= self._keep:
-            return []
-        kept: list[CheckpointRef] = []
-        for ref in reversed(valid):
-            if self._verifies(ref):
-                kept.append(ref)
-                if len(kept) == self._keep:
-                    return [r for r in valid if r.step < ref.step]
-        logger.warning("retention keeps every checkpoint under %s: fewer than keep=%d of them "
-                       "verify", self._url, self._keep)
-        return []
-
-    def _verifies(self, ref: CheckpointRef) -> bool:
-        """Whether ``ref``'s payload matches its manifest (each step is read back once)."""
-        if ref.step in self._verified:
-            return True
-        entry = ref.manifest.files.get(PAYLOAD_NAME)
-        try:
-            if entry is None:
-                raise CheckpointCorruptError(f"checkpoint {ref.url} lists no {PAYLOAD_NAME}")
-            verify_payload(self._storage, self._storage.join(step_dir_name(ref.step),
-                                                             PAYLOAD_NAME), entry)
-        except CheckpointCorruptError as exc:
-            logger.warning("checkpoint %s does not verify and is not counted as kept: %s",
-                           ref.url, exc)
-            return False
-        except OSError as exc:
-            logger.warning("could not read back checkpoint %s (%r); not counted as kept",
-                           ref.url, exc)
-            return False
-        self._verified.add(ref.step)
-        return True
-
-    def _remove_checkpoint(self, step: int, manifest_first: bool) -> None:
-        step_dir = self._storage.join(step_dir_name(step))
-        try:
-            if manifest_first:  # it stops being a checkpoint before its payload goes
-                self._storage.remove(f"{step_dir}/{MANIFEST_NAME}")
-            self._storage.remove(step_dir, recursive=True)
-        except OSError as exc:
-            logger.warning("retention could not remove %s: %r", self._dir_url(step), exc)
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -64,6 +64,18 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
+class _NewerGenerationPublishes(torch.Tensor):
+    """A tensor that, as it is pickled, lets a newer generation's writer publish first (its
+    save removes the unfinished directory of the write in progress, as a new rank 0 does with
+    a frozen one's)."""
+
+    newer: CheckpointStore  # set on the class: the store snapshots a copy of the tensor
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        self.newer.save(20, sample_state(), {"generation": 6})
+        return (torch.zeros, (1,))
+
+
 class StoreContract:
     """Every backend must pass these. Subclasses provide ``url`` and ``options``."""
 
@@ -214,6 +226,17 @@ class StoreContract:
             store.save(11, sample_state(), {"generation": 4})
         assert [r.step for r in store.list()] == [10]
         assert store.save(12, sample_state(), {"generation": 6}).generation == 6
+
+    def test_a_write_that_fails_because_a_newer_generation_published_meanwhile_is_fenced(
+            self) -> None:
+        store = self.store()
+        store.save(10, sample_state(), {"generation": 5})
+        _NewerGenerationPublishes.newer = self.store()
+        meanwhile = torch.zeros(1).as_subclass(_NewerGenerationPublishes)
+        stale = {**sample_state(), "meanwhile": meanwhile}
+        with pytest.raises(CheckpointFencedError, match="generation 6 has already written"):
+            store.save(11, stale, {"generation": 5})
+        assert [r.step for r in store.list()] == [10, 20]
 
     def test_crafted_payload_that_runs_code_is_refused_and_nothing_runs(
             self, marker_path: Path, tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import torch
 from elastic.checkpoint import (
     CheckpointBackendError,
     CheckpointError,
+    CheckpointFencedError,
     CheckpointIncompatibleError,
     CheckpointStore,
     CheckpointWriteError,
@@ -92,6 +93,27 @@ def test_async_save_returns_before_the_write_finishes(faulty_fs) -> None:
     faulty_fs.plan.gate.set()
     assert future.result(timeout=30).step == 1
     assert store.wait(timedelta(seconds=10)) is True
+    store.close()
+
+
+def test_a_write_that_fails_after_a_newer_generation_published_is_fenced_not_failed(
+        faulty_fs) -> None:
+    """A frozen rank 0 wakes up after the new rank 0 published and removed its unfinished
+    directory: its write fails (the file is gone), and that is the fence, not a storage
+    failure that would fail the run."""
+    store = CheckpointStore(URL)
+    store.save(10, big_state(1.0), {"generation": 5})
+    gate = faulty_fs.plan.gate = threading.Event()
+    stale = store.save_async(11, big_state(2.0), {"generation": 5})
+    assert faulty_fs.plan.started.wait(10), "the stale write never started"
+    faulty_fs.plan.gate = None  # the newer writer is not held
+    CheckpointStore(URL).save(20, big_state(3.0), {"generation": 6})
+    faulty_fs.plan.fail_after_bytes = 0
+    faulty_fs.plan.error = lambda: FileNotFoundError(2, "No such file or directory")
+    gate.set()
+    with pytest.raises(CheckpointFencedError, match="generation 6 has already written"):
+        stale.result(timeout=30)
+    assert [r.step for r in store.list()] == [10, 20]
     store.close()
 
 
