@@ -4,20 +4,27 @@ A worker that crashed while registered still has its member key; one that joined
 left (``run()`` returned or raised the user's error) has none any more, exactly like one that
 never got as far as joining. Only the history tells them apart: this watch records the pid of
 every member key this host ever wrote, from the launcher's start on, so that the crash message
-can say "before it joined" only when that is true. It also records which of them said they
-returned from the training function (``rounds/{n}/done/{member}``): restarting one of those
-after an error cannot train anything, the job is over.
+can say "before it joined" only when that is true. Whether a worker said it returned from the
+training function (``rounds/{n}/done/{member}`` in the newest round: restarting it after an
+error cannot train anything, the job is over) is read when asked, for that worker only. The
+launcher watches the job's member keys, not its rounds: a change costs it O(1), whatever the
+size of the job.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 from collections.abc import Callable
 
+from elastic.cluster import records
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.keys import JobKeys
+from elastic.errors import EtcdAccessError, EtcdRecordError, EtcdUnavailableError
+
+log = logging.getLogger(__name__)
 
 
 class JoinedWorkers:
@@ -35,13 +42,12 @@ class JoinedWorkers:
         self.host = host or socket.gethostname()
         self._pids: set[int] = set()
         self._member_pids: dict[str, int] = {}
-        self._finished: set[int] = set()
         self._lock = threading.Lock()
         self._cancel: Callable[[], None] | None = None
 
     def start(self) -> None:
         """Notes the members registered now and watches for every later registration."""
-        self._cancel = self.client.follow_prefix(self.keys.prefix, self._on_events)
+        self._cancel = self.client.follow_prefix(self.keys.members, self._on_events)
 
     def stop(self) -> None:
         """Cancels the watch (the recorded pids stay readable)."""
@@ -55,18 +61,27 @@ class JoinedWorkers:
             return pid in self._pids
 
     def has_finished(self, pid: int) -> bool:
-        """Whether process ``pid`` of this host said it returned from the training function."""
+        """Whether process ``pid`` of this host said it returned from the training function
+        (in the newest round; False when etcd cannot tell now)."""
         with self._lock:
-            return pid in self._finished
+            members = [m for m, p in self._member_pids.items() if p == pid]
+        if not members:
+            return False
+        try:
+            kv = self.client.get(self.keys.round)
+            if kv is None:
+                return False
+            n = records.round_number(self.keys.round, kv.value)
+            return any(self.client.get(self.keys.done(n, m)) is not None for m in members)
+        except (EtcdUnavailableError, EtcdAccessError, EtcdRecordError) as exc:
+            log.warning("could not read whether worker pid=%d had finished (%s); treating it "
+                        "as not finished", pid, exc)
+            return False
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         for event in events:
-            if event.kind != "put":
-                continue
-            if event.key.startswith(self.keys.members):
+            if event.kind == "put" and event.key.startswith(self.keys.members):
                 self._note(event.key[len(self.keys.members):], event.value)
-            elif self.keys.round_of(event.key) is not None:
-                self._note_done(event.key)
 
     def _note(self, member: str, value: bytes) -> None:
         try:
@@ -78,13 +93,3 @@ class JoinedWorkers:
             with self._lock:
                 self._pids.add(info["pid"])
                 self._member_pids[member] = info["pid"]
-
-    def _note_done(self, key: str) -> None:
-        n = self.keys.round_of(key)
-        assert n is not None
-        if not key.startswith(self.keys.dones(n)):
-            return
-        with self._lock:
-            pid = self._member_pids.get(key[len(self.keys.dones(n)):])
-            if pid is not None:
-                self._finished.add(pid)
