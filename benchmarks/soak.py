@@ -17,7 +17,8 @@ lost per fault by kind (wall time up to the next fault beyond what the samples c
 take at the fault-free rate of the world size in force, that rate measured in the same run from
 the stretches between recoveries and the next fault); samples lost or duplicated (from the job's
 committed audit of every epoch); hangs (a worker fault with no recovery before the next fault,
-or a job that does not end); and worker processes left behind.
+or a job that does not end); workers that restarted in place (``--release-grace``); and worker
+processes left behind.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ from elastic.launch.embedded_etcd import EmbeddedEtcd
 
 HERE = Path(__file__).resolve().parent
 LEASE_TTL_S = 3
+# Steps here take ~20 ms: a training thread still inside one 5 s after its round was released
+# is blocked (gloo's release race), and restarts in place well before the next fault.
+RELEASE_GRACE_S = 5
 STEADY_AFTER_S = 1.0  # a stretch counts towards the fault-free rate from 1 s after a recovery
 MIN_WORLD, MAX_WORLD = 2, 5
 
@@ -53,6 +57,7 @@ class Soak:
         self.etcd = etcd
         self.env = dict(os.environ, ELASTIC_ETCD=etcd.url, ELASTIC_JOB_ID="soak",
                         ELASTIC_LEASE_TTL=str(LEASE_TTL_S), ELASTIC_LOG_DIR=str(root / "events"),
+                        ELASTIC_RELEASE_GRACE=str(RELEASE_GRACE_S),
                         ELASTIC_MIN_WORKERS="1", MASTER_ADDR="127.0.0.1",
                         GLOO_SOCKET_IFNAME="lo", ELASTIC_ADVERTISE_ADDR="127.0.0.1",
                         OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -161,7 +166,9 @@ def analyse(soak: Soak, ended_at: float) -> dict[str, Any]:
         r = rate.get(s["world_after"]) if s["world_after"] is not None else None
         s["lost_s"] = (s["end"] - s["t"]) - s["samples"] / r if r else None
         s["recovery_s"] = s["recovered"] - s["t"] if s["recovered"] is not None else None
-    return {"stretches": stretches, "rate_samples_per_s": rate}
+    restarts = [{"t": e["t"], "reason": e.get("reason", "")} for e in events
+                if e["event"] == "restarting_in_place"]
+    return {"stretches": stretches, "rate_samples_per_s": rate, "restarts_in_place": restarts}
 
 
 def summary(stretches: list[dict[str, Any]]) -> dict[str, Any]:
@@ -223,6 +230,7 @@ def main() -> None:
         "samples_lost": sum(row[2] for row in audit) if audit else None,
         "hangs": sum(1 for s in worker_faults if s["recovery_s"] is None)
         + (0 if ended_in_time else 1),
+        "restarts_in_place": analysis["restarts_in_place"],
         "processes_left_behind": left_behind, "log_dir": str(root),
         "stretches": analysis["stretches"],
     }
