@@ -2,8 +2,8 @@
 
 A member of round ``n - 1`` that saw a connection of that round end writes one report per
 member it lost, under its own lease (``rounds/{n}/gone/{member}/{reporter}``: ``ended`` or
-``silent``, ``roll_call.Evidence``); the coordinator reads them for the roll call of round
-``n``. A report that could not come from such a member is skipped with one warning.
+``silent``, ``roll_call.Evidence``); the coordinator's watch brings them to the roll call of
+round ``n``. A report that could not come from such a member is skipped with one warning.
 """
 
 from __future__ import annotations
@@ -55,12 +55,10 @@ class GoneReports:
         return dead
 
     def read(self, n: int, previous: list[str], leases: dict[str, int],
-             kvs: list[KeyValue] | None = None) -> list[Evidence]:
+             kvs: list[KeyValue]) -> list[Evidence]:
         """The credible reports about round ``n - 1`` (``previous``: its members, rank 0
-        first; ``leases``: every registered member's lease), from ``kvs`` (the keys under
-        ``rounds/{n}/gone/``, as a watch of them holds them) or else read from etcd."""
-        if kvs is None:
-            kvs, _ = self._client.get_prefix(self._keys.gones(n))
+        first; ``leases``: every registered member's lease) among ``kvs``, the keys under
+        ``rounds/{n}/gone/`` as the coordinator's watch holds them."""
         reports = []
         for kv in kvs:
             report = Evidence.read(kv.key[len(self._keys.gones(n)):], kv.value, kv.lease)

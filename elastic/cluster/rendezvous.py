@@ -228,7 +228,7 @@ class Rendezvous:
 
     def verdict(self, n: int, requests: list[JoinRequest], live: dict[str, int],
                 previous: Plan | None, quiet_s: float, waited_s: float,
-                gone: list[KeyValue] | None = None) -> frozenset[str] | None:
+                gone: list[KeyValue]) -> frozenset[str] | None:
         """Whether round ``n`` may close now (asked by the coordinator), and without whom.
 
         The rules are a first round's (``plan.should_close``, and the old world of members
@@ -240,8 +240,7 @@ class Rendezvous:
             live: every registered member's lease, by member id.
             waited_s: seconds since the first request of a member of round ``n - 1`` (for a
                 first round: of a member that was in a round before).
-            gone: the keys under ``rounds/{n}/gone/`` as the caller's watch holds them (None:
-                read them from etcd).
+            gone: the keys under ``rounds/{n}/gone/`` as the caller's watch holds them.
 
         Returns:
             None while the round may not close; else the members to name cut off in it: the

@@ -29,7 +29,7 @@ CHILD = textwrap.dedent("""
     os.environ["RESTARTED"] = "1"
     leaked = socket.socket()  # made inheritable, as gloo's sockets are
     leaked.set_inheritable(True)
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    child = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     with open(os.environ["CHILD_PID_FILE"], "w") as out:
         out.write(str(child.pid))
     print(json.dumps({"pid": os.getpid(), "leaked": leaked.fileno()}), flush=True)
