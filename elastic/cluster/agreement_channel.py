@@ -9,7 +9,8 @@ One channel per round: rank 0 listens on its advertised address, on a port it pu
 round's store with a fresh secret; every other rank connects and proves that it knows the
 round's secret (``admission``), so that a stale worker of another round, a replayed hello, a
 stranger and a connection that never speaks are turned away without holding the round up, and
-only the round's ranks vote. ``release`` (from any thread) tells the peers that this rank let
+only the round's ranks vote. Once rank 0 holds every rank's flags its decision is final: it
+reaches every live rank before any release does. ``release`` (from any thread) tells the peers that this rank let
 go of the round (an ``_ABANDON`` message in place of flags, so that a peer blocked on this rank
 returns at once) and shuts the receiving side of every socket down, so that a rank blocked in
 an exchange with a frozen or dead peer returns at once.
@@ -28,9 +29,7 @@ not mistaken for a death. No torch.
 
 from __future__ import annotations
 
-import errno
 import logging
-import math
 import select
 import socket
 import struct
@@ -42,13 +41,14 @@ from typing import Protocol, TypeVar
 
 from elastic.cluster.admission import Admission, RoundAddress, introduce
 from elastic.cluster.fork_guard import guard as fork_guard
-from elastic.errors import AdvertiseAddressError, PeerFailureError
+from elastic.cluster.channel_tcp import (TCP_ESTABLISHED, end_when_silent, listen,
+                                          receive_exactly, unanswered)
+from elastic.errors import PeerFailureError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _STORE_KEY = "elastic/agreement"
-_TCP_ESTABLISHED = 1  # tcpi_state, the first byte of the kernel's struct tcp_info
 _FLAGS = struct.Struct("!BB")  # change pending, leaving
 _ABANDON = _FLAGS.pack(0xFF, 0xFF)  # in place of flags: the sender released the round
 
@@ -61,57 +61,6 @@ class AddressBook(Protocol):
     def wait(self, keys: list[str], timeout: timedelta) -> None: ...
 
     def get(self, key: str) -> bytes: ...
-
-
-def _listen(address: str) -> socket.socket:
-    """A listening socket on ``address`` (IPv4 or IPv6) and a free port.
-
-    Raises:
-        AdvertiseAddressError: ``address`` is not an address of this machine.
-    """
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    try:
-        return socket.create_server((address, 0), family=family)
-    except OSError as exc:
-        if exc.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) \
-                and not isinstance(exc, socket.gaierror):
-            raise
-        raise AdvertiseAddressError(
-            f"cannot listen on the advertised address {address!r} ({exc.strerror or exc}): "
-            f"--advertise-addr / ELASTIC_ADVERTISE_ADDR must be an address of this machine that "
-            f"the other workers can reach (behind NAT, advertise the interface's own address "
-            f"and route to it).") from exc
-
-
-def _end_when_silent(conn: socket.socket, silence: timedelta, probe: timedelta) -> None:
-    """Lets the kernel end ``conn`` once the peer acknowledged nothing for ``silence``: probed
-    every ``probe`` while idle (keepalive), and bounded by ``TCP_USER_TIMEOUT`` whether idle or
-    not, so a link cut without a reset ends like a dead peer's (``peers_gone``, ``watch``)."""
-    every_s = math.ceil(probe.total_seconds())  # the kernel counts whole seconds
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, every_s)
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, every_s)
-    # With TCP_USER_TIMEOUT set, it alone decides when unanswered probes end the connection.
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 127)
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
-                    int(silence.total_seconds() * 1000))
-
-
-def _unanswered(error: int | None) -> bool:
-    """Whether a connection's error says that the peer's side never answered (the kernel's
-    timeout, an unreachable route), not that the peer's kernel ended it (a reset)."""
-    return error not in (None, 0, errno.ECONNRESET, errno.EPIPE)
-
-
-def _receive_exactly(sock: socket.socket, size: int) -> bytes:
-    """Reads ``size`` bytes; fewer means the peer closed the connection (or it was released)."""
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return data
 
 
 class AgreementChannel:
@@ -176,7 +125,7 @@ class AgreementChannel:
 
     def _accept_all(self, store: AddressBook, advertise_addr: str, round_: int,
                     deadline: float) -> None:
-        listener = _listen(advertise_addr)
+        listener = listen(advertise_addr)
         host, port = listener.getsockname()[:2]
         address = RoundAddress.draw(host, port)
         admission = Admission(listener, address, round_, self.world_size)
@@ -208,7 +157,7 @@ class AgreementChannel:
     def _adopt(self, rank: int, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._silence is not None and self._probe is not None:
-            _end_when_silent(conn, self._silence, self._probe)
+            end_when_silent(conn, self._silence, self._probe)
         with self._lock:
             if self._released is not None:
                 conn.close()
@@ -246,10 +195,35 @@ class AgreementChannel:
         for rank, sock in peers.items():
             their_pending, their_leaving = self._with(rank, lambda: self._decode(sock))
             pending, leaving = max(pending, their_pending), max(leaving, their_leaving)
-        reply = _FLAGS.pack(pending, leaving)
-        for rank, sock in peers.items():
-            self._with(rank, lambda: sock.sendall(reply))
+        failed = self._reply(peers, _FLAGS.pack(pending, leaving))
+        if failed:  # the next agreement fails at once; this one stands
+            self.release(f"rank(s) {sorted(failed)} took no reply: {failed}")
         return bool(pending), bool(leaving)
+
+    def _reply(self, peers: dict[int, socket.socket], reply: bytes) -> dict[int, str]:
+        """Sends the decision to every rank; returns the ranks that could not take it.
+
+        Once every rank's flags are in, the decision is final, and every live rank must hear
+        it: a release that comes meanwhile (the watch saw a rank that read its reply die)
+        waits, so its ``_ABANDON`` never reaches a rank before the decision does, and a rank
+        that died after handing its flags over keeps the decision from no other.
+
+        Raises:
+            ConnectionResetError: the channel was released before the decision; every rank was
+                told so instead.
+        """
+        failed = {}
+        with self._lock:
+            if self._released is not None:
+                raise ConnectionResetError(f"released before replying: {self._released}")
+            for rank, sock in peers.items():
+                try:  # 2 bytes: the buffer takes them at once, whatever the peer does
+                    sock.sendall(reply)
+                except OSError as exc:
+                    if unanswered(exc.errno):
+                        self._silent.add(rank)  # the error is read once: remember what it said
+                    failed[rank] = repr(exc)
+        return failed
 
     def _with(self, rank: int, io: Callable[[], T]) -> T:
         """Runs ``io`` on ``rank``'s connection, remembering a silent end (the kernel reports
@@ -257,13 +231,13 @@ class AgreementChannel:
         try:
             return io()
         except OSError as exc:
-            if _unanswered(exc.errno):
+            if unanswered(exc.errno):
                 with self._lock:
                     self._silent.add(rank)
             raise
 
     def _decode(self, sock: socket.socket) -> tuple[int, int]:
-        data = _receive_exactly(sock, _FLAGS.size)
+        data = receive_exactly(sock, _FLAGS.size)
         if len(data) < _FLAGS.size:
             raise ConnectionResetError("the connection was closed")
         if data == _ABANDON:
@@ -332,7 +306,7 @@ class AgreementChannel:
                 try:  # never blocks: the message is 2 bytes, the buffer holds at most a few
                     sock.send(_ABANDON, socket.MSG_DONTWAIT)
                 except OSError as exc:  # gone already, or its buffer is full: it is not waiting
-                    if _unanswered(exc.errno):
+                    if unanswered(exc.errno):
                         self._silent.add(rank)  # the error is read once: remember what it said
             for sock in self._sockets():
                 try:  # the receiving side only: the peer must not see this as our death
@@ -362,10 +336,10 @@ class AgreementChannel:
             except OSError:
                 continue  # closed by this side: nothing to tell
             with self._lock:
-                if _unanswered(error):
+                if unanswered(error):
                     self._silent.add(rank)  # the error is read once: remember what it said
                 silent = rank in self._silent
-            if state != _TCP_ESTABLISHED:
+            if state != TCP_ESTABLISHED:
                 lost[rank] = silent
         return lost
 

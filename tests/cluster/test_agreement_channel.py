@@ -266,3 +266,59 @@ def test_every_connection_is_ended_by_the_kernel_after_the_peer_timeout_of_silen
         assert len(channels[0]._peers) == 2  # noqa: SLF001
     finally:
         _close(channels)
+
+
+class _ReplyHook:
+    """Rank 0's connection to one rank, with ``after_reply`` run once its reply was sent (or in
+    place of sending it): what another thread of rank 0 does right then."""
+
+    def __init__(self, sock: socket.socket, after_reply: Callable[[], None],
+                 fails: bool = False) -> None:
+        self._sock, self._after_reply, self._fails = sock, after_reply, fails
+
+    def sendall(self, data: bytes) -> None:
+        if self._fails:  # the rank died after handing its flags over
+            raise BrokenPipeError(32, "Broken pipe")
+        self._sock.sendall(data)
+        self._after_reply()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def _agree_all(channels: list[AgreementChannel]) -> list[Any]:
+    def agree(rank: int) -> tuple[bool, bool]:
+        channels[rank].start(False, False)
+        return channels[rank].finish()
+    return _in_threads(len(channels), agree)
+
+
+def test_a_release_while_rank_zero_replies_reaches_no_rank_before_the_decision():
+    # Rank 1 read its reply and died at once: rank 0's watch releases the channel while rank
+    # 0 still replies to rank 2. Rank 2 must hear the decision that ranks 0 and 1 act on.
+    channels = _connected(3)
+    try:
+        def watch_fires() -> None:  # on the watch's thread; waits for it only so long
+            watch = threading.Thread(target=channels[0].release, args=("rank 1 is gone",))
+            watch.start()
+            watch.join(1)
+
+        peers = channels[0]._peers  # noqa: SLF001 (the seam between two replies)
+        peers[1] = _ReplyHook(peers[1], watch_fires)  # type: ignore[assignment]
+        assert _agree_all(channels) == [(False, False)] * 3
+    finally:
+        _close(channels)
+
+
+def test_a_rank_that_died_after_handing_its_flags_over_keeps_the_decision_from_no_other():
+    channels = _connected(4)
+    try:
+        peers = channels[0]._peers  # noqa: SLF001 (the seam between two replies)
+        peers[2] = _ReplyHook(peers[2], lambda: None, fails=True)  # type: ignore[assignment]
+        results = _agree_all(channels)
+        assert [results[r] for r in (0, 1, 3)] == [(False, False)] * 3, results
+        assert isinstance(results[2], PeerFailureError)  # told of the release, not the decision
+        with pytest.raises(PeerFailureError):  # and the next agreement knows of the death
+            channels[0].finish()
+    finally:
+        _close(channels)
