@@ -91,7 +91,7 @@ class SimMember:
         keys = JobKeys(JOB)
         self.client = client
         self.membership = EtcdMembership(client, keys, "127.0.0.1", timeouts.lease_ttl,
-                                         timeouts.keepalive)
+                                         timeouts.keepalive, claim=keys.coordinator)
         self.rendezvous = Rendezvous(client, self.membership, RendezvousConfig(timeouts=timeouts))
         self.broken = threading.Event()
         self.monitor = NewsMonitor(keys, lambda reason: self.broken.set())

@@ -88,7 +88,8 @@ class Cluster:
         self.membership = EtcdMembership(
             self.client, self.keys, self.settings.advertise_addr, timeouts.lease_ttl,
             timeouts.keepalive,
-            on_lease=None if lease_file is None else lambda lease: append_lease(lease_file, lease))
+            on_lease=None if lease_file is None else lambda lease: append_lease(lease_file, lease),
+            claim=self.keys.coordinator)
         self.rendezvous = Rendezvous(self.client, self.membership, self.config, self.skipped)
         self.monitor = NewsMonitor(self.keys, self._on_broken, self.skipped)
         self.membership.add_listener(self.monitor.on_events)

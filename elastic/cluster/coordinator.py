@@ -1,19 +1,19 @@
 """The one member of a job that reads everyone's records: it closes rounds and tells the news.
 
 Every member runs a ``Coordinator``; the one whose member lease holds ``control/coordinator``
-(created by compare-and-swap) leads, the others wait for that key to go (its lease ended) and
-then try to take it. The leader watches the whole job prefix, keeps the members, join requests
+(taken by the first member's registration, or later by compare-and-swap) leads, the others
+wait for that key to go (its lease ended) and then try to take it. The leader watches the whole job prefix, keeps the members, join requests
 and done marks in memory (O(1) work per event), and:
 
-- closes round ``R + 1`` when the rules allow (``Rendezvous.verdict``: a first round's
+- closes round ``R + 1`` when the rules allow (``verdict.CloseVerdict``: a first round's
   settle window, a re-formation's roll call of round ``R``), by the same compare-and-swap as
   always (``Rendezvous.close``: exactly one plan per round, ``round`` only moves forward), the
-  news of round ``R + 1`` written in the same transaction;
+  news of round ``R + 1`` and a copy of its plan written in the same transaction;
 - tracks the formed round with a ``ChangeMonitor`` (who is news, who breaks the round) and
   writes what it finds into ``control/news``: pending, broken, done, finished.
 
 So each change costs the leader O(N) and every other member O(1): they watch only
-``control/`` and their own member key, and read one plan per round. A leader taking over reads
+``control/`` and their own member key, which brings them each round's plan. A leader taking over reads
 the job once and acts on what it finds (a member of the round gone, joins already waiting).
 It never runs collectives and never raises into the training: its etcd errors are logged and
 retried at the next wake.
@@ -83,12 +83,16 @@ class Coordinator:
         # (round, when a member of the round before it first asked to join it)
         self._rejoin_since: tuple[int, float] | None = None
         self._last_change = time.monotonic()
+        # Who holds the coordinator key, as this member's ``control/`` watch tells (its
+        # registration hands it the keys as they were): no read to learn it.
+        self._holder: str | None = None
+        self._holder_known = False
+        membership.add_listener(self._on_control)
 
     # -- life -------------------------------------------------------------------------------
     def start(self) -> None:
         """Starts the coordinator's thread (once; after the member registered)."""
         if self._thread is None:
-            self._membership.add_listener(self._on_control)
             self._thread = threading.Thread(target=self._run, name="elastic-coordinator",
                                             daemon=True)
             self._thread.start()
@@ -116,8 +120,17 @@ class Coordinator:
         self._poke()
 
     def _on_control(self, events: list[WatchEvent]) -> None:
-        """Membership listener: the coordinator key went away (its holder's lease ended)."""
-        if any(e.kind == "delete" and e.key == self._keys.coordinator for e in events):
+        """Membership listener: who holds the coordinator key; its delete (the holder's lease
+        ended) wakes the thread to claim it."""
+        mine = [e for e in events if e.key == self._keys.coordinator]
+        if not mine:
+            return
+        with self._changed:
+            last = mine[-1]  # the watch delivers in order
+            self._holder = last.value.decode("utf-8", errors="replace") \
+                if last.kind == "put" else None
+            self._holder_known = True
+        if any(e.kind == "delete" for e in mine):
             self._poke()
 
     def _poke(self) -> None:
@@ -162,12 +175,19 @@ class Coordinator:
 
     # -- taking the lead ----------------------------------------------------------------------
     def _claim(self) -> None:
-        """Becomes the leader if the coordinator key is free (a read first: the common case
-        of a key held costs one read, not a write)."""
-        if self._client.get(self._keys.coordinator) is not None:
+        """Becomes the leader if this member's registration took the coordinator key, or if
+        the key is free (as the watch tells, else as read: the common case of a key held costs
+        no write)."""
+        me = self._membership.member_id
+        with self._changed:
+            known, holder = self._holder_known, self._holder
+        if not known:
+            kv = self._client.get(self._keys.coordinator)
+            holder = None if kv is None else kv.value.decode("utf-8", errors="replace")
+        if holder is not None and holder != me:
             return
-        if not self._client.create(self._keys.coordinator, self._membership.member_id,
-                                   lease=self._membership.lease):
+        if holder is None and not self._client.create(self._keys.coordinator, me,
+                                                      lease=self._membership.lease):
             return
         log.info("member %s coordinates the job's rounds", self._membership.member_id)
         self._take_over()
@@ -323,7 +343,7 @@ class Coordinator:
             self._poke()
 
     def _close_next(self) -> None:
-        """Closes round ``R + 1`` when its join requests allow (``Rendezvous.verdict``)."""
+        """Closes round ``R + 1`` when its join requests allow (``verdict.CloseVerdict``)."""
         n = self._round + 1
         if n <= self._closed:
             return  # closed by this leader: its watch brings the new round next

@@ -30,12 +30,12 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import aetcd  # noqa: E402
 import aetcd.exceptions  # noqa: E402
-import aetcd.utils  # noqa: E402
 import grpc  # noqa: E402
 import tenacity  # noqa: E402
 
 from elastic.cluster.etcd_channel import (  # noqa: E402
     TRANSIENT, Client, grpc_options, parse_endpoints, refusal, status_of, uses_tls)
+from elastic.cluster.etcd_txn import CompareAndSwap  # noqa: E402
 from elastic.cluster.etcd_values import KeyValue, WatchEvent, kv_of, utf8_keys  # noqa: E402
 from elastic.cluster.etcd_watch import Watches, within  # noqa: E402
 from elastic.cluster.etcd_tls import channel_credentials, plaintext_problem, tls_problem  # noqa: E402
@@ -50,7 +50,7 @@ T = TypeVar("T")
 _RETRIED = (*TRANSIENT, aetcd.exceptions.UnauthenticatedError)
 
 
-class EtcdClient:
+class EtcdClient(CompareAndSwap):
     """A synchronous etcd v3 client over aetcd, with bounded retries and endpoint fail-over.
 
     Args:
@@ -248,84 +248,9 @@ class EtcdClient:
         result = self._call(lambda c: c.delete(key.encode()), f"delete {key}")
         return result is not None
 
-    def delete_if(self, key: str, mod_revision: int) -> bool:
-        """Deletes ``key`` only if its mod revision is still ``mod_revision``; returns whether
-        this call deleted it."""
-        async def txn(c: aetcd.Client) -> bool:
-            ok, _ = await c.transaction(
-                compare=[c.transactions.mod(key.encode()) == mod_revision],
-                success=[c.transactions.delete(key.encode())], failure=[])
-            return bool(ok)
-
-        return self._call(txn, f"delete {key} at revision {mod_revision}")
-
     def delete_prefix(self, prefix: str) -> None:
         """Deletes every key under ``prefix``."""
         self._call(lambda c: c.delete_prefix(prefix.encode()), f"delete {prefix}*")
-
-    def create(self, key: str, value: bytes | str, *, also: dict[str, bytes | str] | None = None,
-               lease: int | None = None, unchanged: tuple[str, int] | None = None) -> bool:
-        """Creates ``key`` (and writes ``also``) only if ``key`` does not exist yet.
-
-        A compare-and-swap: retried safely because a lost reply is resolved by reading back.
-
-        Args:
-            key: the key to create.
-            value: its value.
-            also: keys written in the same transaction.
-            lease: the lease ``key`` is bound to.
-            unchanged: ``(other_key, mod_revision)``: and only if ``other_key`` still has that
-                mod revision (0: still absent).
-
-        Returns:
-            True when this call created the key.
-        """
-        data = value.encode() if isinstance(value, str) else value
-        extra = {k: (v.encode() if isinstance(v, str) else v) for k, v in (also or {}).items()}
-
-        async def txn(c: aetcd.Client) -> bool:
-            guards = [] if unchanged is None else [
-                c.transactions.mod(unchanged[0].encode()) == unchanged[1] if unchanged[1]
-                else c.transactions.create(unchanged[0].encode()) == 0]
-            ok, _ = await c.transaction(
-                compare=[c.transactions.create(key.encode()) == 0, *guards],
-                success=[c.transactions.put(key.encode(), data, lease=lease)]
-                + [c.transactions.put(k.encode(), v) for k, v in extra.items()],
-                failure=[])
-            return bool(ok)
-
-        if self._call(txn, f"create {key}"):
-            return True
-        existing = self.get(key)
-        return existing is not None and existing.value == data and existing.lease == (lease or 0)
-
-    def replace(self, key: str, value: bytes | str, mod_revision: int, *,
-                clearing: tuple[str, ...] = ()) -> bool:
-        """Writes ``key`` only if its mod revision is still ``mod_revision`` (0: absent).
-
-        Args:
-            key: The key to write.
-            value: Its new value.
-            mod_revision: The mod revision the caller read (0: the key was absent).
-            clearing: Prefixes whose other keys are deleted in the same transaction (only if
-                the write happens), so that two callers cannot both clear and write.
-
-        Returns:
-            True when this call wrote ``key``.
-        """
-        data = value.encode() if isinstance(value, str) else value
-        ranges = [r for prefix in clearing for r in _ranges_without(prefix.encode(), key.encode())]
-
-        async def txn(c: aetcd.Client) -> bool:
-            compare = (c.transactions.mod(key.encode()) == mod_revision if mod_revision
-                       else c.transactions.create(key.encode()) == 0)
-            deletes = [c.transactions.delete(start, range_end=end) for start, end in ranges]
-            ok, _ = await c.transaction(
-                compare=[compare], success=[*deletes, c.transactions.put(key.encode(), data)],
-                failure=[])
-            return bool(ok)
-
-        return self._call(txn, f"replace {key}")
 
     # -- leases -------------------------------------------------------------------------------
     def grant(self, ttl: timedelta) -> int:
@@ -410,12 +335,3 @@ class EtcdClient:
             log.debug("etcd client close: %r", exc)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=self._shutdown_s)
-
-
-def _ranges_without(prefix: bytes, key: bytes) -> list[tuple[bytes, bytes]]:
-    """The key ranges of ``prefix`` minus ``key`` itself (etcd refuses a transaction that
-    deletes and puts the same key)."""
-    end = aetcd.utils.prefix_range_end(prefix)
-    if not key.startswith(prefix):
-        return [(prefix, end)]
-    return [(prefix, key), (key + b"\0", end)]

@@ -19,6 +19,8 @@ Layout under ``/elastic/{job_id}/``:
 - ``control/coordinator``: lease-bound, the member that reads everyone's records and closes
   rounds (``coordinator.py``); created by compare-and-swap, taken over when its lease ends.
 - ``control/news``: what the coordinator tells every member about the newest round (``news.py``).
+- ``control/plan``: a copy of the newest round's plan, written with it, so that it reaches every
+  member by watch with the news of its round instead of by one read per member.
   Members watch only ``control/`` and their own member key, so a change costs each of them O(1).
 
 The launchers of a job (``elastic run``) register under a sibling job, ``{job_id}.launchers``
@@ -136,6 +138,10 @@ class JobKeys:
     @property
     def news(self) -> str:
         return f"{self.control}news"
+
+    @property
+    def newest_plan(self) -> str:
+        return f"{self.control}plan"
 
     def launchers(self) -> "JobKeys":
         """The keys of this job's launchers (their membership and ``--plain`` generations)."""

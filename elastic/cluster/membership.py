@@ -45,11 +45,15 @@ class EtcdMembership:
         keepalive: how often the lease is renewed (None: four times per lease TTL).
         on_lease: called with every lease granted, before a key is bound to it (the worker
             reports it to its launcher: ``elastic.cluster.lease_file``).
+        claim: a key that registering takes, bound to the lease with this member's id as its
+            value, when nobody holds it (a worker: the job's coordinator key); ``claimed``
+            says whether it did.
     """
 
     def __init__(self, client: EtcdClient, keys: JobKeys, advertise_addr: str,
                  lease_ttl: timedelta, keepalive: timedelta | None = None,
-                 on_lease: Callable[[int], None] | None = None) -> None:
+                 on_lease: Callable[[int], None] | None = None,
+                 claim: str | None = None) -> None:
         if keepalive is None:
             keepalive = lease_ttl / 4
         if keepalive * 2 >= lease_ttl:
@@ -64,6 +68,8 @@ class EtcdMembership:
         self.lease = 0
         self.is_registered = False  # set once the lease, member key and watch exist
         self._on_lease = on_lease
+        self._claim = claim
+        self.claimed = False
         self.fenced = threading.Event()
         self._stop = threading.Event()
         self._listeners: list[Listener] = []
@@ -81,7 +87,9 @@ class EtcdMembership:
         self._fence_listeners.append(callback)
 
     def register(self) -> int:
-        """Grants the lease, writes the member key and starts keepalive and watch.
+        """Grants the lease, writes the member key (taking the claimed key if it is free), hands
+        the listeners the job's ``control/`` keys as they are then, and starts keepalive and
+        watch: one request besides the lease's.
 
         Returns:
             The etcd revision of the registration; the watch starts right after it.
@@ -91,16 +99,22 @@ class EtcdMembership:
             self._on_lease(self.lease)
         info = {"host": socket.gethostname(), "pid": os.getpid(), "addr": self.advertise_addr,
                 "lease": self.lease, "since": time.time()}
-        revision = self._client.put(self.keys.member(self.member_id), json.dumps(info),
-                                    lease=self.lease)
+        registered = self._client.put_and_claim(
+            self.keys.member(self.member_id), json.dumps(info), self.lease,
+            None if self._claim is None else (self._claim, self.member_id),
+            read=self.keys.control)
+        self.claimed = registered.claimed
+        # As puts, before the watch can deliver anything newer (as ``follow_prefix`` does).
+        self._dispatch([WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease,
+                                   kv.create_revision) for kv in registered.read])
         self._cancel_watches = [
-            self._client.watch_prefix(prefix, revision + 1, self._dispatch)
+            self._client.watch_prefix(prefix, registered.revision + 1, self._dispatch)
             for prefix in (self.keys.control, self.keys.member(self.member_id))]
         self.is_registered = True
         self._keepalive = threading.Thread(target=self._keep_alive, name="elastic-keepalive",
                                            daemon=True)
         self._keepalive.start()
-        return revision
+        return registered.revision
 
     def _dispatch(self, events: list[WatchEvent]) -> None:
         if not self.fenced.is_set() and any(

@@ -2,11 +2,11 @@
 
 A member reports the members of round ``R`` (the newest planned) whose agreement connection
 it saw end (``gone_reports``), asks to be in round ``R + 1`` with its newest commit version,
-waits for the news of round ``R + 1`` (``control/news``) and reads its plan once. The job's
-coordinator (``coordinator.py``, elected by compare-and-swap) closes the round once the rules
-allow (``plan.should_close``; for a re-formation ``roll_call``: every member of round ``R``
-accounted for, the losing side of a split named cut off) by one compare-and-swap that creates
-``rounds/{n}/plan``, moves ``round`` to ``n`` and writes the news: one plan per round. Waiting
+waits for the news of round ``R + 1`` (``control/news``), which comes with a copy of its plan
+(``control/plan``; read once otherwise). The job's coordinator (``coordinator.py``, elected
+at registration or later by compare-and-swap) closes the round once the rules allow
+(``verdict``) by one compare-and-swap that creates ``rounds/{n}/plan``, moves ``round`` to
+``n`` and writes the news and the plan's copy: one plan per round. Waiting
 wakes on the news and on the wake cap, never on a polling sleep; a waiting member reads no
 other member's records.
 """
@@ -26,11 +26,10 @@ from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership
 from elastic.cluster.etcd_client import KeyValue
-from elastic.cluster.plan import (CloseRule, JoinRequest, Plan, RendezvousConfig, assign_ranks,
-                                  should_close)
+from elastic.cluster.plan import CloseRule, JoinRequest, Plan, RendezvousConfig, assign_ranks
 from elastic.cluster import records
 from elastic.cluster.gone_reports import GoneReports
-from elastic.cluster.roll_call import RollCall, cut_off, dead, may_close, returning_short
+from elastic.cluster.verdict import CloseVerdict
 from elastic.cluster.coordinator import Coordinator
 from elastic.cluster.news import RoundNews, read_news
 from elastic.cluster.records import RecordError, SkippedRecords
@@ -75,16 +74,23 @@ class Rendezvous:
         self._epoch = 0
         self.standby = config.standby  # a warm spare until a round takes it
         self._news: RoundNews | None = None  # the newest news seen (by watch or one read)
+        self._newest_plan: bytes | None = None  # ``control/plan`` as the watch brought it
         self._last_round = 0  # the last round this member was in
         membership.add_listener(self._on_events)
+        # Listening before the registration: it hands over the ``control/`` keys as they were.
+        self._hears_registration = not membership.is_registered
         self._gone = GoneReports(client, self._keys, self._skipped)
+        self.verdict = CloseVerdict(self.rule, config.timeouts.rejoin, self._gone)
         self._coordinator = Coordinator(client, membership, self, self._skipped)
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         read = read_news(self._keys, events, self._skipped)
+        plans = [e.value for e in events if e.key == self._keys.newest_plan and e.kind == "put"]
         with self._changed:
             if read is not None:
                 self._news = read[0]  # the watch delivers in order: the last is the newest
+            if plans:
+                self._newest_plan = plans[-1]
             self._epoch += 1
             self._changed.notify_all()
 
@@ -93,9 +99,13 @@ class Rendezvous:
         self._coordinator.stop()
 
     def _news_now(self) -> RoundNews:
-        """The newest news: read once from etcd while none was seen; after that the watch
-        (which covers everything since this member registered) brings every change."""
+        """The newest news: what the registration handed over (none: round 0) and the watch
+        brought since, which together cover everything; read once from etcd only by a
+        rendezvous made after its member registered."""
         with self._changed:
+            if self._news is None and self._hears_registration \
+                    and self._membership.is_registered:
+                self._news = RoundNews(0)  # the registration found no news
             if self._news is not None:
                 return self._news
         kv = self._client.get(self._keys.news)
@@ -126,11 +136,19 @@ class Rendezvous:
         return records.round_number(self._keys.round, kv.value), kv.mod_revision
 
     def read_plan(self, n: int) -> Plan | None:
-        """The plan of round ``n``, or None when there is none yet.
+        """The plan of round ``n``, or None when there is none yet: the copy that the watch
+        brought when it is of round ``n``, else read.
 
         Raises:
             EtcdRecordError: the stored plan is malformed.
         """
+        with self._changed:
+            newest = self._newest_plan
+        if newest is not None and n > 0:
+            try:
+                return Plan.from_json(newest, n)
+            except RecordError:
+                pass  # of another round (or malformed): the round's own key decides
         kv = self._client.get(self._keys.plan(n)) if n > 0 else None
         if kv is None:
             return None
@@ -226,57 +244,6 @@ class Rendezvous:
                 if self._epoch == epoch:
                     self._changed.wait(timeout=self.config.timeouts.wake.total_seconds())
 
-    def verdict(self, n: int, requests: list[JoinRequest], live: dict[str, int],
-                previous: Plan | None, quiet_s: float, waited_s: float,
-                gone: list[KeyValue]) -> frozenset[str] | None:
-        """Whether round ``n`` may close now (asked by the coordinator), and without whom.
-
-        The rules are a first round's (``plan.should_close``, and the old world of members
-        that etcd forgot: ``roll_call.returning_short``) or a re-formation's
-        (``roll_call.may_close``, with the credible reports of connections that ended); when the
-        reports show the job split, the losing side is left out (``roll_call.cut_off``).
-
-        Args:
-            live: every registered member's lease, by member id.
-            waited_s: seconds since the first request of a member of round ``n - 1`` (for a
-                first round: of a member that was in a round before).
-            gone: the keys under ``rounds/{n}/gone/`` as the caller's watch holds them.
-
-        Returns:
-            None while the round may not close; else the members to name cut off in it: the
-            losing side of a split, and the live members dead by evidence (usually none).
-        """
-        members = set(live)
-        rejoin = self.config.timeouts.rejoin
-        if previous is None:
-            if not should_close(requests, members, False, quiet_s, self.rule):
-                return None
-            short = returning_short(requests)
-            if short and waited_s < rejoin.total_seconds():
-                return None
-            if short:
-                log.warning("round %d closes without %d member(s) of the rounds its members were "
-                            "in before etcd lost them: none asked within %s "
-                            "(ELASTIC_REJOIN_TIMEOUT)", n, short, rejoin)
-            return frozenset()
-        joined = {r.member_id for r in requests}
-        reports = self._gone.read(n, previous.ranks, live, gone)
-        roll = RollCall(previous.ranks, dead(previous.ranks, joined, reports), waited_s,
-                        rejoin.total_seconds())
-        if not may_close(requests, members, roll, quiet_s, self.rule):
-            return None
-        cut = cut_off(previous.ranks, joined, reports)
-        if len(joined - cut) < self.rule.min_workers:
-            cut = frozenset()  # neither side can go on alone: try the whole world again
-        missing = roll.missing(joined, members)
-        if missing:
-            log.warning("round %d closes without %s: live members of round %d that did not "
-                        "ask to join within %s (ELASTIC_REJOIN_TIMEOUT)", n, missing, n - 1, rejoin)
-        if cut:
-            log.warning("round %d goes on without %s: the network between them and the rest "
-                        "of round %d went down (ELASTIC_PEER_TIMEOUT)", n, sorted(cut), n - 1)
-        return cut | (roll.dead & members) - joined  # alive, if at all, only cut off
-
     def _report_gone(self, n: int, members: dict[str, bool], reported: set[str]) -> None:
         """Reports the members of round ``n - 1`` this member lost (``GoneReports``), and
         frees the coordinator key if a dead one held it."""
@@ -343,8 +310,9 @@ class Rendezvous:
                             previous.ranks if previous else [], n,
                             self.config.max_workers, self.config.min_workers)
         plan = replace(plan, cut=sorted(cut))
-        if self._client.create(self._keys.plan(n), plan.to_json(),
-                               also={self._keys.round: str(n),
+        stored = plan.to_json()
+        if self._client.create(self._keys.plan(n), stored,
+                               also={self._keys.round: str(n), self._keys.newest_plan: stored,
                                      self._keys.news: RoundNews(n).to_json()},
                                unchanged=(self._keys.round, round_revision)):
             log.info("round %d formed by %s: world %d", n, self._membership.member_id,

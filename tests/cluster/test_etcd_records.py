@@ -62,9 +62,12 @@ def test_a_malformed_join_request_is_a_record_error(name):
 
 def test_a_plan_is_checked_against_its_round_and_its_fields():
     plan = Plan(round=4, ranks=["a-1-x", "b-2-y"], spares=["c-3-z"], master_addr="10.0.0.2",
-                master_port=29400, versions={"a-1-x": 5, "b-2-y": 5})
+                master_port=29400, versions={"a-1-x": 5, "b-2-y": 5, "c-3-z": 1})
     raw = plan.to_json().encode()
     assert Plan.from_json(raw, 4) == plan
+    assert b'"versions": [5, 5, 1]' in raw  # by position in ranks, then spares
+    by_id = raw.replace(b'[5, 5, 1]', b'{"a-1-x": 5, "b-2-y": 5, "c-3-z": 1}')
+    assert Plan.from_json(by_id, 4) == plan  # as plans were once stored
     for bad in (raw.replace(b'"round": 4', b'"round": 5'),
                 raw.replace(b'"master_port": 29400', b'"master_port": -1'),
                 raw.replace(b'"ranks": ["a-1-x", "b-2-y"]', b'"ranks": []'),
@@ -74,8 +77,11 @@ def test_a_plan_is_checked_against_its_round_and_its_fields():
                 raw.replace(b'"ranks": ["a-1-x", "b-2-y"]', b'"ranks": ["a-1-x", "b 2"]'),
                 raw.replace(b'"ranks": ["a-1-x", "b-2-y"]', b'"ranks": ["a-1-x", "\\n"]'),
                 raw.replace(b'"spares": ["c-3-z"]', b'"spares": [""]'),
-                raw.replace(b'"b-2-y": 5', b'"b/2-y": 5'),
-                raw.replace(b'"b-2-y": 5', b'"b-2-y": "5"'), b"garbage"):
+                raw.replace(b'[5, 5, 1]', b'[5, "5", 1]'),
+                raw.replace(b'[5, 5, 1]', b'[5, 5]'),
+                raw.replace(b'[5, 5, 1]', b'[5, -1, 1]'),
+                by_id.replace(b'"b-2-y": 5', b'"b/2-y": 5'),
+                by_id.replace(b'"b-2-y": 5', b'"b-2-y": "5"'), b"garbage"):
         assert bad != raw
         with pytest.raises(RecordError):
             Plan.from_json(bad, 4)

@@ -34,7 +34,8 @@ class Member:
     def __init__(self, client: EtcdClient, job: str, version: int = 0) -> None:
         self.client = client
         self.version = version
-        self.membership = EtcdMembership(client, JobKeys(job), "127.0.0.1", timedelta(seconds=10))
+        self.membership = EtcdMembership(client, JobKeys(job), "127.0.0.1", timedelta(seconds=10),
+                                         claim=JobKeys(job).coordinator)
         self.rendezvous = Rendezvous(client, self.membership, RendezvousConfig(timeouts=TIMEOUTS))
         self.broken = threading.Event()
         self.monitor = NewsMonitor(JobKeys(job), lambda reason: self.broken.set())
@@ -108,7 +109,7 @@ class CountingClient(EtcdClient):
         return super()._call(op, what, retry_for)
 
 
-def test_a_death_costs_each_survivor_one_write_and_one_read_and_the_plan_is_written_once(etcd):
+def test_a_death_costs_each_survivor_one_write_and_no_read_and_the_plan_is_written_once(etcd):
     counting = CountingClient(etcd.url)
     members = [Member(counting, "scale-requests") for _ in range(12)]
     try:
@@ -125,9 +126,35 @@ def test_a_death_costs_each_survivor_one_write_and_one_read_and_the_plan_is_writ
         plans = [w for w in sent if w.startswith("create ") and w.endswith("/plan")]
         assert len(joins) == len(survivors)
         assert len(plans) == 1
-        # Each survivor reads the new plan (and, when its watch is slower than its read, the
-        # news once more); the coordinator reads the plan, the news and the joins it follows.
-        assert len(reads) < 2 * len(survivors), reads
+        # The new plan reaches each survivor with its news; only the coordinator reads (the
+        # news and the next round's join requests, as it follows the round it closed).
+        assert len(reads) <= 3, reads
+    finally:
+        for m in members:
+            m.leave()
+        counting.close()
+
+
+def test_a_first_round_costs_each_member_a_lease_a_registration_and_a_join_and_no_read(etcd):
+    counting = CountingClient(etcd.url)
+    members: list[Member] = []
+    try:
+        members = [Member(counting, "scale-first") for _ in range(12)]
+        form_all(members, "start")
+        sent = [w for w in counting.sent if w != "lease keepalive"]
+        assert sum(w == "lease grant" for w in sent) == len(members)
+        assert sum(w.startswith("register ") for w in sent) == len(members)
+        assert sum(w.startswith("put ") and "/join/" in w for w in sent) == len(members)
+        # Registering took the coordinator key (the first member) or saw who holds it, and
+        # told each member the news: nobody reads the key or races to create it, and only the
+        # coordinator reads the news (once, as it follows the round it closed).
+        assert [w for w in sent if w.endswith("/coordinator")] == [], sent
+        assert sum(w.startswith("get ") and w.endswith("/news") for w in sent) <= 1, sent
+        # The plan reaches each member with its news; the coordinator reads the job once as it
+        # takes the lead, then the news and the next round's join requests as it follows.
+        reads = [w for w in sent if w.startswith("get ")]
+        assert len(reads) <= 4, reads
+        assert sum(m.membership.claimed for m in members) == 1
     finally:
         for m in members:
             m.leave()

@@ -1,0 +1,154 @@
+"""The etcd client's compare-and-swap operations: one transaction each, safe to retry.
+
+A mixin of ``EtcdClient`` (``etcd_client``), kept apart so that each module stays one concept:
+the client owns the connection, its retries and plain reads and writes; this owns the writes
+that are conditional on what etcd holds (create if absent, replace if unchanged, delete if
+unchanged) and the member registration that also takes a lease-bound key if nobody holds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import aetcd
+import aetcd.utils
+
+from elastic.cluster.etcd_values import KeyValue, utf8_keys
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What ``put_and_claim`` found: the revision of its write, whether it took the claimed
+    key, and every key under the prefix it read, as of that revision (the write included)."""
+
+    revision: int
+    claimed: bool
+    read: list[KeyValue]
+
+
+class CompareAndSwap:
+    """Conditional writes, for a class that runs operations with ``_call`` and reads ``get``."""
+
+    def _call(self, op: Callable[[aetcd.Client], Coroutine[Any, Any, T]], what: str,
+              retry_for: timedelta | None = None) -> T:
+        raise NotImplementedError
+
+    def get(self, key: str) -> KeyValue | None:
+        raise NotImplementedError
+
+    def put_and_claim(self, key: str, value: bytes | str, lease: int,
+                      claim: tuple[str, str] | None, read: str) -> Registration:
+        """Writes ``key`` (bound to ``lease``), takes ``claim`` = (key, value), bound to the same
+        lease, if no such key exists, and reads every key under ``read``: one transaction, so
+        that a member's registration, its bid to lead and its first look at the job's control
+        keys cost one request. Retried safely: a retry after a lost reply finds the claimed key
+        holding ``claim``'s value and reports it taken.
+        """
+        data = value.encode() if isinstance(value, str) else value
+        raw_key, prefix = key.encode(), read.encode()
+
+        async def txn(c: aetcd.Client) -> tuple[bool, list[Any]]:
+            put = c.transactions.put(raw_key, data, lease=lease)
+            reads = [c.transactions.get(raw_key),  # the write itself: its revision
+                     c.transactions.get(prefix, aetcd.utils.prefix_range_end(prefix))]
+            if claim is None:
+                return await c.transaction(compare=[], success=[put, *reads], failure=[])
+            take = c.transactions.put(claim[0].encode(), claim[1].encode(), lease=lease)
+            return await c.transaction(compare=[c.transactions.create(claim[0].encode()) == 0],
+                                       success=[put, take, *reads], failure=[put, *reads])
+
+        took, responses = self._call(txn, f"register {key}")
+        (_, written), = responses[-2]
+        found = utf8_keys([got for _, got in responses[-1]])
+        claimed = claim is not None and (took or any(
+            kv.key == claim[0] and kv.value == claim[1].encode() and kv.lease == lease
+            for kv in found))
+        return Registration(revision=written.mod_revision, claimed=claimed, read=found)
+
+    def delete_if(self, key: str, mod_revision: int) -> bool:
+        """Deletes ``key`` only if its mod revision is still ``mod_revision``; returns whether
+        this call deleted it."""
+        async def txn(c: aetcd.Client) -> bool:
+            ok, _ = await c.transaction(
+                compare=[c.transactions.mod(key.encode()) == mod_revision],
+                success=[c.transactions.delete(key.encode())], failure=[])
+            return bool(ok)
+
+        return self._call(txn, f"delete {key} at revision {mod_revision}")
+    def create(self, key: str, value: bytes | str, *, also: dict[str, bytes | str] | None = None,
+               lease: int | None = None, unchanged: tuple[str, int] | None = None) -> bool:
+        """Creates ``key`` (and writes ``also``) only if ``key`` does not exist yet.
+
+        A compare-and-swap: retried safely because a lost reply is resolved by reading back.
+
+        Args:
+            key: the key to create.
+            value: its value.
+            also: keys written in the same transaction.
+            lease: the lease ``key`` is bound to.
+            unchanged: ``(other_key, mod_revision)``: and only if ``other_key`` still has that
+                mod revision (0: still absent).
+
+        Returns:
+            True when this call created the key.
+        """
+        data = value.encode() if isinstance(value, str) else value
+        extra = {k: (v.encode() if isinstance(v, str) else v) for k, v in (also or {}).items()}
+
+        async def txn(c: aetcd.Client) -> bool:
+            guards = [] if unchanged is None else [
+                c.transactions.mod(unchanged[0].encode()) == unchanged[1] if unchanged[1]
+                else c.transactions.create(unchanged[0].encode()) == 0]
+            ok, _ = await c.transaction(
+                compare=[c.transactions.create(key.encode()) == 0, *guards],
+                success=[c.transactions.put(key.encode(), data, lease=lease)]
+                + [c.transactions.put(k.encode(), v) for k, v in extra.items()],
+                failure=[])
+            return bool(ok)
+
+        if self._call(txn, f"create {key}"):
+            return True
+        existing = self.get(key)
+        return existing is not None and existing.value == data and existing.lease == (lease or 0)
+
+    def replace(self, key: str, value: bytes | str, mod_revision: int, *,
+                clearing: tuple[str, ...] = ()) -> bool:
+        """Writes ``key`` only if its mod revision is still ``mod_revision`` (0: absent).
+
+        Args:
+            key: The key to write.
+            value: Its new value.
+            mod_revision: The mod revision the caller read (0: the key was absent).
+            clearing: Prefixes whose other keys are deleted in the same transaction (only if
+                the write happens), so that two callers cannot both clear and write.
+
+        Returns:
+            True when this call wrote ``key``.
+        """
+        data = value.encode() if isinstance(value, str) else value
+        ranges = [r for prefix in clearing for r in _ranges_without(prefix.encode(), key.encode())]
+
+        async def txn(c: aetcd.Client) -> bool:
+            compare = (c.transactions.mod(key.encode()) == mod_revision if mod_revision
+                       else c.transactions.create(key.encode()) == 0)
+            deletes = [c.transactions.delete(start, range_end=end) for start, end in ranges]
+            ok, _ = await c.transaction(
+                compare=[compare], success=[*deletes, c.transactions.put(key.encode(), data)],
+                failure=[])
+            return bool(ok)
+
+        return self._call(txn, f"replace {key}")
+
+
+def _ranges_without(prefix: bytes, key: bytes) -> list[tuple[bytes, bytes]]:
+    """The key ranges of ``prefix`` minus ``key`` itself (etcd refuses a transaction that
+    deletes and puts the same key)."""
+    end = aetcd.utils.prefix_range_end(prefix)
+    if not key.startswith(prefix):
+        return [(prefix, end)]
+    return [(prefix, key), (key + b"\0", end)]
