@@ -138,6 +138,11 @@ class Timeouts:
     health check before another port is tried."""
 
     # -- processes ---------------------------------------------------------------------------
+    replace_wait: timedelta = _entry(2)
+    """Default 2 s (``ELASTIC_REPLACE_WAIT``): how long ``elastic run`` holds back the cold start
+    of a crashed worker's replacement while the survivors re-form without it (it starts
+    ``settle`` after their next round formed; a cold start's seconds of CPU would otherwise
+    compete with them)."""
     grace: timedelta = _entry(30)
     """Default 30 s (``ELASTIC_GRACE``, ``--grace``): how long workers get to leave after
     Ctrl-C/SIGTERM before they are killed."""

@@ -325,7 +325,7 @@ def cmd_etcd(argv: Sequence[str]) -> int:
     except ValueError as exc:
         raise UsageError(f"elastic etcd: {exc}") from None
     from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: PLC0415
-    from elastic.launch.launcher import StopSignal  # noqa: PLC0415
+    from elastic.launch.stop_signal import StopSignal  # noqa: PLC0415
     stop = StopSignal(threading.Event(), "stopping etcd", shutdown=timeouts.shutdown,
                       again="asked again: stopping etcd")
     restore = stop.install()

@@ -60,11 +60,15 @@ class JoinedWorkers:
         with self._lock:
             return pid in self._pids
 
+    def members_of(self, pid: int) -> list[str]:
+        """The member ids that process ``pid`` of this host registered as."""
+        with self._lock:
+            return [m for m, p in self._member_pids.items() if p == pid]
+
     def has_finished(self, pid: int) -> bool:
         """Whether process ``pid`` of this host said it returned from the training function
         (in the newest round; False when etcd cannot tell now)."""
-        with self._lock:
-            members = [m for m, p in self._member_pids.items() if p == pid]
+        members = self.members_of(pid)
         if not members:
             return False
         try:

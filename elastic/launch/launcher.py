@@ -12,12 +12,11 @@ see it. It reads no environment variables: ``elastic.launch.cli`` hands it every
 from __future__ import annotations
 
 import logging
-import signal
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -28,11 +27,12 @@ from elastic.launch.job_config import JobConfig, claim
 from elastic.launch.lease_files import LeaseFiles
 from elastic.launch.joined import JoinedWorkers
 from elastic.launch.output import OutputOptions, WorkerOutput
+from elastic.launch.replacements import Replacement, Replacements
 from elastic.launch.restarts import Restarts
+from elastic.launch.stop_signal import StopSignal
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership
 from elastic.settings import EtcdSecurity
-from elastic.signals import relay_signals
 from elastic.timeouts import Timeouts
 from elastic.launch.worker_procs import WorkerProcs, describe_exit
 
@@ -167,60 +167,6 @@ class EtcdExit:
                 "`--etcd URL` of an etcd that outlives the job.")
 
 
-class StopSignal:
-    """SIGINT/SIGTERM handling of the launcher: the first asks for a graceful stop, a second
-    one for an immediate kill. ``wake`` is set on either, so that waits end at once.
-
-    Args:
-        wake: the Event to set on a signal.
-        message: what the launcher says it does on a signal.
-        again: what it says it does on a second one.
-        shutdown: how long restoring the handlers waits for the relay thread
-            (default: ``Timeouts.shutdown``).
-    """
-
-    def __init__(self, wake: threading.Event,
-                 message: str = "asking the workers to leave (again to kill them now)",
-                 shutdown: timedelta | None = None,
-                 again: str = "asked again: killing the workers now") -> None:
-        self.wake = wake
-        self.message = message
-        self.again = again
-        self.shutdown = shutdown
-        self.requested = threading.Event()
-        self.forced = threading.Event()
-        self.signum: signal.Signals | None = None
-
-    def install(self) -> Callable[[], None]:
-        """Installs the handlers (main thread only); returns a function that restores them.
-
-        The handlers run on a relay thread (``elastic.signals``): setting ``wake`` inside a
-        real signal handler deadlocks when the main thread is in the middle of waiting on it.
-        """
-        return relay_signals((signal.SIGINT, signal.SIGTERM), self._on_signal, "elastic-signals",
-                             self.shutdown)
-
-    @property
-    def exit_status(self) -> int:
-        """The launcher's status after a stop: 130 for Ctrl-C (SIGINT), as torchrun and
-        shells report it, however the workers ended; 0 for SIGTERM (a scheduler's polite stop),
-        to which the caller adds whether every worker left gracefully."""
-        return 128 + signal.SIGINT if self.signum == signal.SIGINT else 0
-
-    def _on_signal(self, signum: signal.Signals) -> None:
-        message = self.message
-        if self.requested.is_set():
-            self.forced.set()
-            message = self.again
-        self.signum = self.signum or signum
-        self.requested.set()
-        self.wake.set()
-        try:
-            print(f"elastic: signal {signum.name}: {message}", file=sys.stderr, flush=True)
-        except OSError:
-            pass  # stderr is gone (a closed terminal or pipe); the stop goes ahead regardless
-
-
 def revoke_worker_leases(client: EtcdClient, leases: list[int]) -> list[int]:
     """Revokes the leases a worker of this launcher reported (``LeaseFiles``): never a lease
     found by matching host name and pid in etcd, which another container can share.
@@ -248,6 +194,7 @@ class Launcher:
         self.membership: EtcdMembership | None = None
         self.leases = LeaseFiles()
         self.joined: JoinedWorkers | None = None
+        self.replacements: Replacements | None = None
         self.etcd_exit: EtcdExit | None = None
 
     def connect(self) -> bool:
@@ -272,6 +219,10 @@ class Launcher:
         if not self.spec.plain:
             self.joined = JoinedWorkers(self.client, self.keys)
             self.joined.start()
+            self.replacements = Replacements(self.client, self.keys, self.procs.changed,
+                                             self.spec.timeouts.replace_wait,
+                                             self.spec.timeouts.settle)
+            self.replacements.start()
         return first
 
     def run(self) -> int:
@@ -311,6 +262,8 @@ class Launcher:
         """Leaves the launcher membership and closes the etcd client."""
         if self.joined is not None:
             self.joined.stop()
+        if self.replacements is not None:
+            self.replacements.stop()
         if self.etcd_exit is not None and self.etcd_exit.is_set():
             self.membership = None  # nothing to leave: the keys went with the server
         if self.membership is not None:
@@ -323,13 +276,19 @@ class Launcher:
         for local_rank in range(self.spec.nproc + self.spec.spares):
             self._start(local_rank, standby=local_rank >= self.spec.nproc)
         restarts = Restarts(self.spec.max_restarts)
+        held = self.replacements
+        assert held is not None, "connect() first"
         while True:
-            self.procs.changed.wait(timeout=self.spec.timeouts.wake.total_seconds())
+            self.procs.changed.wait(timeout=held.wait_s(self.spec.timeouts.wake.total_seconds()))
             self.procs.changed.clear()
             if self.stop.requested.is_set():
                 return self._shutdown(restarts.failed)
             if self.is_etcd_lost():
                 return 1  # the workers are killed on the way out: none can leave gracefully
+            for replacement, why in held.due():
+                _say(f"starting the replacement of worker local_rank={replacement.local_rank} "
+                     f"({why})")
+                self._start(replacement.local_rank, replacement.standby)
             for worker in self.procs.exited():
                 code = worker.returncode or 0
                 if code == 0:
@@ -344,16 +303,28 @@ class Launcher:
                 if refusal:
                     _say(refusal)
                     continue
-                if self.spec.spares:
-                    _say(f"a warm spare takes the place of worker local_rank="
-                         f"{worker.local_rank}; starting a new spare in its slot (restart "
-                         f"{restarts.used} of {self.spec.max_restarts})")
-                else:
-                    _say(f"restarting worker local_rank={worker.local_rank} "
-                         f"(restart {restarts.used} of {self.spec.max_restarts})")
-                self._start(worker.local_rank, standby=self.spec.spares > 0)
-            if not self.procs.running():
+                self._replace(worker.local_rank, worker.pid, restarts)
+            if not self.procs.running() and not held.holding:
                 return 1 if restarts.failed else 0
+
+    def _replace(self, local_rank: int, pid: int, restarts: Restarts) -> None:
+        """Starts the replacement of crashed worker ``pid``: once the survivors re-formed
+        without it (``Replacements``), or at once."""
+        assert self.replacements is not None
+        replacement = Replacement(local_rank, standby=self.spec.spares > 0)
+        members = self.joined.members_of(pid) if self.joined is not None else []
+        held = self.replacements.hold(replacement, members)
+        when = (f" once the others re-formed without it (at most "
+                f"{self.spec.timeouts.replace_wait.total_seconds():g} s)" if held else "")
+        if self.spec.spares:
+            _say(f"a warm spare takes the place of worker local_rank={local_rank}; starting a "
+                 f"new spare in its slot{when} (restart {restarts.used} of "
+                 f"{self.spec.max_restarts})")
+        else:
+            _say(f"restarting worker local_rank={local_rank}{when} (restart {restarts.used} of "
+                 f"{self.spec.max_restarts})")
+        if not held:
+            self._start(replacement.local_rank, replacement.standby)
 
     def _start(self, local_rank: int, standby: bool = False) -> None:
         """Starts one worker (``standby``: a warm spare), with a file of its own to report its

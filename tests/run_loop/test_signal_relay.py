@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from elastic.launch.launcher import StopSignal
+from elastic.launch.stop_signal import StopSignal
 from elastic.signals import relay_signals
 
 pytestmark = pytest.mark.timeout(20)  # a handler that deadlocks fails here instead of hanging
