@@ -168,7 +168,32 @@ class Cluster:
         """
         self.monitor.disarm()
         self.release(f"re-forming ({reason})")
-        self._drop_group()
+        dropped = self._drop_group()
+        try:
+            topology, reason, waited = self._join_next(reason, version, cancelled)
+        finally:
+            dropped()  # before the next round's links open
+        self.events.bind(round=topology.round, rank=topology.rank,
+                         world_size=topology.world_size)
+        self.events.emit("round_formed", reason=reason, rendezvous_s=waited)
+        with Stopwatch() as formed:
+            store = RoundStore(self.client, self.keys.store_address(topology.round),
+                               topology.rank, self.settings.advertise_addr,
+                               self.settings.timeouts.store)
+            timeouts = self.settings.timeouts
+            self.links.open(store, AgreementChannel(topology.rank, topology.world_size,
+                                                    self.group.timeout, timeouts.peer,
+                                                    timeouts.peer_probe))
+            self.topology = topology
+            self.monitor.arm(topology, self.client)  # a member dying now aborts the forming
+            self._connect(topology, store)
+        self.events.emit("group_formed", backend=self.group.backend, form_s=formed.seconds)
+        return topology
+
+    def _join_next(self, reason: str, version: int,
+                   cancelled: Callable[[], bool]) -> tuple[Topology, str, float]:
+        """Asks for rounds until one takes this member; returns its topology, the reason it
+        last asked with and the seconds that took (``form`` says what it raises)."""
         while True:
             if self.is_fenced or not self.membership.is_registered:
                 self.renew_identity()
@@ -188,25 +213,9 @@ class Cluster:
                     reason = "start"
                     continue
             if topology is not None:
-                break
+                return topology, reason, waited.seconds
             self.events.emit("spare", waited_s=waited.seconds)
             reason = "spare"
-        self.events.bind(round=topology.round, rank=topology.rank,
-                         world_size=topology.world_size)
-        self.events.emit("round_formed", reason=reason, rendezvous_s=waited.seconds)
-        with Stopwatch() as formed:
-            store = RoundStore(self.client, self.keys.store_address(topology.round),
-                               topology.rank, self.settings.advertise_addr,
-                               self.settings.timeouts.store)
-            timeouts = self.settings.timeouts
-            self.links.open(store, AgreementChannel(topology.rank, topology.world_size,
-                                                    self.group.timeout, timeouts.peer,
-                                                    timeouts.peer_probe))
-            self.topology = topology
-            self.monitor.arm(topology, self.client)  # a member dying now aborts the forming
-            self._connect(topology, store)
-        self.events.emit("group_formed", backend=self.group.backend, form_s=formed.seconds)
-        return topology
 
     def _await_peers(self, cancelled: Callable[[], bool]) -> None:
         """Waits until this member, which its peers lost, reaches rank 0 of the newest round
@@ -296,12 +305,26 @@ class Cluster:
         dead = sum(not silent for silent in self.channel.peers_lost().values())
         return last.round, last.world_size - dead
 
-    def _drop_group(self) -> None:
-        self.links.drop()
+    def _drop_group(self) -> Callable[[], None]:
+        """Lets go of the round (the training thread is out of its step): its group is destroyed
+        while this member asks for the next round; returns what waits for that.
+
+        Raises (the returned function):
+            PeerFailureError: destroying the group failed or took longer than the form timeout.
+        """
         self.stuck.disarm()
         if self.topology is not None:
             self._last = self.topology
         self.topology = None
+        dropping = self.links.drop_meanwhile(self.settings.timeouts.form)
+
+        def dropped() -> None:
+            try:
+                dropping()
+            except (RuntimeError, TimeoutError) as exc:
+                raise PeerFailureError(f"letting go of the last round failed: {exc}") from exc
+
+        return dropped
 
     def lease_confirmer(self) -> Callable[[], bool]:
         """What asks etcd, when called, whether the lease of this member's identity *now* is

@@ -8,7 +8,8 @@ process group. ``RoundLinks`` owns them for one worker and owns the two orders t
   releasing an NCCL group aborts communicators and can take a while; a group still forming is
   waiting on the store, so aborting the store is what frees it.
 - ``drop()``, from the training thread once released: destroys the group, then closes the
-  store the group was formed on. The released channel is *retired*, not closed: it stays open
+  store the group was formed on (``drop_meanwhile``: on a thread of its own, while the
+  training thread asks for its next round; destroying a group takes milliseconds). The released channel is *retired*, not closed: it stays open
   until the next round opens (or ``close()``), because until then a connection that a peer
   ended tells that the peer died (``AgreementChannel.peers_gone``), and closing ours would tell
   the peers the same lie about this worker.
@@ -18,6 +19,9 @@ It does not decide when to release (the change monitor and the run loop do) nor 
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Protocol
 
 
@@ -71,6 +75,33 @@ class RoundLinks:
         store, self.store = self.store, None
         if store is not None:
             store.close()
+
+    def drop_meanwhile(self, limit: timedelta) -> Callable[[], None]:
+        """``drop()`` on a thread of its own; returns what waits for it (for at most ``limit``)
+        and raises what it raised, to be called before ``open``.
+
+        Raises (the returned function):
+            TimeoutError: the drop did not finish within ``limit``.
+        """
+        failed: list[Exception] = []
+
+        def drop() -> None:
+            try:
+                self.drop()
+            except Exception as exc:  # noqa: BLE001 (raised again by the waiter)
+                failed.append(exc)
+
+        thread = threading.Thread(target=drop, name="elastic-drop-round", daemon=True)
+        thread.start()
+
+        def dropped() -> None:
+            thread.join(limit.total_seconds())
+            if thread.is_alive():
+                raise TimeoutError(f"destroying the last round's group took longer than {limit}")
+            if failed:
+                raise failed[0]
+
+        return dropped
 
     def close(self) -> None:
         """Drops the round and closes its channel (the worker leaves the job)."""

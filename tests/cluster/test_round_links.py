@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from datetime import timedelta
+
 import pytest
 
 from elastic.cluster.round_links import RoundLinks
@@ -101,3 +104,45 @@ def test_opening_a_round_before_dropping_the_last_is_refused(log):
 
     with pytest.raises(AssertionError, match="drop"):
         links.open(Part("store2", log), Part("channel2", log))
+
+
+class SlowGroup(Part):
+    """A group whose destroy blocks until the test lets it go, then fails if told to."""
+
+    def __init__(self, log: list[str], fails: bool = False) -> None:
+        super().__init__("group", log)
+        self.go = threading.Event()
+        self.fails = fails
+
+    def destroy(self) -> None:
+        assert self.go.wait(10)
+        super().destroy()
+        if self.fails:
+            raise RuntimeError("gloo: destroying failed")
+
+
+def test_a_drop_meanwhile_lets_the_caller_go_on_and_its_waiter_returns_once_it_is_done(log):
+    group = SlowGroup(log)
+    links = RoundLinks(group, Part("idle_channel", log))
+    links.open(Part("store", log), Part("channel", log))
+    log.clear()
+    dropped = links.drop_meanwhile(timedelta(seconds=10))
+    log.append("asked for the next round")  # while the group is being destroyed
+    group.go.set()
+    dropped()
+    assert log == ["asked for the next round", "group.destroy", "store.close"]
+    links.open(Part("next_store", log), Part("next_channel", log))  # the round was dropped
+
+
+def test_the_waiter_of_a_drop_meanwhile_raises_what_the_drop_raised_or_that_it_is_late(log):
+    failing = SlowGroup(log, fails=True)
+    failing.go.set()
+    with pytest.raises(RuntimeError, match="destroying failed"):
+        RoundLinks(failing, Part("idle_channel", log)).drop_meanwhile(timedelta(seconds=10))()
+    stuck = SlowGroup(log)
+    try:
+        with pytest.raises(TimeoutError, match="longer than"):
+            RoundLinks(stuck, Part("idle_channel", log)).drop_meanwhile(
+                timedelta(milliseconds=50))()
+    finally:
+        stuck.go.set()
