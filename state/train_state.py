@@ -18,47 +18,11 @@ import torch.distributed as dist
 from elastic.state.errors import NoCommitError, StateError, StateKeyError
 from elastic.state.live_commit import (fill_live, holds_live, is_optimizer,
                                        live_tensor_addresses, mark_live, require_optimizers)
+from elastic.state.plain_values import check_plain, restore_value
 from elastic.state.stateful import is_stateful, snapshot
 from elastic.state.sync import broadcast_payload
 
 __all__ = ["TrainState"]
-
-_PLAIN_LEAVES = (bool, int, float, complex, str, bytes, type(None), torch.Tensor)
-
-
-def _check_plain(name: str, value: Any) -> None:
-    """Raises TypeError unless ``value`` is a plain value (or a dict/list/tuple of them)."""
-    if isinstance(value, _PLAIN_LEAVES):
-        return
-    if isinstance(value, Mapping):
-        for item in value.values():
-            _check_plain(name, item)
-        return
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            _check_plain(name, item)
-        return
-    raise TypeError(
-        f"{name!r} holds a {type(value).__name__}, which is neither Stateful (state_dict/"
-        f"load_state_dict) nor a plain value (int, float, str, bool, None, tensor, dict/list)."
-    )
-
-
-def _restore_value(saved: Any, live: Any) -> Any:
-    """Copies a snapshotted plain value back, putting tensors on the live tensor's device."""
-    if isinstance(saved, torch.Tensor):
-        device = live.device if isinstance(live, torch.Tensor) else torch.device("cpu")
-        return saved.to(device, copy=True)
-    if isinstance(saved, Mapping):
-        live_map = live if isinstance(live, Mapping) else {}
-        return type(saved)((k, _restore_value(v, live_map.get(k))) for k, v in saved.items())
-    if isinstance(saved, (list, tuple)):
-        same = isinstance(live, (list, tuple)) and len(live) == len(saved)
-        lives = live if same else [None] * len(saved)
-        items = [_restore_value(v, lv) for v, lv in zip(saved, lives)]
-        return items if isinstance(saved, list) else type(saved)(items)
-    return snapshot(saved)
-
 
 class TrainState:
     """Named training objects with an in-memory commit, rollback and broadcast.
@@ -181,7 +145,7 @@ class TrainState:
         if is_stateful(obj):
             self._stateful = {**self._stateful, name: obj}
         else:
-            _check_plain(name, obj)
+            check_plain(name, obj)
             self._value_names = {**self._value_names, name: None}
         self._objects()[name] = obj
 
@@ -275,7 +239,7 @@ class TrainState:
                 obj.load_state_dict(snapshot(saved))
         objects = self._objects()
         for name in self._value_names:
-            objects[name] = _restore_value(self._commit[name], objects[name])
+            objects[name] = restore_value(self._commit[name], objects[name])
 
     def committed(self) -> dict[str, Any]:
         """Returns the current commit as ``{"version": int, "objects": {name: state}}``.

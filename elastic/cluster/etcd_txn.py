@@ -47,7 +47,7 @@ class CompareAndSwap:
         lease, if no such key exists, and reads every key under ``read``: one transaction, so
         that a member's registration, its bid to lead and its first look at the job's control
         keys cost one request. Retried safely: a retry after a lost reply finds the claimed key
-        holding ``claim``'s value and reports it taken.
+        holding ``claim``'s value and reports it taken (``claim`` lies under ``read``).
         """
         data = value.encode() if isinstance(value, str) else value
         raw_key, prefix = key.encode(), read.encode()
