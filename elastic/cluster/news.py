@@ -175,3 +175,12 @@ class NewsMonitor:
                 broken = news.broken
         if broken:
             self._on_broken(broken)
+
+
+def read_plan_copy(keys: JobKeys, events: list[WatchEvent]) -> bytes | None:
+    """The newest copy of a round's plan among ``events`` (``control/plan``, written with the
+    news of its round), unparsed: None when there is none."""
+    for event in reversed(events):
+        if event.key == keys.newest_plan and event.kind == "put":
+            return event.value
+    return None

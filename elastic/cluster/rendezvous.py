@@ -31,7 +31,7 @@ from elastic.cluster import records
 from elastic.cluster.gone_reports import GoneReports
 from elastic.cluster.verdict import CloseVerdict
 from elastic.cluster.coordinator import Coordinator
-from elastic.cluster.news import RoundNews, read_news
+from elastic.cluster.news import RoundNews, read_news, read_plan_copy
 from elastic.cluster.records import RecordError, SkippedRecords
 
 log = logging.getLogger(__name__)
@@ -85,12 +85,12 @@ class Rendezvous:
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         read = read_news(self._keys, events, self._skipped)
-        plans = [e.value for e in events if e.key == self._keys.newest_plan and e.kind == "put"]
+        plan = read_plan_copy(self._keys, events)
         with self._changed:
             if read is not None:
                 self._news = read[0]  # the watch delivers in order: the last is the newest
-            if plans:
-                self._newest_plan = plans[-1]
+            if plan is not None:
+                self._newest_plan = plan
             self._epoch += 1
             self._changed.notify_all()
 

@@ -23,7 +23,7 @@ from datetime import timedelta
 
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.keys import JobKeys
-from elastic.cluster.news import read_news
+from elastic.cluster.news import read_news, read_plan_copy
 from elastic.cluster.plan import Plan
 from elastic.cluster.records import RecordError, SkippedRecords
 
@@ -40,8 +40,9 @@ class Replacement:
 class _Held:
     replacement: Replacement
     died_in: int  # the round the worker died in
-    deadline: float  # time.monotonic() when it starts anyway
-    formed: tuple[int, float] | None = None  # a later round, and when it was seen
+    starts_at: float  # time.monotonic(): its wait runs out, or its survivors had time to connect
+    why: str  # what ``starts_at`` comes from
+    formed: bool = False  # a round after ``died_in`` was seen
 
 
 class Replacements:
@@ -88,7 +89,8 @@ class Replacements:
         if plan is None or plan.world_size < 2 or not set(members) & set(plan.ranks):
             return False
         with self._lock:
-            self._held.append(_Held(replacement, plan.round, time.monotonic() + self._wait_s))
+            self._held.append(_Held(replacement, plan.round, time.monotonic() + self._wait_s,
+                                    f"the others did not re-form within {self._wait_s:g} s"))
         return True
 
     @property
@@ -100,39 +102,32 @@ class Replacements:
         """The held replacements that start now, each with why: their round was followed by
         another, or their wait ran out. They are no longer held."""
         now = time.monotonic()
-        ready, still = [], []
         with self._lock:
-            for held in self._held:
-                if held.formed is not None and now >= held.formed[1] + self._connect_s:
-                    ready.append((held.replacement, f"the others formed round {held.formed[0]}"))
-                elif now >= held.deadline:
-                    ready.append((held.replacement, f"the others did not re-form within "
-                                                    f"{self._wait_s:g} s"))
-                else:
-                    still.append(held)
-            self._held = still
-        return ready
+            ready = [h for h in self._held if h.starts_at <= now]
+            self._held = [h for h in self._held if h.starts_at > now]
+        return [(h.replacement, h.why) for h in ready]
 
     def wait_s(self, longest: float) -> float:
         """How long the launcher's loop may sleep: ``longest``, or less when a wait runs out."""
         now = time.monotonic()
         with self._lock:
-            deadlines = [min(h.deadline, h.formed[1] + self._connect_s if h.formed else h.deadline)
-                         - now for h in self._held]
-        return max(0.0, min([longest, *deadlines]))
+            return max(0.0, min([longest, *(h.starts_at - now for h in self._held)]))
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         read = read_news(self._keys, events, self._skipped)
-        plans = [e.value for e in events if e.key == self._keys.newest_plan and e.kind == "put"]
-        now = time.monotonic()
+        plan = read_plan_copy(self._keys, events)
+        connected = time.monotonic() + self._connect_s
         formed = False
         with self._lock:
             if read is not None:
                 self._round = read[0].round
-            if plans:
-                self._plan = plans[-1]
+            if plan is not None:
+                self._plan = plan
             for held in self._held:
-                if held.formed is None and self._round > held.died_in:
-                    held.formed, formed = (self._round, now), True
+                if not held.formed and self._round > held.died_in:
+                    held.formed = formed = True
+                    if connected < held.starts_at:
+                        held.starts_at = connected
+                        held.why = f"the others formed round {self._round}"
         if formed:
             self._wake.set()  # the launcher's loop now sleeps until the connect time is up
