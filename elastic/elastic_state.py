@@ -332,11 +332,16 @@ class ElasticState:
         """
         worker = f"{os.uname().nodename}-{os.getpid()}"
         events = EventLog(self._settings.log_dir, worker)
-        self._cluster = Cluster(self._settings, events)
+        # Before registering: a SIGTERM that lands as this worker joins asks it to leave.
+        restore_signals = self._install_signal_handlers()
+        try:
+            self._cluster = Cluster(self._settings, events)
+        except BaseException:
+            restore_signals()
+            raise
         if self._durable is not None:
             self._durable.events = events
             self._durable.on_published(self._cluster.publish_checkpoint)
-        restore_signals = self._install_signal_handlers()
         gc.freeze()  # keeps the full collections after a failure cheap
         loop = RunLoop(self._cluster, self._train, self._durable, self._leave_requested,
                        self._on_formed, self._settings.timeouts.sync)

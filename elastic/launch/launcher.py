@@ -12,6 +12,7 @@ see it. It reads no environment variables: ``elastic.launch.cli`` hands it every
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import subprocess
 import sys
@@ -358,7 +359,10 @@ class Launcher:
         grace = timedelta() if self.stop.forced.is_set() else self.spec.timeouts.grace
         self.procs.terminate(grace, cut=self.stop.forced)
         for worker in self.procs.exited():
-            if worker.returncode:
+            if worker.returncode == -signal.SIGTERM and not (
+                    self.joined is not None and self.joined.has_joined(worker.pid)):
+                _say(f"worker pid={worker.pid} was stopped before it joined the job")
+            elif worker.returncode:
                 failed += 1
         return self.stop.exit_status or (1 if failed else 0)
 

@@ -222,6 +222,18 @@ def test_sigint_while_a_plain_generation_forms_stops_the_launcher_at_once(cli, e
     assert not list(tmp_path.glob("plain-*.json")), "no worker was started"
 
 
+def test_a_worker_stopped_by_sigterm_before_it_joined_leaves_the_job_a_clean_exit(cli, etcd,
+                                                                                   tmp_path):
+    pid_file = tmp_path / "starting.pid"
+    run = cli("run", "--etcd", etcd.url, "--job-id", f"starting-{os.getpid()}", "-n", "1",
+              str(WORKERS / "slow_import.py"), str(pid_file))
+    wait_until(pid_file.exists, 60, "the worker to start", [run])
+    starting = int(pid_file.read_text())
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(30) == 0, run.text()
+    assert f"worker pid={starting} was stopped before it joined the job" in run.text()
+
+
 def test_a_second_sigint_kills_workers_that_ignore_the_first_without_waiting_the_grace(
         cli, etcd, tmp_path):
     pid_file = tmp_path / "stuck.pid"

@@ -10,6 +10,7 @@ import pytest
 
 from elastic.launch.stop_signal import StopSignal
 from elastic.signals import relay_signals
+from tests.support.cli import WORKERS
 
 pytestmark = pytest.mark.timeout(20)  # a handler that deadlocks fails here instead of hanging
 
@@ -59,3 +60,10 @@ def test_off_the_main_thread_nothing_is_installed():
     thread.start()
     thread.join(5)
     assert results == [before]
+
+
+def test_a_sigterm_that_lands_as_the_worker_registers_makes_it_leave_not_die(make_job):
+    job = make_job(script=WORKERS / "term_at_registration.py")
+    job.start(0)
+    assert job.wait_exit(0, timeout=60) == 0, job.tails()
+    assert "left with None at step 0" in job.tails(), job.tails()
