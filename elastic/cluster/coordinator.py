@@ -2,8 +2,10 @@
 
 Every member runs a ``Coordinator``; the one whose member lease holds ``control/coordinator``
 (taken by the first member's registration, or later by compare-and-swap) leads, the others
-wait for that key to go (its lease ended) and then try to take it. The leader watches the whole job prefix, keeps the members, join requests
-and done marks in memory (O(1) work per event), and:
+wait for that key to go (its lease ended) and then try to take it. The leader watches the job's
+keys after ``control/`` (``JobKeys.coordinated``: members and rounds; ``control/`` it hears by its
+own member's watch, so no key reaches it twice), keeps the members, join requests and done marks
+in memory (O(1) work per event), and:
 
 - closes round ``R + 1`` when the rules allow (``verdict.CloseVerdict``: a first round's
   settle window, a re-formation's roll call of round ``R``), by the same compare-and-swap as
@@ -13,8 +15,8 @@ and done marks in memory (O(1) work per event), and:
   writes what it finds into ``control/news``: pending, broken, done, finished.
 
 So each change costs the leader O(N) and every other member O(1): they watch only
-``control/`` and their own member key, which brings them each round's plan. A leader taking over reads
-the job once and acts on what it finds (a member of the round gone, joins already waiting).
+``control/`` and their own member key, which brings them each round's plan. A leader taking over
+reads the job once and acts on what it finds (a member of the round gone, joins already waiting).
 It never runs collectives and never raises into the training: its etcd errors are logged and
 retried at the next wake.
 """
@@ -68,6 +70,7 @@ class Coordinator:
         self._joins: dict[int, dict[str, KeyValue]] = {}
         self._dones: dict[int, set[str]] = {}
         self._gones: dict[int, dict[str, KeyValue]] = {}
+        self._plans: dict[int, KeyValue] = {}  # rounds' plans as the watch brought them
         self._closed = 0  # the newest round this leader closed (its watch may not show it yet)
         self._round = 0
         self._latest = 0  # the ``round`` counter as last seen (by the snapshot or the watch)
@@ -120,17 +123,22 @@ class Coordinator:
         self._poke()
 
     def _on_control(self, events: list[WatchEvent]) -> None:
-        """Membership listener: who holds the coordinator key; its delete (the holder's lease
-        ended) wakes the thread to claim it."""
-        mine = [e for e in events if e.key == self._keys.coordinator]
-        if not mine:
-            return
+        """Membership listener (``control/``): who holds the coordinator key, whose delete
+        (the holder's lease ended) wakes the thread to claim it, and the news's revision."""
+        keys, me = self._keys, self._membership.member_id
+        freed = False
         with self._changed:
-            last = mine[-1]  # the watch delivers in order
-            self._holder = last.value.decode("utf-8", errors="replace") \
-                if last.kind == "put" else None
-            self._holder_known = True
-        if any(e.kind == "delete" for e in mine):
+            for e in events:  # in the order of their revisions
+                if e.key == keys.news and e.kind == "put":
+                    self._news_revision = e.revision
+                elif e.key == keys.coordinator:
+                    if e.kind == "delete":
+                        self._lost = self._lost or self._holder == me
+                        freed = True
+                    self._holder = e.value.decode("utf-8", errors="replace") \
+                        if e.kind == "put" else None
+                    self._holder_known = True
+        if freed:
             self._poke()
 
     def _poke(self) -> None:
@@ -197,10 +205,11 @@ class Coordinator:
         with self._changed:
             self.is_leading = True
             self._members, self._joins, self._dones, self._gones = {}, {}, {}, {}
+            self._plans = {}
             self._round, self._latest, self._plan, self._monitor = 0, 0, None, None
             self._closed = 0
             self._broken, self._seen, self._lost = "", None, False
-        self._cancel_watch = self._client.follow_prefix(self._keys.prefix, self._on_job_events)
+        self._cancel_watch = self._client.follow_range(self._keys.coordinated, self._on_job_events)
         self._step()
 
     def _coordinator_gone(self) -> bool:
@@ -241,10 +250,6 @@ class Coordinator:
             elif e.key == keys.round and e.kind == "put":
                 self._round_revision = e.revision
                 self._latest = records.round_number(e.key, e.value)
-            elif e.key == keys.news and e.kind == "put":
-                self._news_revision = e.revision
-            elif e.key == keys.coordinator and e.kind == "delete":
-                self._lost = True
             elif (n := keys.round_of(e.key)) is not None:
                 self._note_round_key(n, e)
 
@@ -257,6 +262,8 @@ class Coordinator:
                 joins[member] = KeyValue(e.key, e.value, e.revision, e.create_revision, e.lease)
             else:
                 joins.pop(member, None)
+        elif e.key == keys.plan(n) and e.kind == "put":
+            self._plans[n] = KeyValue(e.key, e.value, e.revision, e.create_revision, e.lease)
         elif e.key.startswith(keys.dones(n)) and e.kind == "put":
             self._dones.setdefault(n, set()).add(e.key[len(keys.dones(n)):])
         elif e.key.startswith(keys.gones(n)):
@@ -280,11 +287,14 @@ class Coordinator:
             latest = self._latest
         if latest == self._round and (latest == 0 or self._monitor is not None):
             return
-        plan = self._rendezvous.read_plan(latest)
+        with self._changed:
+            seen = self._plans.get(latest)
+        plan = self._rendezvous.read_plan(latest, seen)
         news_kv = self._client.get(self._keys.news)
         with self._changed:
             self._round, self._plan, self._broken = latest, plan, ""
             self._joins = {n: j for n, j in self._joins.items() if n > latest}
+            self._plans = {n: p for n, p in self._plans.items() if n > latest}
             self._gones = {n: g for n, g in self._gones.items() if n > latest}
             self._checked = {k: r for k, r in self._checked.items()
                              if (self._keys.round_of(k[0]) or 0) > latest}

@@ -36,7 +36,8 @@ import tenacity  # noqa: E402
 from elastic.cluster.etcd_channel import (  # noqa: E402
     TRANSIENT, Client, grpc_options, parse_endpoints, refusal, status_of, uses_tls)
 from elastic.cluster.etcd_txn import CompareAndSwap  # noqa: E402
-from elastic.cluster.etcd_values import KeyValue, WatchEvent, kv_of, utf8_keys  # noqa: E402
+from elastic.cluster.etcd_values import (  # noqa: E402
+    KeyRange, KeyValue, WatchEvent, kv_of, utf8_keys)
 from elastic.cluster.etcd_watch import Watches, within  # noqa: E402
 from elastic.cluster.etcd_tls import channel_credentials, plaintext_problem, tls_problem  # noqa: E402
 from elastic.errors import EtcdAccessError, EtcdUnavailableError, FencedError  # noqa: E402
@@ -239,8 +240,12 @@ class EtcdClient(CompareAndSwap):
 
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         """Reads every key under ``prefix``; returns them (sorted by key) and the revision read."""
-        result = self._call(lambda c: c.get_prefix(prefix.encode(), sort_order="ascend"),
-                            f"get {prefix}*")
+        return self.get_range(KeyRange.prefix(prefix))
+
+    def get_range(self, keys: KeyRange) -> tuple[list[KeyValue], int]:
+        """Reads every key in ``keys``; returns them (sorted by key) and the revision read."""
+        result = self._call(lambda c: c.get_range(keys.start.encode(), keys.end.encode(),
+                                                  sort_order="ascend"), f"get {keys}")
         return utf8_keys(result.kvs), result.header.revision
 
     def delete(self, key: str) -> bool:
@@ -289,24 +294,33 @@ class EtcdClient(CompareAndSwap):
     # -- watches ------------------------------------------------------------------------------
     def follow_prefix(self, prefix: str,
                       callback: Callable[[list[WatchEvent]], None]) -> Callable[[], None]:
-        """Hands ``callback`` every key under ``prefix`` now (as puts, on this thread), then
-        every later change by watch, with nothing missed in between. Returns the watch's cancel.
-        """
-        kvs, revision = self.get_prefix(prefix)
+        """``follow_range`` of every key under ``prefix``."""
+        return self.follow_range(KeyRange.prefix(prefix), callback)
+
+    def follow_range(self, keys: KeyRange,
+                     callback: Callable[[list[WatchEvent]], None]) -> Callable[[], None]:
+        """Hands ``callback`` every key in ``keys`` now (as puts, on this thread), then every
+        later change by watch, with nothing missed in between. Returns the watch's cancel."""
+        kvs, revision = self.get_range(keys)
         callback([WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease,
                              kv.create_revision) for kv in kvs])
-        return self.watch_prefix(prefix, revision + 1, callback)
+        return self.watch_range(keys, revision + 1, callback)
 
     def watch_prefix(self, prefix: str, start_revision: int,
                      callback: Callable[[list[WatchEvent]], None]) -> Callable[[], None]:
-        """Watches ``prefix`` from ``start_revision``; re-watches after errors from the last seen.
+        """``watch_range`` of every key under ``prefix``."""
+        return self.watch_range(KeyRange.prefix(prefix), start_revision, callback)
+
+    def watch_range(self, keys: KeyRange, start_revision: int,
+                    callback: Callable[[list[WatchEvent]], None]) -> Callable[[], None]:
+        """Watches ``keys`` from ``start_revision``; re-watches after errors from the last seen.
 
         ``callback`` runs on the client's loop thread and must not block. Returns a function
         that cancels the watch.
         """
         stopped = asyncio.Event()
         task = asyncio.run_coroutine_threadsafe(
-            self._watches.forever(prefix, start_revision, callback, stopped), self._loop)
+            self._watches.forever(keys, start_revision, callback, stopped), self._loop)
 
         def cancel() -> None:
             self._loop.call_soon_threadsafe(stopped.set)

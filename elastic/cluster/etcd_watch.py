@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import aetcd
 
 from elastic.cluster.etcd_channel import TRANSIENT
-from elastic.cluster.etcd_values import WatchEvent, deliver
+from elastic.cluster.etcd_values import KeyRange, WatchEvent, deliver
 from elastic.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class Watches:
         self._creating = asyncio.Lock()  # one create in flight per client
         self._dropped = asyncio.Event()  # set when the connection of the open watches went
 
-    async def forever(self, prefix: str, revision: int,
+    async def forever(self, keys: KeyRange, revision: int,
                       callback: Callable[[list[WatchEvent]], None],
                       stopped: asyncio.Event) -> None:
         """Delivers events until ``stopped``; never ends on its own: a broken watch is
@@ -61,7 +61,7 @@ class Watches:
         while not stopped.is_set():
             try:
                 opens += 1
-                watch, dropped, revision = await self._open(prefix, revision, opens > 1)
+                watch, dropped, revision = await self._open(keys, revision, opens > 1)
                 stopper = asyncio.ensure_future(_cancel_when(watch, stopped, dropped))
                 try:
                     async for event in watch:
@@ -73,7 +73,7 @@ class Watches:
             except aetcd.ClientError as exc:
                 if stopped.is_set():
                     return
-                log.debug("watch on %s broke (%r); re-watching from revision %d", prefix, exc,
+                log.debug("watch on %s broke (%r); re-watching from revision %d", keys, exc,
                           revision)
                 if isinstance(exc, aetcd.RevisionCompactedError):
                     revision = exc.compacted_revision
@@ -83,13 +83,13 @@ class Watches:
                 if stopped.is_set():
                     return
                 log.warning("watch on %s failed unexpectedly (%s: %s); re-watching from "
-                            "revision %d", prefix, type(exc).__name__, exc, revision)
+                            "revision %d", keys, type(exc).__name__, exc, revision)
             try:
                 await asyncio.wait_for(stopped.wait(), backoff_s)
             except asyncio.TimeoutError:
                 backoff_s = min(max_s, backoff_s * 2)
 
-    async def _open(self, prefix: str, revision: int,
+    async def _open(self, keys: KeyRange, revision: int,
                     reopened: bool) -> tuple[Any, asyncio.Event, int]:
         """Creates one watch; with it, the event set when its connection is dropped, and the
         revision it starts from (``revision``, unless etcd lost its data: ``_start``).
@@ -102,21 +102,21 @@ class Watches:
         async with self._creating:
             client = await self._connected()
             if reopened:
-                revision = await self._start(client, prefix, revision)
+                revision = await self._start(client, keys, revision)
             dropped = self._dropped
             try:
-                watch = await within(client.watch_prefix(prefix.encode(), start_revision=revision),
-                                     timeout_s)
+                watch = await within(client.watch(keys.start.encode(), keys.end.encode(),
+                                                  start_revision=revision), timeout_s)
             except (asyncio.TimeoutError, aetcd.WatchTimeoutError):
                 self._dropped = asyncio.Event()
                 dropped.set()
                 await self._drop(client)
                 raise aetcd.ConnectionTimeoutError(
-                    f"the watch on {prefix} was not created within {timeout_s:g} s; "
+                    f"the watch on {keys} was not created within {timeout_s:g} s; "
                     "reconnecting") from None
             return watch, dropped, revision
 
-    async def _start(self, client: aetcd.Client, prefix: str, revision: int) -> int:
+    async def _start(self, client: aetcd.Client, keys: KeyRange, revision: int) -> int:
         """Where a watch re-opens: ``revision``, or 1 when etcd's own revision went back below
         the last one the watch saw (etcd lost its data: a fresh one at the same URL), so that it
         replays the fresh etcd's keys instead of waiting for a revision it may never reach.
@@ -126,14 +126,17 @@ class Watches:
         """
         timeout_s = self._timeouts.etcd_rpc.total_seconds()
         try:
-            read = await within(client.get_prefix(prefix.encode(), keys_only=True), timeout_s)
+            # Any read tells etcd's revision: this one returns key names only, of the keys
+            # that start with the range's first key.
+            read = await within(client.get_prefix(keys.start.encode(), keys_only=True),
+                                timeout_s)
         except asyncio.TimeoutError:
             raise aetcd.ConnectionTimeoutError(f"no reply within {timeout_s:g} s") from None
         if read.header.revision >= revision - 1:
             return revision
         log.warning("etcd's revision went back from %d to %d (it lost its data): the watch on "
                     "%s starts again from the beginning", revision - 1, read.header.revision,
-                    prefix)
+                    keys)
         return 1
 
 

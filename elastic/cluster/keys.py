@@ -33,6 +33,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from elastic.cluster.etcd_values import KeyRange
+
 ROOT = "/elastic"
 MAX_JOB_ID = 64
 LAUNCHERS_SUFFIX = ".launchers"
@@ -130,6 +132,13 @@ class JobKeys:
     @property
     def control(self) -> str:
         return f"{self.prefix}control/"
+
+    @property
+    def coordinated(self) -> KeyRange:
+        """What the coordinator watches: the keys after ``control/`` (members, the round
+        counter, the rounds). ``control/`` reaches it by its own member's watch; ``commit`` and
+        ``config``, which sort before it, are none of its business."""
+        return KeyRange.after_prefix(self.control, self.prefix)
 
     @property
     def coordinator(self) -> str:

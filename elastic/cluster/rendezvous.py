@@ -135,8 +135,9 @@ class Rendezvous:
             return 0, 0
         return records.round_number(self._keys.round, kv.value), kv.mod_revision
 
-    def read_plan(self, n: int) -> Plan | None:
-        """The plan of round ``n``, or None when there is none yet: the copy that the watch
+    def read_plan(self, n: int, stored: KeyValue | None = None) -> Plan | None:
+        """The plan of round ``n``, or None when there is none yet: ``stored`` (the round's
+        own key, as a watch of it brought it), else the copy that the watch of ``control/``
         brought when it is of round ``n``, else read.
 
         Raises:
@@ -144,12 +145,12 @@ class Rendezvous:
         """
         with self._changed:
             newest = self._newest_plan
-        if newest is not None and n > 0:
+        if newest is not None and n > 0 and stored is None:
             try:
                 return Plan.from_json(newest, n)
             except RecordError:
                 pass  # of another round (or malformed): the round's own key decides
-        kv = self._client.get(self._keys.plan(n)) if n > 0 else None
+        kv = stored or (self._client.get(self._keys.plan(n)) if n > 0 else None)
         if kv is None:
             return None
         try:

@@ -21,6 +21,7 @@ from elastic.cluster.news import NewsMonitor, RoundNews
 from elastic.cluster.records import RecordError
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
 from elastic.errors import RendezvousClosedError
+from tests.support.polling import poll_until
 from elastic.timeouts import Timeouts
 
 pytestmark = pytest.mark.timeout(120)
@@ -116,6 +117,10 @@ def test_a_death_costs_each_survivor_one_write_and_no_read_and_the_plan_is_writt
         first = form_all(members, "start")
         victim = next(m for m, t in zip(members, first) if t.rank == 11)
         survivors = [m for m in members if m is not victim]
+        # The coordinator follows round 1 after its members formed it: it reads round 2's
+        # join requests as it arms round 1's monitor. Count from then on.
+        assert poll_until(lambda: any(w.endswith("/rounds/00000002/join/*")
+                                      for w in counting.sent), WAIT_S)
         counting.sent.clear()
         counting.revoke(victim.membership.lease)
         assert all(m.broken.wait(WAIT_S) for m in survivors)
@@ -248,3 +253,53 @@ def test_members_whose_leases_all_ended_finish_without_waiting_for_a_coordinator
 def test_a_malformed_news_record_is_refused(raw):
     with pytest.raises(RecordError):
         RoundNews.from_json(raw)
+
+
+class HearingClient(EtcdClient):
+    """An etcd client that keeps the (key, revision) of every event its watches deliver."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.heard: list[tuple[str, int]] = []
+        self._heard_lock = threading.Lock()
+
+    def watch_range(self, keys, start_revision, callback):
+        def heard(events):
+            with self._heard_lock:
+                self.heard.extend((e.key, e.revision) for e in events)
+            callback(events)
+        return super().watch_range(keys, start_revision, heard)
+
+
+def test_no_event_reaches_a_member_twice_and_a_death_costs_five_events_per_member_at_most(etcd):
+    clients = [HearingClient(etcd.url) for _ in range(6)]
+    members: list[Member] = []
+    try:
+        members = [Member(c, "scale-once") for c in clients]
+        first = form_all(members, "start")
+        # The last rank that does not coordinate (a coordinator's death also costs a takeover).
+        victim = max((m for m in members if not m.membership.claimed),
+                     key=lambda m: first[members.index(m)].rank)
+        survivors = [m for m in members if m is not victim]
+        leader = next(m for m in survivors if m.membership.claimed)
+        # Its members formed round 1 by their own watches; count once the coordinator's
+        # brought it the round counter of round 1 too.
+        assert poll_until(lambda: any(k == JobKeys("scale-once").round
+                                      for k, _ in leader.client.heard), WAIT_S)
+        before = {id(m): len(m.client.heard) for m in survivors}
+        clients[0].revoke(victim.membership.lease)
+        assert all(m.broken.wait(WAIT_S) for m in survivors)
+        form_all(survivors, "failure")
+        for m in members:
+            twice = [k for k, n in Counter(m.client.heard).items() if n > 1]
+            assert twice == [], f"member {m.id} heard these by two watches: {twice}"
+        heard = {m.id: len(m.client.heard) - before[id(m)] for m in survivors}
+        # Each survivor: the broken news, the new round's news and its plan's copy. The
+        # coordinator also hears the death, the survivors' join requests and the new round.
+        assert all(n <= 3 for member, n in heard.items() if member != leader.id), heard
+        assert sum(heard.values()) <= 5 * len(survivors), heard
+    finally:
+        for m in members:
+            m.leave()
+        for c in clients:
+            c.close()
