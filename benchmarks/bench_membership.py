@@ -72,7 +72,8 @@ class CountingClient(EtcdClient):
             self.counts[kind] += 1
         return super()._call(op, what, retry_for)
 
-    def watch_range(self, keys, start_revision, callback):  # type: ignore[no-untyped-def]
+    def watch_range(self, keys, start_revision, callback,  # type: ignore[no-untyped-def]
+                    on_open=None):
         def counted(events):  # type: ignore[no-untyped-def]
             with self._count_lock:
                 self.counts["watch_events"] += len(events)
@@ -80,7 +81,7 @@ class CountingClient(EtcdClient):
 
         with self._count_lock:
             self.counts["watches"] += 1
-        return super().watch_range(keys, start_revision, counted)
+        return super().watch_range(keys, start_revision, counted, on_open)
 
 
 class SimMember:

@@ -292,19 +292,24 @@ class EtcdClient(CompareAndSwap):
         return self._call(revoke, "lease revoke")
 
     # -- watches ------------------------------------------------------------------------------
-    def follow_prefix(self, prefix: str,
-                      callback: Callable[[list[WatchEvent]], None]) -> Callable[[], None]:
+    def follow_prefix(self, prefix: str, callback: Callable[[list[WatchEvent]], None],
+                      on_open: Callable[[], None] | None = None) -> Callable[[], None]:
         """``follow_range`` of every key under ``prefix``."""
-        return self.follow_range(KeyRange.prefix(prefix), callback)
+        return self.follow_range(KeyRange.prefix(prefix), callback, on_open)
 
-    def follow_range(self, keys: KeyRange,
-                     callback: Callable[[list[WatchEvent]], None]) -> Callable[[], None]:
+    def follow_range(self, keys: KeyRange, callback: Callable[[list[WatchEvent]], None],
+                     on_open: Callable[[], None] | None = None) -> Callable[[], None]:
         """Hands ``callback`` every key in ``keys`` now (as puts, on this thread), then every
-        later change by watch, with nothing missed in between. Returns the watch's cancel."""
+        later change by watch, with nothing missed in between. Returns the watch's cancel.
+
+        A change made between the read and the watch's creation reaches the watch only at
+        etcd's next resync of new watches (every 100 ms); a caller that cannot wait that long
+        reads again once ``on_open`` tells that the watch exists (see ``watch_range``).
+        """
         kvs, revision = self.get_range(keys)
         callback([WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease,
                              kv.create_revision) for kv in kvs])
-        return self.watch_range(keys, revision + 1, callback)
+        return self.watch_range(keys, revision + 1, callback, on_open)
 
     def watch_prefix(self, prefix: str, start_revision: int,
                      callback: Callable[[list[WatchEvent]], None]) -> Callable[[], None]:
@@ -312,15 +317,16 @@ class EtcdClient(CompareAndSwap):
         return self.watch_range(KeyRange.prefix(prefix), start_revision, callback)
 
     def watch_range(self, keys: KeyRange, start_revision: int,
-                    callback: Callable[[list[WatchEvent]], None]) -> Callable[[], None]:
+                    callback: Callable[[list[WatchEvent]], None],
+                    on_open: Callable[[], None] | None = None) -> Callable[[], None]:
         """Watches ``keys`` from ``start_revision``; re-watches after errors from the last seen.
 
-        ``callback`` runs on the client's loop thread and must not block. Returns a function
-        that cancels the watch.
+        ``callback`` and ``on_open`` (called each time etcd has created the watch) run on the
+        client's loop thread and must not block. Returns a function that cancels the watch.
         """
         stopped = asyncio.Event()
         task = asyncio.run_coroutine_threadsafe(
-            self._watches.forever(keys, start_revision, callback, stopped), self._loop)
+            self._watches.forever(keys, start_revision, callback, stopped, on_open), self._loop)
 
         def cancel() -> None:
             self._loop.call_soon_threadsafe(stopped.set)

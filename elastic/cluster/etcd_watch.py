@@ -50,10 +50,12 @@ class Watches:
 
     async def forever(self, keys: KeyRange, revision: int,
                       callback: Callable[[list[WatchEvent]], None],
-                      stopped: asyncio.Event) -> None:
+                      stopped: asyncio.Event,
+                      on_open: Callable[[], None] | None = None) -> None:
         """Delivers events until ``stopped``; never ends on its own: a broken watch is
         re-opened from the last revision seen, a key that is not UTF-8 is skipped, and a
-        callback's exception is logged and the next event delivered."""
+        callback's exception is logged and the next event delivered. ``on_open`` (which must
+        not block) is called each time etcd has created the watch."""
         first_s = self._timeouts.backoff.total_seconds()
         max_s = self._timeouts.backoff_max.total_seconds()
         backoff_s = first_s
@@ -62,6 +64,8 @@ class Watches:
             try:
                 opens += 1
                 watch, dropped, revision = await self._open(keys, revision, opens > 1)
+                if on_open is not None:
+                    on_open()
                 stopper = asyncio.ensure_future(_cancel_when(watch, stopped, dropped))
                 try:
                     async for event in watch:

@@ -77,6 +77,7 @@ class RoundStore(dist.Store):
         self._aborted: str | None = None
         self._changed = threading.Condition()
         self._published: bytes | None = None
+        self._opens = 0  # how many times etcd created this rank's watch of the address
         self._cancel_watch: Callable[[], None] | None = None
 
     # -- life ---------------------------------------------------------------------------------
@@ -111,20 +112,21 @@ class RoundStore(dist.Store):
         self._client.put(self._key, json.dumps({"addr": self._advertise_addr, "port": port}))
 
     def _await_address(self) -> tuple[str, int]:
-        """Rank 0's published address: one read, then a watch on that key alone."""
-        self._cancel_watch = self._client.follow_prefix(self._key, self._on_events)
+        """Rank 0's published address: one read, then a watch on that key alone, and one more
+        read once etcd created the watch (an address published between the first read and
+        the watch's creation would reach the watch only at etcd's next resync, 100 ms)."""
+        self._cancel_watch = self._client.follow_prefix(self._key, self._on_events,
+                                                        self._on_open)
         limit = self._timeout.total_seconds()
         deadline = time.monotonic() + limit
+        read_at = 0  # the watch's creations that a read followed
         try:
-            with self._changed:
-                while self._published is None:
-                    self._check_aborted()
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise RuntimeError(f"rank 0 did not publish the round's store at "
-                                           f"{self._key} within {limit:.1f} s")
-                    self._changed.wait(left)
-                raw = self._published
+            while (raw := self._wait_published(deadline, read_at)) is None:
+                with self._changed:
+                    read_at = self._opens
+                kv = self._client.get(self._key)
+                if kv is not None:
+                    self._on_events([WatchEvent("put", kv.key, kv.value, kv.mod_revision)])
         finally:
             self._stop_watch()
         try:
@@ -134,6 +136,28 @@ class RoundStore(dist.Store):
         except RecordError as exc:
             raise RuntimeError(f"the round's store address at {self._key} is malformed "
                                f"({exc}); something other than this job wrote it") from None
+
+    def _wait_published(self, deadline: float, read_at: int) -> bytes | None:
+        """The address once published; None as soon as etcd created the watch again since
+        the last read (``read_at``), so that the caller reads once more.
+
+        Raises:
+            RuntimeError: aborted, or nothing was published by ``deadline``.
+        """
+        with self._changed:
+            while self._published is None and self._opens == read_at:
+                self._check_aborted()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"rank 0 did not publish the round's store at "
+                                       f"{self._key} within {self._timeout.total_seconds():.1f} s")
+                self._changed.wait(left)
+            return self._published
+
+    def _on_open(self) -> None:
+        with self._changed:
+            self._opens += 1
+            self._changed.notify_all()
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         with self._changed:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -79,3 +80,40 @@ def test_a_malformed_store_address_is_an_error_naming_the_key(client):
     store = RoundStore(client, key, 1, "127.0.0.1", WAIT)
     with pytest.raises(RuntimeError, match="malformed"):
         store.connect()
+
+
+class PublishesInTheGap(EtcdClient):
+    """A client that runs ``before_watch`` (rank 0 publishing) just before its next watch is
+    created: after the waiting rank read the key and found nothing."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.before_watch = None
+
+    def watch_range(self, keys, start_revision, callback, on_open=None):
+        hook, self.before_watch = self.before_watch, None
+        if hook is not None:
+            hook()
+        return super().watch_range(keys, start_revision, callback, on_open)
+
+
+def test_an_address_published_between_a_ranks_read_and_its_watch_reaches_it_without_etcd_resync(
+        etcd):
+    """etcd hands a new watch the events older than its creation only at its next resync
+    (every 100 ms); a rank must not wait for that to learn rank 0's address."""
+    client = PublishesInTheGap(etcd.url)
+    waits = []
+    try:
+        for n in range(1, 11):
+            key = JobKeys("round-store-gap").store_address(n)
+            host = RoundStore(client, key, 0, "127.0.0.1", WAIT)
+            client.before_watch = host.connect
+            joiner = RoundStore(client, key, 1, "127.0.0.1", WAIT)
+            started = time.monotonic()
+            joiner.connect()
+            waits.append(round(time.monotonic() - started, 3))
+            joiner.close()
+            host.close()
+    finally:
+        client.close()
+    assert max(waits) < 0.06, waits

@@ -263,12 +263,12 @@ class HearingClient(EtcdClient):
         self.heard: list[tuple[str, int]] = []
         self._heard_lock = threading.Lock()
 
-    def watch_range(self, keys, start_revision, callback):
+    def watch_range(self, keys, start_revision, callback, on_open=None):
         def heard(events):
             with self._heard_lock:
                 self.heard.extend((e.key, e.revision) for e in events)
             callback(events)
-        return super().watch_range(keys, start_revision, heard)
+        return super().watch_range(keys, start_revision, heard, on_open)
 
 
 def test_no_event_reaches_a_member_twice_and_a_death_costs_five_events_per_member_at_most(etcd):
@@ -303,3 +303,27 @@ def test_no_event_reaches_a_member_twice_and_a_death_costs_five_events_per_membe
             m.leave()
         for c in clients:
             c.close()
+
+
+def test_a_coordinator_whose_key_is_deleted_under_it_steps_down_and_one_member_leads_again(
+        client):
+    keys = JobKeys("scale-key-lost")
+    members = [Member(client, "scale-key-lost") for _ in range(4)]
+    leading = lambda: [m for m in members  # noqa: E731
+                       if m.rendezvous._coordinator.is_leading]  # noqa: SLF001
+    try:
+        first = form_all(members, "start")
+        assert client.delete(keys.coordinator)  # an operator's mistake, or a restored etcd
+        assert poll_until(lambda: client.get(keys.coordinator) is not None, WAIT_S)
+        holder = client.get(keys.coordinator).value.decode()
+        assert poll_until(lambda: [m.id for m in leading()] == [holder], WAIT_S), \
+            [m.id for m in leading()]
+        victim = next(m for m, t in zip(members, first) if t.rank == 3)
+        client.revoke(victim.membership.lease)
+        survivors = [m for m in members if m is not victim]
+        assert all(m.broken.wait(WAIT_S) for m in survivors)
+        topologies = form_all(survivors, "failure")
+        assert {t.round for t in topologies} == {2} and {t.world_size for t in topologies} == {3}
+    finally:
+        for m in members:
+            m.leave()

@@ -24,13 +24,13 @@ class HeardClient(EtcdClient):
         self.heard = 0
         self.arrived = threading.Condition()
 
-    def follow_prefix(self, prefix, callback):
+    def follow_prefix(self, prefix, callback, on_open=None):
         def counted(events):
             with self.arrived:
                 self.heard += len(events)
                 self.arrived.notify_all()
             callback(events)
-        return super().follow_prefix(prefix, counted)
+        return super().follow_prefix(prefix, counted, on_open)
 
 
 def member_record(pid: int, host: str = HOST) -> str:
