@@ -36,8 +36,8 @@ import tenacity  # noqa: E402
 from elastic.cluster.etcd_channel import (  # noqa: E402
     TRANSIENT, Client, grpc_options, parse_endpoints, refusal, status_of, uses_tls)
 from elastic.cluster.etcd_txn import CompareAndSwap  # noqa: E402
-from elastic.cluster.etcd_values import (  # noqa: E402
-    KeyRange, KeyValue, WatchEvent, kv_of, utf8_keys)
+from elastic.cluster.etcd_values import KeyValue, WatchEvent, kv_of, utf8_keys  # noqa: E402
+from elastic.cluster.key_range import KeyRange  # noqa: E402
 from elastic.cluster.etcd_watch import Watches, within  # noqa: E402
 from elastic.cluster.etcd_tls import channel_credentials, plaintext_problem, tls_problem  # noqa: E402
 from elastic.errors import EtcdAccessError, EtcdUnavailableError, FencedError  # noqa: E402

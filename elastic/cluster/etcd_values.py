@@ -27,28 +27,6 @@ class KeyValue:
 
 
 @dataclass(frozen=True)
-class KeyRange:
-    """The keys from ``start`` (included) to ``end`` (excluded), in etcd's byte order."""
-
-    start: str
-    end: str
-
-    @classmethod
-    def prefix(cls, prefix: str) -> KeyRange:
-        """Every key that starts with ``prefix``."""
-        return cls(prefix, aetcd.utils.prefix_range_end(prefix.encode()).decode())
-
-    @classmethod
-    def after_prefix(cls, prefix: str, within: str) -> KeyRange:
-        """The keys under ``within`` that sort after every key under ``prefix``."""
-        return cls(cls.prefix(prefix).end, cls.prefix(within).end)
-
-    def __str__(self) -> str:
-        return f"{self.start}*" if self == KeyRange.prefix(self.start) else \
-            f"[{self.start}, {self.end})"
-
-
-@dataclass(frozen=True)
 class WatchEvent:
     """One change seen by a watch: ``kind`` is "put" or "delete"."""
 

@@ -21,7 +21,8 @@ from typing import Any, TypeVar
 import aetcd
 
 from elastic.cluster.etcd_channel import TRANSIENT
-from elastic.cluster.etcd_values import KeyRange, WatchEvent, deliver
+from elastic.cluster.etcd_values import WatchEvent, deliver
+from elastic.cluster.key_range import KeyRange
 from elastic.timeouts import Timeouts
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from elastic.cluster.etcd_values import KeyRange
+from elastic.cluster.key_range import KeyRange
 
 ROOT = "/elastic"
 MAX_JOB_ID = 64

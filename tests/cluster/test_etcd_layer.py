@@ -374,3 +374,15 @@ def test_a_member_delayed_past_later_rounds_never_moves_the_round_back(client):
         assert rendezvous.read_plan(1) is None
     finally:
         membership.leave()
+
+
+def test_the_launcher_and_the_key_builder_import_no_grpc_before_the_etcd_client_sets_it_up():
+    """gRPC reads its environment (log verbosity, fork support) when first imported; the etcd
+    client sets it first. A module imported before the client that pulls gRPC in lets gRPC's
+    own log lines through to the user (a TLS refusal printed twice)."""
+    probe = ("import sys\n"
+             "import elastic.launch.cli, elastic.cluster.keys, elastic.cluster.plan\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'aetcd')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.strip() == "[]", out
