@@ -6,6 +6,7 @@ pass or fail. Waits are bounded; progress is read from the files the workers app
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,11 +32,17 @@ def loopback_env() -> dict[str, str]:
 
 def dump_stacks(procs: Iterable[subprocess.Popen[bytes]]) -> None:
     """Asks every live process of ``procs`` (workers that registered ``faulthandler`` on
-    SIGUSR1) to write its threads' stacks to its log."""
+    SIGUSR1, each the leader of its own process group) and the processes they forked
+    (DataLoader workers, which inherit the handler) to write their threads' stacks to the
+    worker's log."""
     procs = list(procs)
     for proc in procs:
         if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGUSR1)
+            try:
+                os.killpg(proc.pid, signal.SIGUSR1)
+            except ProcessLookupError:  # not a group leader (or it exited meanwhile)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGUSR1)
     for proc in procs:
         try:
             proc.wait(timeout=1)  # gives the dumps time to land; the workers keep running
