@@ -59,8 +59,7 @@ def one_rep(repo: Path, size: str, optimizer: str) -> dict:
             sync = next((r for r in after if r["event"] == "state_synced"), None)
             resumed = next((r for r in after if r["event"] == "resumed"), None)
             if sync is not None and resumed is not None:
-                synced.append({"sync_s": sync["sync_s"], "moved": sync.get("moved", True),
-                               "recovery_s": resumed["recovery_s"]})
+                synced.append({"sync_s": sync["sync_s"], "recovery_s": resumed["recovery_s"]})
         return {"first_step_s": first["t"] - killed_at, "survivors": synced}
     finally:
         procs.kill_all()

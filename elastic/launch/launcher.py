@@ -297,7 +297,7 @@ class Launcher:
                 self._revoke(worker.pid, code)
                 committed = self.leases.has_committed(worker.pid)
                 self.leases.forget(worker.pid)
-                joined = self.joined is not None and self.joined.has_joined(worker.pid)
+                joined = self._has_joined(worker.pid)
                 finished = self.joined is not None and self.joined.has_finished(worker.pid)
                 refusal = restarts.refusal(worker.local_rank, worker.last_error_line(), joined,
                                            finished, committed)
@@ -335,6 +335,10 @@ class Launcher:
                                                "ELASTIC_LEASE_FILE": path})
         self.leases.assign(worker.pid, path)
 
+    def _has_joined(self, pid: int) -> bool:
+        """Whether worker ``pid`` ever registered as a member of the job."""
+        return self.joined is not None and self.joined.has_joined(pid)
+
     def _revoke(self, pid: int, code: int) -> None:
         assert self.client is not None
         leases = self.leases.read(pid)
@@ -345,7 +349,7 @@ class Launcher:
             return
         if revoked:
             _say(f"worker pid={pid} {describe_exit(code)}; revoked its lease {revoked[-1]:x}")
-        elif self.joined is not None and self.joined.has_joined(pid):
+        elif self._has_joined(pid):
             _say(f"worker pid={pid} {describe_exit(code)} after it had joined the job and left "
                  "it (its own error; see its output above)")
         elif leases:
@@ -359,8 +363,7 @@ class Launcher:
         grace = timedelta() if self.stop.forced.is_set() else self.spec.timeouts.grace
         self.procs.terminate(grace, cut=self.stop.forced)
         for worker in self.procs.exited():
-            if worker.returncode == -signal.SIGTERM and not (
-                    self.joined is not None and self.joined.has_joined(worker.pid)):
+            if worker.returncode == -signal.SIGTERM and not self._has_joined(worker.pid):
                 _say(f"worker pid={worker.pid} was stopped before it joined the job")
             elif worker.returncode:
                 failed += 1
