@@ -11,7 +11,6 @@ import argparse
 import os
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 import workload
@@ -32,13 +31,15 @@ def main() -> None:
                         "commit_step() around every step (copy-free)")
     p.add_argument("--size", choices=sorted(workload.SIZES), default="0.3m")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the model on this worker's GPU (NCCL, by the backend's auto)")
     args = p.parse_args()
     if args.commit_part == "copy-free" and args.commit_every != 1:
         p.error(f"--commit-part copy-free commits every step; --commit-every "
                 f"({args.commit_every}) must be 1.")
     workload.pin_to_core()
     data = workload.dataset()
-    model = workload.model(args.size)
+    model = workload.model(args.size).to(workload.device(args.device))
     opt = workload.optimizer(model.parameters(), args.optimizer)
     state = ElasticState(model=model, optimizer=opt, sampler=ElasticSampler(data, seed=0),
                          epoch=0, step=0)
@@ -53,7 +54,7 @@ def main() -> None:
             state.commit()
 
     def train(s: ElasticState) -> None:
-        ddp = DDP(s.model)
+        ddp = s.ddp(s.model)
         loader = DataLoader(data, batch_size=args.batch, sampler=s.sampler)
         while s.step < args.steps:
             s.sampler.set_epoch(s.epoch)

@@ -58,9 +58,19 @@ def optimizer(params, kind: str = "sgd") -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
+def device(kind: str) -> torch.device:
+    """``--device``: the CPU, or this worker's GPU (``LOCAL_RANK``, set by both launchers)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def gradients(ddp: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
               y: torch.Tensor) -> float:
-    """A step up to its update: forward, backward (DDP all-reduces the gradients)."""
+    """A step up to its update: forward, backward (DDP all-reduces the gradients). The batch
+    goes to the model's device first (a copy from the CPU loader when that is a GPU)."""
+    target = next(ddp.parameters()).device
+    x, y = x.to(target, non_blocking=True), y.to(target, non_blocking=True)
     loss = torch.nn.functional.cross_entropy(ddp(x), y)
     opt.zero_grad()
     loss.backward()
