@@ -1,7 +1,7 @@
 """What membership and rendezvous cost etcd as the job grows: N simulated members, one etcd.
 
 Usage: ``.venv/bin/python benchmarks/bench_membership.py [--sizes 10,100,300,1000] [--procs 4]
-[--label after] [--limit 120] [--out benchmarks/results/membership-DATE.json]``.
+[--declared-size] [--label after] [--limit 120] [--out benchmarks/results/membership-DATE.json]``.
 
 For each N, a fresh etcd is started on 127.0.0.1 (its own process, so that its CPU time and
 ``/metrics`` belong to that N alone), and ``--procs`` processes each run N / procs members as
@@ -88,12 +88,13 @@ class SimMember:
     """The etcd half of one worker (``Cluster`` without torch): membership, rendezvous and the
     change monitor, wired as ``Cluster._register`` and ``Cluster.form`` wire them."""
 
-    def __init__(self, client: EtcdClient, timeouts: Timeouts) -> None:
+    def __init__(self, client: EtcdClient, timeouts: Timeouts,
+                 max_workers: int | None = None) -> None:
         keys = JobKeys(JOB)
         self.client = client
         self.membership = EtcdMembership(client, keys, "127.0.0.1", timeouts.lease_ttl,
                                          timeouts.keepalive, claim=keys.coordinator)
-        self.rendezvous = Rendezvous(client, self.membership, RendezvousConfig(timeouts=timeouts))
+        self.rendezvous = Rendezvous(client, self.membership, RendezvousConfig(max_workers=max_workers, timeouts=timeouts))
         self.broken = threading.Event()
         self.monitor = NewsMonitor(keys, lambda reason: self.broken.set())
         self.membership.add_listener(self.monitor.on_events)
@@ -133,13 +134,14 @@ def _member_thread(member: SimMember, go: threading.Event, stop: threading.Event
         times[0] = time.time()  # its lease expired: the process starved its keepalive thread
 
 
-def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: float) -> None:
+def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: float,
+                max_workers: int | None) -> None:
     """One process of members, driven by the parent over ``conn``."""
     timeouts = Timeouts.from_env({}, lease_ttl=timedelta(seconds=lease_ttl_s)) if lease_ttl_s \
         else Timeouts()
     client = CountingClient(url, timeouts=timeouts)
     go, stop = threading.Event(), threading.Event()
-    members = [SimMember(client, timeouts) for _ in range(count)]
+    members = [SimMember(client, timeouts, max_workers) for _ in range(count)]
     times: list[dict[int, float]] = [{} for _ in members]
     victims = [threading.Event() for _ in members]
     threads = [threading.Thread(target=_member_thread, args=(m, go, stop, t, v, limit_s),
@@ -210,7 +212,8 @@ def etcd_metrics(url: str) -> dict[str, float]:
 class Run:
     """One N: an etcd, the member processes, and the snapshots between phases."""
 
-    def __init__(self, n: int, procs: int, limit_s: float, lease_ttl_s: float) -> None:
+    def __init__(self, n: int, procs: int, limit_s: float, lease_ttl_s: float,
+                 max_workers: int | None = None) -> None:
         self.n, self.limit_s = n, limit_s
         self.etcd = EmbeddedEtcd(niceness=0, go_max_procs=None).start()
         self.admin = EtcdClient(self.etcd.url)
@@ -219,8 +222,8 @@ class Run:
         self.conns, self.procs = [], []
         for size in (s for s in sizes if s):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(child, self.etcd.url, size, limit_s, lease_ttl_s),
-                               daemon=True)
+            proc = ctx.Process(target=worker_main, daemon=True,
+                               args=(child, self.etcd.url, size, limit_s, lease_ttl_s, max_workers))
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -306,12 +309,17 @@ def main() -> None:
     parser.add_argument("--lease-ttl", type=float, default=0.0,
                         help="the members' lease TTL in seconds (0: the default, 3 s; the "
                              "keepalive interval is a quarter of it)")
+    parser.add_argument("--declared-size", action="store_true",
+                        help="each job declares its size (max_workers = N, as `elastic run "
+                             "--max-workers N`): the first round closes as soon as all N joined, "
+                             "without the settle window for further joiners")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     results = []
     for n in (int(s) for s in args.sizes.split(",")):
-        run = Run(n, min(args.procs, n), args.limit, args.lease_ttl)
+        run = Run(n, min(args.procs, n), args.limit, args.lease_ttl,
+                  n if args.declared_size else None)
         try:
             result = run.measure()
         finally:
@@ -320,7 +328,8 @@ def main() -> None:
         results.append(result)
     record = {"label": args.label, "cores": os.cpu_count(), "procs": args.procs,
               "date": time.strftime("%Y-%m-%d"),
-              "lease_ttl_s": args.lease_ttl or 3.0, "settle_s": 0.5, "results": results}
+              "lease_ttl_s": args.lease_ttl or 3.0, "settle_s": 0.5,
+              "max_workers": "N" if args.declared_size else None, "results": results}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 

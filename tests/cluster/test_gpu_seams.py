@@ -1,8 +1,10 @@
 """The GPU path's decisions, checked without a GPU: the NCCL environment set before a group is
-made, which GPU a worker takes, and an abort that never runs on the caller's thread."""
+made, which GPU a worker takes, an abort that never runs on the caller's thread, and a dry run of
+the script that checks them on a GPU."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -143,3 +145,21 @@ def test_an_nccl_group_forms_on_its_gpu_eagerly_with_nccls_error_handling_off(mo
         group.form(dist.HashStore(), 0, 2)
     assert seen["env"] == "0", "the variable must be set before the group is made"
     assert str(seen["device_id"]) == "cuda:2" and str(seen["set_device"]) == "cuda:2"
+
+
+def test_the_gpu_check_script_runs_its_cycles_on_the_cpu_and_refuses_an_unknown_part(tmp_path):
+    """``benchmarks/gpu_check.py`` is run by hand on GPU machines; its dry run on the CPU keeps
+    it from rotting between those runs."""
+    repo = Path(__file__).resolve().parents[2]
+    script = [sys.executable, str(repo / "benchmarks" / "gpu_check.py"), "--backend", "gloo",
+              "--cycles", "2", "--out", str(tmp_path)]
+    ran = subprocess.run(script + ["--parts", "versions,cycles,release"], capture_output=True,
+                         text=True, timeout=50, check=False)
+    assert ran.returncode == 0 and "every check passed" in ran.stdout, ran.stdout + ran.stderr
+    report = json.loads((tmp_path / "gpu-check-versions-cycles-release.json").read_text())
+    assert report["cycles"]["summary"]["all_results_ok"] is True
+    assert len(report["cycles"]["rows"]) == 2
+
+    refused = subprocess.run(script + ["--parts", "cycles,nonsense"], capture_output=True,
+                             text=True, timeout=50, check=False)
+    assert refused.returncode == 2 and "unknown parts ['nonsense']" in refused.stderr
