@@ -9,12 +9,20 @@ and in every forked child the registered descriptors are pointed at ``/dev/null`
 right after the fork: the child's copies are gone, and a Python socket object in the child that
 later closes its number closes only ``/dev/null``. The parent's sockets are untouched.
 
-Owns the process-wide registry and the one ``os.register_at_fork`` hook (installed at the first
+A destroyed process group can outlive its destruction as cyclic garbage (a ``DistributedDataParallel``
+of the last round holds it, and only the collector frees a DDP). Inherited by a forked child,
+it would be freed by the child's own collector, and gloo's destructor there waits forever on a
+condition copied from the parent's threads: the child hangs, and with it a parent waiting for
+its batch. So after a group is destroyed (``collect_before_next_fork``), the next fork first
+runs a full collection in the parent, where the destructor works.
+
+Owns the process-wide registry and the ``os.register_at_fork`` hooks (installed at the first
 registration, not at import). Must not close anything in the parent, and knows no torch.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from dataclasses import dataclass
@@ -47,14 +55,19 @@ class ForkGuard:
         self._lock = threading.Lock()
         self._held: tuple[_Held, ...] = ()
         self._hooked = False
+        self._collect = False  # a full collection is due before the next fork
+
+    def _hook(self) -> None:
+        """Installs the fork hooks once (call with the lock held)."""
+        if not self._hooked:
+            os.register_at_fork(before=self._before_fork, after_in_child=self._in_child)
+            self._hooked = True
 
     def hold(self, fds: list[int]) -> None:
         """Registers ``fds`` (open descriptors of this process) to be let go of in children."""
         found = [_Held(fd, inode) for fd in fds if (inode := _inode(fd)) is not None]
         with self._lock:
-            if not self._hooked:
-                os.register_at_fork(after_in_child=self._in_child)
-                self._hooked = True
+            self._hook()
             known = {h.fd for h in found}
             self._held = tuple(h for h in self._held if h.fd not in known) + tuple(found)
 
@@ -64,6 +77,20 @@ class ForkGuard:
         with self._lock:
             self._held = tuple(h for h in self._held if h.fd not in gone)
 
+    def collect_before_next_fork(self) -> None:
+        """Asks for a full garbage collection in this process before its next fork (call once
+        a process group was destroyed: what still holds it is freed here, not in a child)."""
+        with self._lock:
+            self._hook()
+            self._collect = True
+
+    def _before_fork(self) -> None:
+        """Runs in the parent right before a fork: the collection asked for, if any."""
+        with self._lock:
+            due, self._collect = self._collect, False
+        if due:
+            gc.collect()
+
     @property
     def held(self) -> list[int]:
         """The registered descriptors."""
@@ -72,6 +99,7 @@ class ForkGuard:
     def _in_child(self) -> None:
         """Runs in the child right after a fork: replaces every registered descriptor."""
         self._lock = threading.Lock()  # the parent's may have been held by another thread
+        self._collect = False
         held, self._held = self._held, ()
         if not held:
             return

@@ -295,12 +295,16 @@ class ProcessGroup:
                                               daemon=True)
             self._aborting.start()
             return
-        current = _socket_fds()
         for sock_id in sockets:
-            if current.get(sock_id.fd) != sock_id.inode:
-                continue  # closed by gloo already; the number may belong to someone else now
             try:
-                with socket.socket(fileno=os.dup(sock_id.fd)) as sock:
+                copy = os.dup(sock_id.fd)
+            except OSError:
+                continue  # closed by gloo already
+            if os.fstat(copy).st_ino != sock_id.inode:
+                os.close(copy)  # the number was closed by gloo and belongs to someone else now
+                continue
+            try:
+                with socket.socket(fileno=copy) as sock:
                     sock.shutdown(socket.SHUT_RDWR)
             except OSError as exc:
                 log.debug("shutdown of fd %d: %r", sock_id.fd, exc)
@@ -320,4 +324,5 @@ class ProcessGroup:
         fork_guard.release(held)
         if dist.is_initialized():
             dist.destroy_process_group()
+            fork_guard.collect_before_next_fork()  # an old DDP may still hold the group
         self._released.clear()
