@@ -117,6 +117,7 @@ class RunLoop:
         self._leave_requested = leave_requested
         self._on_formed = on_formed
         self._sync_timeout = sync_timeout
+        self._lineage = 0  # the round whose members held this worker's state when it formed
         self._outage = EtcdOutage(cluster.settings.timeouts, cluster.events, leave_requested)
 
     def run(self, call: Callable[[], Any]) -> Any:
@@ -221,7 +222,7 @@ class RunLoop:
                           MASTER_ADDR=topology.master_addr, MASTER_PORT=str(topology.master_port))
         with Stopwatch() as synced:
             try:
-                src = self._sync_newest(topology)
+                src, moved = self._sync_newest(topology)
             except PayloadFormatError as exc:  # the source is broken or hostile: none of it ran
                 raise PeerFailureError(f"refused the state sent in round {topology.round}: "
                                        f"{exc}") from exc
@@ -234,22 +235,28 @@ class RunLoop:
             if isinstance(sampler, ElasticSampler):
                 sampler.set_topology(topology.rank, topology.world_size)
         cluster.events.emit("state_synced", src_rank=src, version=self._train.version,
-                            sync_s=synced.seconds)
+                            moved=moved, sync_s=synced.seconds)
         self._on_formed(topology)
 
-    def _sync_newest(self, topology: Topology) -> int:
+    def _sync_newest(self, topology: Topology) -> tuple[int, bool]:
         """Finds the newest holder (a durable checkpoint newer than every commit is loaded by
-        rank 0 first) and broadcasts its commit; returns the source rank."""
+        rank 0 first) and broadcasts its commit, unless every rank holds that very commit
+        already (the survivors of a round: only their own rollback is needed). Returns the
+        source rank and whether the state was sent."""
         durable = self._durable
         on_rank0 = topology.rank == 0 and durable is not None
         durable_version = self._arm_durable(topology) if on_rank0 else 0
-        source = newest_source(self._train.version, durable_version)
+        source = newest_source(self._train.version, durable_version, lineage=self._lineage)
         if source.from_durable and on_rank0:
             payload = durable.load_latest(self._train.committed())
             if payload is not None:
                 self._train.load_committed(payload)
-        self._train.sync(source.rank, timeout=self._sync_timeout)
-        return source.rank
+        if source.held_by_all:
+            self._train.restore()
+        else:
+            self._train.sync(source.rank, timeout=self._sync_timeout)
+        self._lineage = topology.lineage
+        return source.rank, not source.held_by_all
 
     def _arm_durable(self, topology: Topology) -> int:
         """On rank 0: lists the checkpoint URL once, takes the round's fencing token, and

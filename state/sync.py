@@ -38,30 +38,37 @@ class Source:
         rank: the rank whose commit every rank takes.
         from_durable: True when rank 0's newest durable checkpoint is newer than every
             in-memory commit: rank 0 loads it first, then is the source.
+        held_by_all: every rank holds that very commit already (the same version, made in
+            the same round): nothing needs to be sent.
     """
 
     rank: int
     from_durable: bool
+    held_by_all: bool = False
 
 
 def newest_source(version: int, durable_version: int = 0,
-                  group: dist.ProcessGroup | None = None) -> Source:
+                  group: dist.ProcessGroup | None = None, lineage: int = 0) -> Source:
     """Chooses the holder of the newest state; every rank of ``group`` gets the same answer.
 
-    Collective: all-gathers each rank's commit version (and rank 0's newest durable version).
-    The newest in-memory commit wins, the lowest rank among equals (the last collective can
-    have succeeded on one rank and failed on another, so the plan's guess is checked here).
+    Collective: all-gathers each rank's commit version and lineage (and rank 0's newest
+    durable version). The newest in-memory commit wins, the lowest rank among equals (the last
+    collective can have succeeded on one rank and failed on another, so the plan's guess is
+    checked here). Ranks of one version and one non-zero lineage hold the same commit.
 
     Args:
         version: this rank's commit version.
         durable_version: on rank 0, the version of the newest durable checkpoint (0: none);
             ignored on the other ranks.
         group: the process group; None means the default group.
+        lineage: names the group in which this rank's commits were made since every member
+            of it held the same state (a positive int64, the same on each of its ranks); 0
+            when there is none (a rank that has not synced in any group yet).
 
     Raises:
         RuntimeError: the all-gather failed (a peer is gone).
     """
-    mine = torch.tensor([version, durable_version], dtype=torch.int64,
+    mine = torch.tensor([version, durable_version, lineage], dtype=torch.int64,
                         device=_transport_device(group))
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
@@ -69,7 +76,9 @@ def newest_source(version: int, durable_version: int = 0,
     newest_durable = int(gathered[0][1].item())
     if newest_durable > max(versions):
         return Source(rank=0, from_durable=True)
-    return Source(rank=versions.index(max(versions)), from_durable=False)
+    held = {(int(g[0].item()), int(g[2].item())) for g in gathered}
+    return Source(rank=versions.index(max(versions)), from_durable=False,
+                  held_by_all=len(held) == 1 and lineage != 0)
 
 
 def fill_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:

@@ -13,6 +13,7 @@ other member's records.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -49,6 +50,14 @@ class Topology:
     master_port: int
     store_prefix: str
     versions: dict[str, int]
+
+    @property
+    def lineage(self) -> int:
+        """A positive int64 naming this round among the rounds of any etcd (its number and
+        its members: a member id belongs to one registration), the same on each member."""
+        digest = hashlib.blake2b(f"{self.round} {' '.join(self.members)}".encode(),
+                                 digest_size=8).digest()
+        return int.from_bytes(digest, "big") >> 1 or 1
 
 
 class Rendezvous:

@@ -52,6 +52,10 @@ def test_survivors_finish_in_world_two_after_a_worker_is_killed(make_job):
     assert worlds[0] == 3 and worlds[-1] == 2
     recoveries = [e for e in job.events() if e["event"] == "resumed" and e["reason"] == "failure"]
     assert len(recoveries) == 2 and all(e["world_size"] == 2 for e in recoveries)
+    # The first round sends rank 0's state; the survivors already hold the same commit.
+    for pid in {e["pid"] for e in recoveries}:
+        assert [e["moved"] for e in job.events()
+                if e["event"] == "state_synced" and e["pid"] == pid] == [True, False]
 
 
 def test_a_users_own_runtime_error_leaves_run_on_its_rank_and_the_others_go_on(make_job):

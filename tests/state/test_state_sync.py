@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic.state import ElasticSampler, NoCommitError, TrainState
-from elastic.state.sync import TensorSlot, broadcast_payload, plan_buckets
+from elastic.state.sync import TensorSlot, broadcast_payload, newest_source, plan_buckets
 from elastic.state.wire import encode
 from tests.support.gloo_group import run_in_group
 from tests.support.trees import assert_same_tree
@@ -94,3 +94,27 @@ def test_a_source_whose_state_has_no_wire_form_fails_every_rank_at_once_naming_t
     got = run_in_group(_sync_an_unsendable_value, 2, tmp_path)
     assert "objects.step is a numpy.int64" in got[0]
     assert "global rank 0 could not encode its committed state" in got[1]
+
+
+def _sources(rank: int, world: int) -> list[tuple[int, bool, bool]]:
+    cases = [  # (version, lineage) of each rank, and rank 0's newest durable version
+        ([(5, 77)] * 3, 0),                      # the survivors of one round
+        ([(5, 0)] * 3, 0),                       # equal versions, but no round behind them
+        ([(5, 77), (5, 77), (4, 77)], 0),        # one rank a commit behind
+        ([(5, 77), (5, 77), (5, 78)], 0),        # the same version made in another round
+        ([(5, 77)] * 3, 9),                      # a newer durable checkpoint
+    ]
+    got = []
+    for ranks, durable in cases:
+        version, lineage = ranks[rank]
+        source = newest_source(version, durable if rank == 0 else 0, lineage=lineage)
+        got.append((source.rank, source.from_durable, source.held_by_all))
+    return got
+
+
+@pytest.mark.timeout(150)
+def test_only_ranks_of_one_version_made_in_one_round_skip_the_broadcast(tmp_path):
+    got = run_in_group(_sources, WORLD, tmp_path)
+    assert got[0] == got[1] == got[2], "every rank must get the same answer"
+    assert got[0] == [(0, False, True), (0, False, False), (0, False, False),
+                      (0, False, False), (0, True, False)]

@@ -48,7 +48,7 @@ def main() -> None:
     try:
         topology = cluster.form("start", HUGE)
         assert topology.rank == 0, f"the plan did not make the hostile member rank 0: {topology}"
-        mine = torch.tensor([HUGE, 0], dtype=torch.int64)
+        mine = torch.tensor([HUGE, 0, 0], dtype=torch.int64)
         gathered = [torch.zeros_like(mine) for _ in range(topology.world_size)]
         dist.all_gather(gathered, mine)  # the receivers' newest_source
         dist.broadcast_object_list([RunsCode(str(out))], src=0)  # where the skeleton goes
