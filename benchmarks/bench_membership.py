@@ -94,7 +94,8 @@ class SimMember:
         self.client = client
         self.membership = EtcdMembership(client, keys, "127.0.0.1", timeouts.lease_ttl,
                                          timeouts.keepalive, claim=keys.coordinator)
-        self.rendezvous = Rendezvous(client, self.membership, RendezvousConfig(max_workers=max_workers, timeouts=timeouts))
+        self.rendezvous = Rendezvous(client, self.membership,
+                                     RendezvousConfig(max_workers=max_workers, timeouts=timeouts))
         self.broken = threading.Event()
         self.monitor = NewsMonitor(keys, lambda reason: self.broken.set())
         self.membership.add_listener(self.monitor.on_events)

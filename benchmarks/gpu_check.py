@@ -1,8 +1,9 @@
 """The NCCL and CUDA paths on a real GPU, in one run: what the CPU-only suite cannot check.
 
-Usage: ``python benchmarks/gpu_check.py [--cycles 50] [--out DIR] [--parts versions,cycles,state,sync]``.
-Prints one line per check and writes everything as ``gpu-check-{parts}.json`` under ``--out``. Exits 1
-when a check fails. ``--backend gloo`` runs the same code on the CPU (a dry run of the script).
+Usage: ``python benchmarks/gpu_check.py [--cycles 50] [--out DIR]
+[--parts versions,cycles,release,state,sync]``. Prints one line per check and writes everything
+as ``gpu-check-{parts}.json`` under ``--out``. Exits 1 when a check fails. ``--backend gloo``
+runs the same code on the CPU (a dry run of the script).
 
 - ``versions``: torch, CUDA, NCCL, the GPU and its driver.
 - ``cycles``: an NCCL world of one formed through ``ProcessGroup`` (the NCCL environment set,

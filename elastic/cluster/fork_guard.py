@@ -9,11 +9,11 @@ and in every forked child the registered descriptors are pointed at ``/dev/null`
 right after the fork: the child's copies are gone, and a Python socket object in the child that
 later closes its number closes only ``/dev/null``. The parent's sockets are untouched.
 
-A destroyed process group can outlive its destruction as cyclic garbage (a ``DistributedDataParallel``
-of the last round holds it, and only the collector frees a DDP). Inherited by a forked child,
-it would be freed by the child's own collector, and gloo's destructor there waits forever on a
-condition copied from the parent's threads: the child hangs, and with it a parent waiting for
-its batch. So after a group is destroyed (``collect_before_next_fork``), the next fork first
+A destroyed process group can outlive its destruction as cyclic garbage (the last round's
+``DistributedDataParallel`` holds it, and only the collector frees a DDP). Inherited by a forked
+child, it would be freed by the child's own collector, and gloo's destructor there waits forever
+on a condition copied from the parent's threads: the child hangs, and with it a parent waiting
+for its batch. So after a group is destroyed (``collect_before_next_fork``), the next fork first
 runs a full collection in the parent, where the destructor works.
 
 Owns the process-wide registry and the ``os.register_at_fork`` hooks (installed at the first
