@@ -6,6 +6,8 @@ thread holds a lock the handler would take again: an Event's condition in the mi
 such a handler deadlocks the process with itself (seen once in CI: a launcher that never
 answered a second Ctrl-C). Here the handler only writes the signal's number to a pipe; a relay
 thread reads it and runs the callback, where setting Events, logging and printing are safe.
+A process forked from the relay's owner (a ``DataLoader`` worker) inherits the handler but not
+the thread, and shares the pipe: there the signal is handled as if no relay were installed.
 """
 
 from __future__ import annotations
@@ -43,9 +45,13 @@ def relay_signals(signals: Iterable[signal.Signals], callback: Callable[[signal.
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     open_fd = [write_fd]  # emptied by restore(); read by the handler without a lock
+    owner = os.getpid()
+    previous: dict[signal.Signals, object] = {}
 
     def on_signal(signum: int, frame: object) -> None:
-        del frame
+        if os.getpid() != owner:  # a forked child (a DataLoader worker): not ours to relay
+            _as_before_in_child(signal.Signals(signum), previous, frame)
+            return
         if open_fd:
             try:
                 os.write(open_fd[0], bytes([signum]))
@@ -60,7 +66,7 @@ def relay_signals(signals: Iterable[signal.Signals], callback: Callable[[signal.
 
     thread = threading.Thread(target=relay, name=name, daemon=True)
     thread.start()
-    previous = {sig: signal.signal(sig, on_signal) for sig in signals}
+    previous.update({sig: signal.signal(sig, on_signal) for sig in signals})
 
     def restore() -> None:
         for sig, handler in previous.items():
@@ -71,3 +77,16 @@ def relay_signals(signals: Iterable[signal.Signals], callback: Callable[[signal.
             thread.join(timeout=join_s)
 
     return restore
+
+
+def _as_before_in_child(sig: signal.Signals, previous: dict[signal.Signals, object],
+                        frame: object) -> None:
+    """Handles ``sig`` in a process forked from the relay's owner as if the relay had never
+    been installed: the child has no relay thread, and the pipe would carry the signal to the
+    owner (a DataLoader worker terminated at shutdown would make its trainer leave the job)."""
+    handler = previous.get(sig, signal.SIG_DFL)
+    signal.signal(sig, handler)  # type: ignore[arg-type]
+    if handler == signal.SIG_DFL:
+        os.kill(os.getpid(), sig)  # the default action: a SIGTERM ends the child
+    elif callable(handler):
+        handler(sig, frame)  # e.g. SIGINT's default raises KeyboardInterrupt

@@ -3,8 +3,10 @@ lock the handling needs is still handled, and restoring leaves nothing behind.""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -67,3 +69,39 @@ def test_a_sigterm_that_lands_as_the_worker_registers_makes_it_leave_not_die(mak
     job.start(0)
     assert job.wait_exit(0, timeout=60) == 0, job.tails()
     assert "left with None at step 0" in job.tails(), job.tails()
+
+
+def test_a_sigterm_to_a_forked_child_ends_the_child_and_never_reaches_the_relay():
+    """A DataLoader worker is forked with the trainer's handlers; at shutdown the loader may
+    terminate() it. That SIGTERM must end the worker, not make the trainer leave the job."""
+    seen: list[signal.Signals] = []
+    relayed = threading.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        seen.append(sig)
+        relayed.set()
+
+    restore = relay_signals((signal.SIGTERM,), on_signal, "relay-under-test")
+    ready_r, ready_w = os.pipe()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: says it runs, a bounded wait, then a clean exit
+            try:
+                os.write(ready_w, b"ok")
+                for _ in range(100):
+                    time.sleep(0.1)
+            finally:
+                os._exit(0)
+        # Python drops a signal that lands while the fork is still being set up in the child.
+        assert os.read(ready_r, 2) == b"ok"
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, (
+            f"the child outlived its SIGTERM (wait status {status})")
+        signal.raise_signal(signal.SIGTERM)  # the owner's own, after anything the child wrote
+        assert relayed.wait(5)
+    finally:
+        restore()
+        os.close(ready_r)
+        os.close(ready_w)
+    assert seen == [signal.SIGTERM], "the child's signal reached the owner's relay"
