@@ -4,9 +4,9 @@ lock the handling needs is still handled, and restoring leaves nothing behind.""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import threading
-import time
 
 import pytest
 
@@ -83,18 +83,21 @@ def test_a_sigterm_to_a_forked_child_ends_the_child_and_never_reaches_the_relay(
 
     restore = relay_signals((signal.SIGTERM,), on_signal, "relay-under-test")
     ready_r, ready_w = os.pipe()
+    release_r, release_w = os.pipe()
     try:
         pid = os.fork()
-        if pid == 0:  # the child: says it runs, a bounded wait, then a clean exit
+        if pid == 0:  # the child: says it runs, waits for the parent's word, exits cleanly
             try:
                 os.write(ready_w, b"ok")
-                for _ in range(100):
-                    time.sleep(0.1)
+                os.read(release_r, 1)
             finally:
                 os._exit(0)
         # Python drops a signal that lands while the fork is still being set up in the child.
         assert os.read(ready_r, 2) == b"ok"
         os.kill(pid, signal.SIGTERM)
+        with os.fdopen(os.pidfd_open(pid), "rb", buffering=0) as child:
+            select.select([child], [], [], 10)  # readable once the child ended
+        os.write(release_w, b"x")  # a child that outlived its SIGTERM now exits 0
         _, status = os.waitpid(pid, 0)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, (
             f"the child outlived its SIGTERM (wait status {status})")
@@ -102,6 +105,6 @@ def test_a_sigterm_to_a_forked_child_ends_the_child_and_never_reaches_the_relay(
         assert relayed.wait(5)
     finally:
         restore()
-        os.close(ready_r)
-        os.close(ready_w)
+        for fd in (ready_r, ready_w, release_r, release_w):
+            os.close(fd)
     assert seen == [signal.SIGTERM], "the child's signal reached the owner's relay"
