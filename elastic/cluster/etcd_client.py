@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -112,6 +113,8 @@ class EtcdClient(CompareAndSwap):
                                                "(+ the client thread's hand-over)") from exc
 
     async def _connected(self) -> aetcd.Client:
+        if self._client is not None:  # connected: no lock to take on every call
+            return self._client
         if self._connecting is None:
             self._connecting = asyncio.Lock()
         async with self._connecting:  # one connection (and one token) for every caller
@@ -178,18 +181,27 @@ class EtcdClient(CompareAndSwap):
                     raise
                 raise refused from exc
 
-        backoff_s = self.timeouts.backoff.total_seconds()
-        backoff_max_s = self.timeouts.backoff_max.total_seconds()
-        retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_delay(retry_for.total_seconds()),
-            retry=tenacity.retry_if_exception_type(_RETRIED),
-            wait=tenacity.wait_exponential_jitter(multiplier=backoff_s, max=backoff_max_s,
-                                                  jitter=backoff_s),
-            before_sleep=tenacity.before_sleep_log(log, logging.DEBUG),
-            reraise=True,
-        )
-        try:
+        def with_retries() -> T:
+            started = time.monotonic()
+            try:
+                return once()  # the common case: no retry machinery to build
+            except _RETRIED:
+                pass
+            backoff_s = self.timeouts.backoff.total_seconds()
+            retrying = tenacity.Retrying(
+                stop=tenacity.stop_after_delay(
+                    max(0.0, retry_for.total_seconds() - (time.monotonic() - started))),
+                retry=tenacity.retry_if_exception_type(_RETRIED),
+                wait=tenacity.wait_exponential_jitter(
+                    multiplier=backoff_s, max=self.timeouts.backoff_max.total_seconds(),
+                    jitter=backoff_s),
+                before_sleep=tenacity.before_sleep_log(log, logging.DEBUG),
+                reraise=True,
+            )
             return retrying(once)
+
+        try:
+            return with_retries()
         except aetcd.exceptions.UnauthenticatedError as exc:
             raise EtcdAccessError(
                 f"etcd at {self.urls} kept refusing the auth token of user "
