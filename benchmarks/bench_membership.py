@@ -1,14 +1,26 @@
 """What membership and rendezvous cost etcd as the job grows: N simulated members, one etcd.
 
 Usage: ``.venv/bin/python benchmarks/bench_membership.py [--sizes 10,100,300,1000] [--procs 4]
-[--declared-size] [--label after] [--limit 120] [--out benchmarks/results/membership-DATE.json]``.
+[--declared-size] [--coordinator-packed] [--workers-per-node K] [--idle S] [--label after]
+[--limit 120] [--out benchmarks/results/membership-DATE.json]``.
 
 For each N, a fresh etcd is started on 127.0.0.1 (its own process, so that its CPU time and
-``/metrics`` belong to that N alone), and ``--procs`` processes each run N / procs members as
-threads. Every member is a real one: its own lease kept alive by its own thread, its own member
-key, its own join requests, the same classes a worker uses (``SimMember`` below mirrors the etcd
-half of ``elastic.cluster.cluster.Cluster``); the members of one process share one etcd client
-(one gRPC connection). No torch collectives are run.
+``/metrics`` belong to that N alone). The first member registers alone in a process of its own
+and so becomes the job's coordinator, as in a real job, where it is one worker process; then
+``--procs`` processes each run (N - 1) / procs members as threads. With
+``--coordinator-packed`` the coordinator is instead whichever member registers first among the
+N / procs members of each process (its watch then competes for one interpreter with hundreds of
+other members' threads, which no real coordinator does). With ``--workers-per-node K`` the
+members of each process form nodes of K that share one lease, as ``elastic run --node-lease``
+does: the node's lease is granted when its first member registers and renewed by one thread of
+the node (its launcher's part); each member reports its id and sends heartbeats (a file touched
+per keepalive interval), and the death removes the victim's keys (``drop_member``, what its
+launcher does) instead of revoking a lease of its own.
+
+Every member is a real one: its own lease kept alive by its own thread (or its node's), its own
+member key, its own join requests, the same classes a worker uses (``SimMember`` below mirrors
+the etcd half of ``elastic.cluster.cluster.Cluster``); the members of one process share one
+etcd client (one gRPC connection). No torch collectives are run.
 
 Measured, per N:
 
@@ -20,7 +32,9 @@ Measured, per N:
   watch events delivered, counted in the client (keepalives are counted apart, they are
   periodic, not per change), and etcd's own counts from its ``/metrics`` (gRPC requests handled
   and watch events sent);
-- etcd's CPU time (user + system from ``/proc/PID/stat``) per phase.
+- etcd's CPU time (user + system from ``/proc/PID/stat``) per phase;
+- with ``--idle S``: lease renewals per member and second over S seconds after the death, while
+  nothing changes (what a job costs etcd when it only trains).
 
 A phase that does not finish within ``--limit`` seconds is recorded as not finished, with the
 counts reached by then.
@@ -32,7 +46,9 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -46,7 +62,8 @@ sys.path.insert(0, str(HERE.parent))
 
 from elastic.cluster.etcd_client import EtcdClient  # noqa: E402
 from elastic.cluster.keys import JobKeys  # noqa: E402
-from elastic.cluster.membership import EtcdMembership  # noqa: E402
+from elastic.cluster.lease_file import heartbeat  # noqa: E402
+from elastic.cluster.membership import EtcdMembership, NodeLease, drop_member  # noqa: E402
 from elastic.cluster.news import NewsMonitor  # noqa: E402
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology  # noqa: E402
 from elastic.errors import FencedError  # noqa: E402
@@ -84,16 +101,43 @@ class CountingClient(EtcdClient):
         return super().watch_range(keys, start_revision, counted, on_open)
 
 
+class SimNode:
+    """The launcher's part of ``elastic run --node-lease`` for K simulated members: one lease,
+    granted when the first of them registers, renewed by one thread until ``stop``."""
+
+    def __init__(self, client: EtcdClient, timeouts: Timeouts, stop: threading.Event,
+                 heartbeats: Path) -> None:
+        self._client, self._timeouts, self._stop = client, timeouts, stop
+        self._heartbeats = heartbeats
+        self._lock = threading.Lock()
+        self.lease = 0
+
+    def share(self) -> NodeLease:
+        """The node's lease for one member (granting it first, once)."""
+        with self._lock:
+            if not self.lease:
+                self.lease = self._client.grant(self._timeouts.lease_ttl)
+                threading.Thread(target=self._renew, daemon=True).start()
+        path = str(self._heartbeats / f"{id(object())}")
+        return NodeLease(self.lease, lambda member: None, lambda: heartbeat(path))
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self._timeouts.keepalive.total_seconds()):
+            self._client.refresh(self.lease)
+
+
 class SimMember:
     """The etcd half of one worker (``Cluster`` without torch): membership, rendezvous and the
     change monitor, wired as ``Cluster._register`` and ``Cluster.form`` wire them."""
 
     def __init__(self, client: EtcdClient, timeouts: Timeouts,
-                 max_workers: int | None = None) -> None:
+                 max_workers: int | None = None, node: SimNode | None = None) -> None:
         keys = JobKeys(JOB)
         self.client = client
+        self.node = node
         self.membership = EtcdMembership(client, keys, "127.0.0.1", timeouts.lease_ttl,
                                          timeouts.keepalive, claim=keys.coordinator)
+        self.registered = threading.Event()
         self.rendezvous = Rendezvous(client, self.membership,
                                      RendezvousConfig(max_workers=max_workers, timeouts=timeouts))
         self.broken = threading.Event()
@@ -102,7 +146,10 @@ class SimMember:
         self.topology: Topology | None = None
 
     def register(self) -> None:
+        if self.node is not None:
+            self.membership.node_lease = self.node.share()
         self.membership.register()
+        self.registered.set()
 
     def form(self, reason: str) -> Topology:
         self.monitor.disarm()
@@ -125,7 +172,9 @@ def _member_thread(member: SimMember, go: threading.Event, stop: threading.Event
         topology = member.form("start")
         times[topology.round] = time.time()
         while not stop.is_set():
-            if not member.broken.wait(0.2):
+            # Woken by its round breaking, or by ``stop`` (which sets ``broken`` too): a member
+            # that polled here would load the machine as no real worker does.
+            if not member.broken.wait(limit_s) or stop.is_set():
                 continue
             if victim.is_set():
                 return
@@ -136,13 +185,17 @@ def _member_thread(member: SimMember, go: threading.Event, stop: threading.Event
 
 
 def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: float,
-                max_workers: int | None) -> None:
+                max_workers: int | None, per_node: int = 1) -> None:
     """One process of members, driven by the parent over ``conn``."""
     timeouts = Timeouts.from_env({}, lease_ttl=timedelta(seconds=lease_ttl_s)) if lease_ttl_s \
         else Timeouts()
     client = CountingClient(url, timeouts=timeouts)
     go, stop = threading.Event(), threading.Event()
-    members = [SimMember(client, timeouts, max_workers) for _ in range(count)]
+    heartbeats = Path(tempfile.mkdtemp(prefix="bench-heartbeats-"))
+    nodes = [SimNode(client, timeouts, stop, heartbeats) if per_node > 1 else None
+             for _ in range(0, count, per_node)]
+    members = [SimMember(client, timeouts, max_workers, nodes[i // per_node])
+               for i in range(count)]
     times: list[dict[int, float]] = [{} for _ in members]
     victims = [threading.Event() for _ in members]
     threads = [threading.Thread(target=_member_thread, args=(m, go, stop, t, v, limit_s),
@@ -152,8 +205,11 @@ def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: fl
     conn.send("ready")
     while True:
         command, arg = conn.recv()
-        if command == "go":
+        if command == "go":  # arg: reply only once every member of this process registered
             go.set()
+            if arg:
+                for member in members:
+                    member.registered.wait(limit_s)
             conn.send(None)
         elif command == "await":  # arg: the round every member (but victims) must hold
             deadline = time.monotonic() + limit_s
@@ -175,8 +231,11 @@ def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: fl
             conn.send(lease)
         elif command == "stop":
             stop.set()
+            for member in members:
+                member.broken.set()
             for thread in threads:
                 thread.join(timeout=5)
+            shutil.rmtree(heartbeats, ignore_errors=True)
             conn.send(None)
             return
 
@@ -214,17 +273,23 @@ class Run:
     """One N: an etcd, the member processes, and the snapshots between phases."""
 
     def __init__(self, n: int, procs: int, limit_s: float, lease_ttl_s: float,
-                 max_workers: int | None = None) -> None:
-        self.n, self.limit_s = n, limit_s
+                 max_workers: int | None = None, coordinator_apart: bool = True,
+                 per_node: int = 1, idle_s: float = 0.0) -> None:
+        self.n, self.limit_s, self.per_node, self.idle_s = n, limit_s, per_node, idle_s
         self.etcd = EmbeddedEtcd(niceness=0, go_max_procs=None).start()
         self.admin = EtcdClient(self.etcd.url)
         ctx = mp.get_context("spawn")
-        sizes = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+        self.coordinator_apart = coordinator_apart and n > 1
+        rest = n - 1 if self.coordinator_apart else n
+        sizes = [rest // procs + (1 if i < rest % procs else 0) for i in range(procs)]
+        if self.coordinator_apart:
+            sizes.insert(0, 1)
         self.conns, self.procs = [], []
         for size in (s for s in sizes if s):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, daemon=True,
-                               args=(child, self.etcd.url, size, limit_s, lease_ttl_s, max_workers))
+                               args=(child, self.etcd.url, size, limit_s, lease_ttl_s, max_workers,
+                                     per_node))
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -233,11 +298,13 @@ class Run:
                 raise RuntimeError("a member process did not start within 120 s")
             conn.recv()
 
-    def ask(self, command: str, arg: Any = None, timeout_s: float = 60) -> list[Any]:
-        for conn in self.conns:
+    def ask(self, command: str, arg: Any = None, timeout_s: float = 60,
+            conns: list[Any] | None = None) -> list[Any]:
+        conns = self.conns if conns is None else conns
+        for conn in conns:
             conn.send((command, arg))
         replies = []
-        for conn in self.conns:
+        for conn in conns:
             if not conn.poll(timeout_s):
                 raise RuntimeError(f"a member process did not answer {command} in {timeout_s} s")
             replies.append(conn.recv())
@@ -268,7 +335,11 @@ class Run:
     def measure(self) -> dict[str, Any]:
         before = self.snapshot()
         started = time.time()
-        self.ask("go")
+        if self.coordinator_apart:  # the coordinator's registration first, then the others'
+            self.ask("go", True, conns=self.conns[:1])
+            self.ask("go", conns=self.conns[1:])
+        else:
+            self.ask("go")
         replies = self.ask("await", 1, timeout_s=self.limit_s + 60)
         after = self.snapshot()
         first = self.phase("first_round", before, after, started, replies, self.n)
@@ -280,12 +351,31 @@ class Run:
         lease = max(self.ask("victim", victim))
         before = self.snapshot()
         started = time.time()
-        self.admin.revoke(lease)
+        if self.per_node > 1:  # what its launcher does when it dies: the node's lease lives on
+            drop_member(self.admin, JobKeys(JOB), victim, lease)
+        else:  # what its launcher does when it dies: revoke its own lease
+            self.admin.revoke(lease)
         replies = self.ask("await", 2, timeout_s=self.limit_s + 60)
         after = self.snapshot()
         result["phases"].append(self.phase("one_death", before, after, started, replies,
                                            self.n - 1))
+        if self.idle_s:
+            result["idle"] = self.idle(self.n - 1)
         return result
+
+    def idle(self, members: int) -> dict[str, Any]:
+        """Lease renewals per member and second while nothing changes, over ``idle_s``."""
+        before = self.snapshot()
+        threading.Event().wait(self.idle_s)  # the window measured, not a synchronisation
+        after = self.snapshot()
+        seconds = after["t"] - before["t"]
+        rate = lambda end, start: round((end - start) / members / seconds, 3)  # noqa: E731
+        return {"seconds": round(seconds, 2),
+                "keepalives_per_member_s": rate(after["client"].get("keepalive", 0),
+                                                before["client"].get("keepalive", 0)),
+                "etcd_keepalives_per_member_s": rate(after["etcd"].get("keepalives", 0),
+                                                     before["etcd"].get("keepalives", 0)),
+                "etcd_cpu_s": round(after["etcd_cpu_s"] - before["etcd_cpu_s"], 3)}
 
     def close(self) -> None:
         try:
@@ -314,13 +404,25 @@ def main() -> None:
                         help="each job declares its size (max_workers = N, as `elastic run "
                              "--max-workers N`): the first round closes as soon as all N joined, "
                              "without the settle window for further joiners")
+    parser.add_argument("--coordinator-packed", action="store_true",
+                        help="the coordinator is the first member to register among the others "
+                             "(packed into their processes), not a member alone in a process")
+    parser.add_argument("--workers-per-node", type=int, default=1, metavar="K",
+                        help="members share one lease per K of them, as `elastic run "
+                             "--node-lease` with K workers per node (default 1: a lease each)")
+    parser.add_argument("--idle", type=float, default=0.0, metavar="S",
+                        help="after the death, count lease renewals for S seconds of nothing "
+                             "happening (default 0: not measured)")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
+    if args.workers_per_node < 1:
+        parser.error(f"--workers-per-node must be at least 1 (got {args.workers_per_node})")
     results = []
     for n in (int(s) for s in args.sizes.split(",")):
         run = Run(n, min(args.procs, n), args.limit, args.lease_ttl,
-                  n if args.declared_size else None)
+                  n if args.declared_size else None, not args.coordinator_packed,
+                  args.workers_per_node, args.idle)
         try:
             result = run.measure()
         finally:
@@ -330,7 +432,10 @@ def main() -> None:
     record = {"label": args.label, "cores": os.cpu_count(), "procs": args.procs,
               "date": time.strftime("%Y-%m-%d"),
               "lease_ttl_s": args.lease_ttl or 3.0, "settle_s": 0.5,
-              "max_workers": "N" if args.declared_size else None, "results": results}
+              "max_workers": "N" if args.declared_size else None,
+              "coordinator": "packed" if args.coordinator_packed else "apart",
+              "workers_per_node": args.workers_per_node,
+              "results": results}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 

@@ -135,6 +135,7 @@ class WorkerSettings:
     log_dir: str | None
     etcd_security: EtcdSecurity = EtcdSecurity()
     lease_file: str | None = None
+    node_lease: int | None = None  # the launcher's lease, shared by its workers (--node-lease)
     resume_finished: bool = False
     standby: bool = False
 
@@ -162,6 +163,7 @@ class WorkerSettings:
             log_dir=env.get("ELASTIC_LOG_DIR") or None,
             etcd_security=EtcdSecurity.resolve(),
             lease_file=env.get("ELASTIC_LEASE_FILE") or None,
+            node_lease=_env_int("ELASTIC_NODE_LEASE"),
             resume_finished=env.get("ELASTIC_RESUME_FINISHED", "") not in ("", "0"),
             standby=env.get("ELASTIC_STANDBY", "") not in ("", "0"),
         )

@@ -24,8 +24,8 @@ from elastic.errors import (CutOffError, EtcdAccessError, EtcdUnavailableError, 
 from elastic.cluster.etcd_client import EtcdClient, parse_endpoints
 from elastic.events import EventLog, Stopwatch
 from elastic.cluster.keys import JobKeys
-from elastic.cluster.lease_file import append_committed, append_lease
-from elastic.cluster.membership import EtcdMembership
+from elastic.cluster.lease_file import append_committed, append_lease, append_member, heartbeat
+from elastic.cluster.membership import EtcdMembership, NodeLease
 from elastic.cluster.device import claim_device, default_lock_dir
 from elastic.cluster.news import NewsMonitor
 from elastic.cluster.process_group import ProcessGroup, cuda_device_count, resolve_backend
@@ -77,6 +77,7 @@ class Cluster:
         self.stuck = ReleaseWatchdog(timeouts.release, self._restart_in_place)
         self.skipped = SkippedRecords()  # malformed records read from etcd, warned once each
         self._said_committed = False
+        self._used_node_lease = False
         self.membership: EtcdMembership
         self.rendezvous: Rendezvous
         self.monitor: NewsMonitor
@@ -89,7 +90,7 @@ class Cluster:
             self.client, self.keys, self.settings.advertise_addr, timeouts.lease_ttl,
             timeouts.keepalive,
             on_lease=None if lease_file is None else lambda lease: append_lease(lease_file, lease),
-            claim=self.keys.coordinator)
+            claim=self.keys.coordinator, node_lease=self._node_lease())
         self.rendezvous = Rendezvous(self.client, self.membership, self.config, self.skipped)
         self.monitor = NewsMonitor(self.keys, self._on_broken, self.skipped)
         self.membership.add_listener(self.monitor.on_events)
@@ -97,6 +98,17 @@ class Cluster:
         self.membership.register()
         self.events.bind(member=self.membership.member_id)
         self.events.emit("joined", lease_ttl_s=self.settings.timeouts.lease_ttl.total_seconds())
+
+    def _node_lease(self) -> NodeLease | None:
+        """The node's lease, for this process's first identity only (``--node-lease``): a
+        member fenced while its launcher lives registers again under a lease of its own, which
+        its launcher revokes when it dies, as without the option."""
+        lease, lease_file = self.settings.node_lease, self.settings.lease_file
+        if lease is None or lease_file is None or self._used_node_lease:
+            return None
+        self._used_node_lease = True
+        return NodeLease(lease, lambda member: append_member(lease_file, member),
+                         lambda: heartbeat(lease_file))
 
     def _on_broken(self, reason: str) -> None:
         self.events.emit("failure_detected", reason=reason, source="watch")

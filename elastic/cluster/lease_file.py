@@ -7,6 +7,11 @@ is bound to it. When the worker dies, its launcher revokes exactly these leases:
 found by matching a host name and pid in etcd (containers can share both). The worker also
 appends one ``committed`` line after its first commit: a worker that fails the same way twice
 before that line is a bug no restart fixes.
+
+Under the node's lease (``elastic run --node-lease``) a worker grants no lease for its first
+identity: it appends ``member ID`` instead (the launcher deletes that member's key when the
+worker dies), and touches the file every keepalive interval as its heartbeat (the launcher
+removes a member whose file went untouched for a lease TTL: the worker is stopped or hung).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import os
 
 COMMITTED = "committed"
+_MEMBER = "member "
 
 
 def append_lease(path: str, lease: int) -> None:
@@ -24,6 +30,31 @@ def append_lease(path: str, lease: int) -> None:
 def append_committed(path: str) -> None:
     """Records at ``path`` that the worker made its first commit."""
     _append_line(path, COMMITTED)
+
+
+def append_member(path: str, member_id: str) -> None:
+    """Records at ``path`` a member registered under the node's lease."""
+    _append_line(path, f"{_MEMBER}{member_id}")
+
+
+def heartbeat(path: str) -> None:
+    """Marks the worker reporting at ``path`` alive now (the file's modification time)."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    os.utime(path)
+
+
+def last_heartbeat(path: str) -> float | None:
+    """When the worker reporting at ``path`` last marked itself alive or reported anything
+    (``time.time()`` seconds; None when the file does not exist)."""
+    try:
+        return os.stat(path).st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def read_members(path: str) -> list[str]:
+    """The members registered under the node's lease recorded at ``path``, oldest first."""
+    return [line[len(_MEMBER):] for line in _lines(path) if line.startswith(_MEMBER)]
 
 
 def read_leases(path: str) -> list[int]:

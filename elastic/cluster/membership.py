@@ -2,9 +2,18 @@
 
 Owns the member key (bound to the lease), the keepalive thread, and the member's watches: the
 job's ``control/`` keys (the coordinator and its news) and its own member key, fanned out to
-listeners. It never watches other members' records: a change costs each member O(1) events. A member whose lease is gone is *fenced*: ``fenced`` is set,
+listeners. It never watches other members' records: a change costs each member O(1) events. A
+member whose lease is gone, or whose member key was deleted, is *fenced*: ``fenced`` is set,
 listeners hear of it, and this identity is never used again (a new ``EtcdMembership`` registers
 as a new member). No torch here.
+
+A member may instead share its node's lease (``NodeLease``: ``elastic run --node-lease``), which
+its launcher keeps alive for every worker of the node: it then grants nothing and renews
+nothing, and its keepalive thread only tells the launcher that it is alive (a heartbeat). What
+the end of its own lease would have done, the launcher does (``drop_member``): when the worker
+dies, or sends no heartbeat for a lease TTL, it deletes the member key and the coordinator key
+if this member held it; every record the member wrote under the shared lease (join requests,
+reports) is honoured only while its member key is there.
 """
 
 from __future__ import annotations
@@ -17,15 +26,53 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 from elastic.errors import EtcdAccessError, EtcdUnavailableError, FencedError
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
+from elastic.cluster.etcd_txn import Registration
 from elastic.cluster.keys import JobKeys
 
 log = logging.getLogger(__name__)
 
 Listener = Callable[[list[WatchEvent]], None]
+
+
+@dataclass(frozen=True)
+class NodeLease:
+    """A lease that the worker's launcher keeps alive for the workers of its node.
+
+    Attributes:
+        lease: the lease id.
+        on_member: called with the member id before its key is written under the lease (the
+            worker reports it to its launcher, which deletes that key when the worker dies).
+        heartbeat: called every keepalive interval while this member lives (the launcher
+            removes a member whose heartbeats stop for a lease TTL, as a lease would expire).
+    """
+
+    lease: int
+    on_member: Callable[[str], None]
+    heartbeat: Callable[[], None]
+
+
+def drop_member(client: EtcdClient, keys: JobKeys, member_id: str, lease: int) -> bool:
+    """Deletes member ``member_id``'s key if it is still bound to ``lease``, and the coordinator
+    key if that member holds it under the same lease: what the end of the member's own lease
+    would delete, for a member that shares ``lease`` with others (``NodeLease``). Each delete
+    is conditional on the revision read, so a key re-written since is left alone.
+
+    Returns:
+        Whether the member key was deleted now.
+    """
+    dropped = False
+    kv = client.get(keys.member(member_id))
+    if kv is not None and kv.lease == lease:
+        dropped = client.delete_if(kv.key, kv.mod_revision)
+    held = client.get(keys.coordinator)
+    if held is not None and held.lease == lease and held.value == member_id.encode():
+        client.delete_if(held.key, held.mod_revision)
+    return dropped
 
 
 def new_member_id() -> str:
@@ -48,12 +95,14 @@ class EtcdMembership:
         claim: a key that registering takes, bound to the lease with this member's id as its
             value, when nobody holds it (a worker: the job's coordinator key); ``claimed``
             says whether it did.
+        node_lease: the node's lease, to register under instead of a lease of its own (when
+            that lease is gone already, registering grants one of its own after all).
     """
 
     def __init__(self, client: EtcdClient, keys: JobKeys, advertise_addr: str,
                  lease_ttl: timedelta, keepalive: timedelta | None = None,
                  on_lease: Callable[[int], None] | None = None,
-                 claim: str | None = None) -> None:
+                 claim: str | None = None, node_lease: NodeLease | None = None) -> None:
         if keepalive is None:
             keepalive = lease_ttl / 4
         if keepalive * 2 >= lease_ttl:
@@ -69,6 +118,7 @@ class EtcdMembership:
         self.is_registered = False  # set once the lease, member key and watch exist
         self._on_lease = on_lease
         self._claim = claim
+        self.node_lease = node_lease  # None once registered under a lease of its own
         self.claimed = False
         self.fenced = threading.Event()
         self._stop = threading.Event()
@@ -94,15 +144,21 @@ class EtcdMembership:
         Returns:
             The etcd revision of the registration; the watch starts right after it.
         """
-        self.lease = self._client.grant(self.lease_ttl)
-        if self._on_lease is not None:
-            self._on_lease(self.lease)
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "addr": self.advertise_addr,
-                "lease": self.lease, "since": time.time()}
-        registered = self._client.put_and_claim(
-            self.keys.member(self.member_id), json.dumps(info), self.lease,
-            None if self._claim is None else (self._claim, self.member_id),
-            read=self.keys.control)
+        registered = None
+        if self.node_lease is not None:
+            self.lease = self.node_lease.lease
+            self.node_lease.on_member(self.member_id)
+            try:
+                registered = self._put_and_claim()
+            except FencedError:
+                log.warning("the node's lease %x is gone (its launcher ended?); %s registers "
+                            "under a lease of its own", self.node_lease.lease, self.member_id)
+                self.node_lease = None
+        if registered is None:
+            self.lease = self._client.grant(self.lease_ttl)
+            if self._on_lease is not None:
+                self._on_lease(self.lease)
+            registered = self._put_and_claim()
         self.claimed = registered.claimed
         # As puts, before the watch can deliver anything newer (as ``follow_prefix`` does).
         self._dispatch([WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease,
@@ -111,10 +167,29 @@ class EtcdMembership:
             self._client.watch_prefix(prefix, registered.revision + 1, self._dispatch)
             for prefix in (self.keys.control, self.keys.member(self.member_id))]
         self.is_registered = True
-        self._keepalive = threading.Thread(target=self._keep_alive, name="elastic-keepalive",
-                                           daemon=True)
+        self._keepalive = threading.Thread(
+            target=self._keep_alive if self.node_lease is None else self._heartbeat,
+            name="elastic-keepalive", daemon=True)
         self._keepalive.start()
         return registered.revision
+
+    def _put_and_claim(self) -> Registration:
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "addr": self.advertise_addr,
+                "lease": self.lease, "since": time.time()}
+        return self._client.put_and_claim(
+            self.keys.member(self.member_id), json.dumps(info), self.lease,
+            None if self._claim is None else (self._claim, self.member_id),
+            read=self.keys.control)
+
+    def _heartbeat(self) -> None:
+        """Under the node's lease: tells the launcher this member is alive until ``leave()`` or
+        fencing (the deletion of its member key, which its watch brings)."""
+        assert self.node_lease is not None
+        interval_s = self.keepalive.total_seconds()
+        while not self.fenced.is_set():
+            self.node_lease.heartbeat()
+            if self._stop.wait(interval_s):
+                return
 
     def _dispatch(self, events: list[WatchEvent]) -> None:
         if not self.fenced.is_set() and any(
@@ -167,6 +242,12 @@ class EtcdMembership:
         if self.fenced.is_set():
             return False
         try:
+            if self.node_lease is not None:  # the node's lease lives on: is the key still ours?
+                kv = self._client.get(self.keys.member(self.member_id))
+                if kv is None or kv.lease != self.lease:
+                    self.fence("its member key is gone (found while confirming it)")
+                    return False
+                return True
             remaining = self._client.refresh(self.lease, retry_for=self.keepalive)
         except EtcdUnavailableError as exc:
             log.warning("could not confirm the lease of %s (%s)", self.member_id, exc)
@@ -190,7 +271,8 @@ class EtcdMembership:
                 f"member {self.member_id} lost its lease; it re-registers as a new member.")
 
     def leave(self) -> None:
-        """Stops keepalive and watch and revokes the lease (deleting every key bound to it)."""
+        """Stops keepalive and watch and revokes the lease (deleting every key bound to it);
+        under the node's lease, deletes this member's keys instead (``drop_member``)."""
         self._stop.set()
         cancels, self._cancel_watches = self._cancel_watches, []
         for cancel in cancels:
@@ -199,10 +281,17 @@ class EtcdMembership:
             self._keepalive.join(timeout=self._client_timeout_s())
         if self.lease and not self.fenced.is_set():
             try:
-                self._client.revoke(self.lease)
+                if self.node_lease is not None:
+                    drop_member(self._client, self.keys, self.member_id, self.lease)
+                else:
+                    self._client.revoke(self.lease)
             except EtcdUnavailableError as exc:
-                log.warning("could not revoke lease of %s (%s); it expires in %s",
-                            self.member_id, exc, self.lease_ttl)
+                if self.node_lease is not None:
+                    log.warning("could not remove member %s (%s); its launcher removes it when "
+                                "this worker exits", self.member_id, exc)
+                else:
+                    log.warning("could not revoke lease of %s (%s); it expires in %s",
+                                self.member_id, exc, self.lease_ttl)
 
     def _client_timeout_s(self) -> float:
         """Bounds the wait for the keepalive thread: a refresh in flight ends within a lease."""

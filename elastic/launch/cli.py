@@ -114,6 +114,10 @@ def _run_parser() -> _Parser:
     p.add_argument("--spares", type=int, default=0, metavar="K",
                    help="warm spare workers on this node: started, imported and registered, "
                         "they train only in place of a worker that died (default 0)")
+    p.add_argument("--node-lease", action="store_true",
+                   help="this node's workers share the launcher's etcd lease instead of each "
+                        "keeping one alive (for jobs of many nodes: one lease renewal per node); "
+                        "the launcher removes a worker that dies or stops sending heartbeats")
     p.add_argument("--min-workers", type=int, default=1, help="fewest workers to train with")
     p.add_argument("--max-workers", type=int, help="most workers; extra ones wait as spares")
     p.add_argument("--max-restarts", type=int, default=3,
@@ -198,7 +202,8 @@ def cmd_run(argv: Sequence[str]) -> int:
     try:
         spec = LaunchSpec(
             command=command, target=target, etcd=args.etcd or "", job_id=job_id,
-            nproc=args.nproc, spares=args.spares, min_workers=args.min_workers,
+            nproc=args.nproc, spares=args.spares, node_lease=args.node_lease,
+            min_workers=args.min_workers,
             max_workers=args.max_workers, max_restarts=args.max_restarts,
             checkpoint=args.checkpoint, backend=args.backend, advertise_addr=args.advertise_addr,
             log_dir=log_dir, timeouts=_timeouts(args), plain=args.plain,

@@ -32,7 +32,7 @@ from elastic.launch.replacements import Replacement, Replacements
 from elastic.launch.restarts import Restarts
 from elastic.launch.stop_signal import StopSignal
 from elastic.cluster.keys import JobKeys
-from elastic.cluster.membership import EtcdMembership
+from elastic.cluster.membership import EtcdMembership, drop_member
 from elastic.settings import EtcdSecurity
 from elastic.timeouts import Timeouts
 from elastic.launch.worker_procs import WorkerProcs, describe_exit
@@ -52,6 +52,9 @@ class LaunchSpec:
         nproc: workers on this node.
         spares: warm spare workers on this node (``--spares``): started beside the ``nproc``
             workers, they take a round only in place of a member that is gone.
+        node_lease: the workers register under this launcher's lease instead of each under
+            its own (``--node-lease``); the launcher removes a worker that dies or whose
+            heartbeats stop for a lease TTL (``elastic.cluster.membership.NodeLease``).
         min_workers: fewest workers to train with.
         max_workers: most workers to train with.
         max_restarts: restarts of crashed workers (plain: of generations) before giving up.
@@ -72,6 +75,7 @@ class LaunchSpec:
     job_id: str
     nproc: int = 1
     spares: int = 0
+    node_lease: bool = False
     min_workers: int = 1
     max_workers: int | None = None
     max_restarts: int = 3
@@ -100,6 +104,9 @@ class LaunchSpec:
         if self.spares and self.plain:
             raise ValueError("--spares works with elastic workers only: --plain restarts every "
                              "worker at each failure, so a spare would gain nothing.")
+        if self.node_lease and self.plain:
+            raise ValueError("--node-lease works with elastic workers only: --plain workers "
+                             "hold no etcd lease.")
 
     def job_config(self) -> JobConfig:
         return JobConfig(mode="plain" if self.plain else "elastic", target=self.target,
@@ -279,9 +286,14 @@ class Launcher:
         restarts = Restarts(self.spec.max_restarts)
         held = self.replacements
         assert held is not None, "connect() first"
+        wake_s = self.spec.timeouts.wake.total_seconds()
+        if self.spec.node_lease:  # heartbeats are checked at least once per keepalive interval
+            wake_s = min(wake_s, self.spec.timeouts.keepalive.total_seconds())
         while True:
-            self.procs.changed.wait(timeout=held.wait_s(self.spec.timeouts.wake.total_seconds()))
+            self.procs.changed.wait(timeout=held.wait_s(wake_s))
             self.procs.changed.clear()
+            if self.spec.node_lease:
+                self._check_heartbeats()
             if self.stop.requested.is_set():
                 return self._shutdown(restarts.failed)
             if self.is_etcd_lost():
@@ -293,6 +305,7 @@ class Launcher:
             for worker in self.procs.exited():
                 code = worker.returncode or 0
                 if code == 0:
+                    self._forget_finished(worker.pid)
                     continue
                 self._revoke(worker.pid, code)
                 committed = self.leases.has_committed(worker.pid)
@@ -331,8 +344,11 @@ class Launcher:
         """Starts one worker (``standby``: a warm spare), with a file of its own to report its
         leases in."""
         path = self.leases.new_path(local_rank)
-        worker = self.procs.start(local_rank, {**self.spec.worker_env(local_rank, standby),
-                                               "ELASTIC_LEASE_FILE": path})
+        env = {**self.spec.worker_env(local_rank, standby), "ELASTIC_LEASE_FILE": path}
+        if self.spec.node_lease:
+            assert self.membership is not None, "connect() first"
+            env["ELASTIC_NODE_LEASE"] = str(self.membership.lease)
+        worker = self.procs.start(local_rank, env)
         self.leases.assign(worker.pid, path)
 
     def _has_joined(self, pid: int) -> bool:
@@ -344,11 +360,15 @@ class Launcher:
         leases = self.leases.read(pid)
         try:
             revoked = revoke_worker_leases(self.client, leases)
+            dropped = self._drop_node_members(pid)
         except EtcdUnavailableError as exc:
             _say(f"worker pid={pid} {describe_exit(code)}; could not revoke its lease ({exc})")
             return
         if revoked:
             _say(f"worker pid={pid} {describe_exit(code)}; revoked its lease {revoked[-1]:x}")
+        elif dropped:
+            _say(f"worker pid={pid} {describe_exit(code)}; removed it from the job (member "
+                 f"{dropped[-1]})")
         elif self._has_joined(pid):
             _say(f"worker pid={pid} {describe_exit(code)} after it had joined the job and left "
                  "it (its own error; see its output above)")
@@ -358,6 +378,45 @@ class Launcher:
             _say(f"worker pid={pid} {describe_exit(code)} before it joined the job. If it is a "
                  "plain torch.distributed script (no ElasticState), run it with "
                  "`elastic run --plain`.")
+
+    def _forget_finished(self, pid: int) -> None:
+        """A worker exited 0: it left the job, or (a script that exits without leaving) its
+        members under this launcher's lease must go now, since that lease outlives it."""
+        try:
+            self._drop_node_members(pid)
+        except EtcdUnavailableError as exc:
+            log.warning("could not remove the members of finished worker pid=%d (%s)", pid, exc)
+
+    def _drop_node_members(self, pid: int) -> list[str]:
+        """Removes the members that worker ``pid`` registered under this launcher's lease and
+        that are still there (``drop_member``): what the end of their own lease would do.
+
+        Returns:
+            The members removed now.
+        """
+        assert self.client is not None and self.membership is not None
+        members = self.leases.node_members(pid)
+        return [m for m in members
+                if drop_member(self.client, self.keys, m, self.membership.lease)]
+
+    def _check_heartbeats(self) -> None:
+        """Removes the members of live workers whose heartbeats stopped for a lease TTL (a
+        stopped or hung process), as their own lease would have expired; once each."""
+        ttl_s = self.spec.timeouts.lease_ttl.total_seconds()
+        for worker in self.procs.running():
+            silent_s = self.leases.silent_s(worker.pid)
+            if silent_s is None or silent_s <= ttl_s:
+                continue
+            try:
+                dropped = self._drop_node_members(worker.pid)
+            except EtcdUnavailableError as exc:
+                log.warning("could not remove the silent worker pid=%d (%s)", worker.pid, exc)
+                continue
+            self.leases.mark_dropped(worker.pid)
+            if dropped:
+                _say(f"worker pid={worker.pid} sent no heartbeat for {silent_s:.1f} s (stopped "
+                     f"or hung); removed it from the job (member {dropped[-1]}), as its lease "
+                     "would have expired")
 
     def _shutdown(self, failed: int) -> int:
         grace = timedelta() if self.stop.forced.is_set() else self.spec.timeouts.grace

@@ -11,7 +11,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from elastic.cluster.lease_file import has_committed, read_leases
+import time
+
+from elastic.cluster.lease_file import has_committed, last_heartbeat, read_leases, read_members
 
 
 class LeaseFiles:
@@ -20,6 +22,7 @@ class LeaseFiles:
     def __init__(self) -> None:
         self._dir: Path | None = None
         self._paths: dict[int, str] = {}
+        self._dropped: set[str] = set()  # node-lease members removed already
         self._numbers = itertools.count()
 
     def new_path(self, local_rank: int) -> str:
@@ -36,12 +39,32 @@ class LeaseFiles:
         path = self._paths.get(pid)
         return read_leases(path) if path else []
 
+    def node_members(self, pid: int) -> list[str]:
+        """The members worker ``pid`` registered under the node's lease."""
+        path = self._paths.get(pid)
+        return read_members(path) if path else []
+
+    def silent_s(self, pid: int) -> float | None:
+        """Seconds since worker ``pid`` last sent a heartbeat; None when it has no member under
+        the node's lease that was not removed already (``mark_dropped``). A worker restarted in
+        place (the same pid) reports its new member in the same file."""
+        path = self._paths.get(pid)
+        if path is None or set(read_members(path)) <= self._dropped:
+            return None
+        beat = last_heartbeat(path)
+        return None if beat is None else time.time() - beat
+
+    def mark_dropped(self, pid: int) -> None:
+        """Records that worker ``pid``'s node-lease members so far were removed."""
+        self._dropped.update(self.node_members(pid))
+
     def has_committed(self, pid: int) -> bool:
         """Whether worker ``pid`` reported a commit."""
         path = self._paths.get(pid)
         return has_committed(path) if path else False
 
     def forget(self, pid: int) -> None:
+        self._dropped.difference_update(self.node_members(pid))
         path = self._paths.pop(pid, None)
         if path:
             Path(path).unlink(missing_ok=True)

@@ -6,17 +6,21 @@ join requests) wired as ``Cluster`` wires them, without torch.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.keys import JobKeys
-from elastic.cluster.membership import EtcdMembership
+from elastic.cluster.membership import EtcdMembership, NodeLease, drop_member
 from elastic.cluster.news import NewsMonitor, RoundNews
 from elastic.cluster.records import RecordError
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
@@ -32,11 +36,12 @@ WAIT_S = 30
 class Member:
     """One member: membership, rendezvous and its news monitor; counts the events it hears."""
 
-    def __init__(self, client: EtcdClient, job: str, version: int = 0) -> None:
+    def __init__(self, client: EtcdClient, job: str, version: int = 0,
+                 node_lease: NodeLease | None = None) -> None:
         self.client = client
         self.version = version
         self.membership = EtcdMembership(client, JobKeys(job), "127.0.0.1", timedelta(seconds=10),
-                                         claim=JobKeys(job).coordinator)
+                                         claim=JobKeys(job).coordinator, node_lease=node_lease)
         self.rendezvous = Rendezvous(client, self.membership, RendezvousConfig(timeouts=TIMEOUTS))
         self.broken = threading.Event()
         self.monitor = NewsMonitor(JobKeys(job), lambda reason: self.broken.set())
@@ -327,3 +332,103 @@ def test_a_coordinator_whose_key_is_deleted_under_it_steps_down_and_one_member_l
     finally:
         for m in members:
             m.leave()
+
+
+def test_the_membership_benchmark_forms_ten_members_and_reforms_them_after_a_death(tmp_path):
+    """``benchmarks/bench_membership.py`` at its smallest size, so that it does not rot between
+    the runs its figures come from: both phases finish, within the per-member targets, and every
+    member process ends when told to."""
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "membership.json"
+    ran = subprocess.run([sys.executable, str(repo / "benchmarks" / "bench_membership.py"),
+                          "--sizes", "10", "--procs", "2", "--limit", "30", "--declared-size",
+                          "--out", str(out)], capture_output=True, text=True, timeout=90,
+                         check=False)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    phases = json.loads(out.read_text())["results"][0]["phases"]
+    assert [(p["phase"], p["finished"], p["fenced"]) for p in phases] == [
+        ("first_round", True, 0), ("one_death", True, 0)]
+    death = phases[1]["per_member"]
+    assert death["client_write"] <= 3 and death["etcd_watch_events"] <= 5, death
+
+
+class Node:
+    """What a launcher with ``--node-lease`` holds: one lease for its workers, and what each
+    reported (its member id, and its heartbeats)."""
+
+    def __init__(self, client: EtcdClient) -> None:
+        self.lease = client.grant(timedelta(seconds=10))
+        self.members: list[str] = []
+        self.beats: Counter[str] = Counter()
+
+    def share(self) -> NodeLease:
+        reported: list[str] = []
+        return NodeLease(self.lease, lambda m: (reported.append(m), self.members.append(m)),
+                         lambda: self.beats.update(reported))
+
+
+def test_workers_sharing_their_nodes_lease_grant_and_renew_nothing_and_a_dropped_one_is_fenced(
+        etcd):
+    counting = CountingClient(etcd.url)
+    keys = JobKeys("scale-node-lease")
+    node = Node(counting)
+    members = [Member(counting, "scale-node-lease", node_lease=node.share()) for _ in range(4)]
+    try:
+        first = form_all(members, "start")
+        assert {t.world_size for t in first} == {4}
+        assert {counting.get(keys.member(m.id)).lease for m in members} == {node.lease}
+        assert counting.get(keys.coordinator).lease == node.lease
+        assert poll_until(lambda: all(node.beats[m.id] >= 2 for m in members), WAIT_S), \
+            node.beats  # a heartbeat at registration, then one per keepalive interval
+        assert [w for w in counting.sent if w.startswith(("lease grant", "lease keepalive"))] \
+            == ["lease grant"], "only the node's own grant: no member granted or renewed"
+        # The coordinator dies: its launcher removes it, and the coordinator key with it.
+        victim = next(m for m in members if m.rendezvous._coordinator.is_leading)  # noqa: SLF001
+        assert victim.membership.confirm_lease(), "its member key is there, under the node's lease"
+        assert drop_member(counting, keys, victim.id, node.lease)
+        assert victim.membership.fenced.wait(WAIT_S), "the dropped member was not fenced"
+        assert not victim.membership.confirm_lease()
+        survivors = [m for m in members if m is not victim]
+        assert all(m.broken.wait(WAIT_S) for m in survivors)
+        second = form_all(survivors, "failure")
+        assert {t.round for t in second} == {2} and {t.world_size for t in second} == {3}
+        assert victim.id not in second[0].members
+        assert counting.get(keys.coordinator).value.decode() in {m.id for m in survivors}
+        assert not drop_member(counting, keys, victim.id, node.lease), "removed twice"
+    finally:
+        for m in members:
+            m.leave()
+        counting.revoke(node.lease)
+        counting.close()
+
+
+def test_a_worker_leaving_under_its_nodes_lease_removes_its_own_keys_and_no_others(client):
+    keys = JobKeys("scale-node-leave")
+    node = Node(client)
+    members = [Member(client, "scale-node-leave", node_lease=node.share()) for _ in range(3)]
+    try:
+        form_all(members, "start")
+        leaving = next(m for m in members if m.rendezvous._coordinator.is_leading)  # noqa: SLF001
+        leaving.leave()
+        assert client.get(keys.member(leaving.id)) is None
+        assert client.get(keys.coordinator) is None or \
+            client.get(keys.coordinator).value.decode() != leaving.id
+        assert all(client.get(keys.member(m.id)) is not None for m in members if m is not leaving)
+        assert client.refresh(node.lease) > 0, "leaving revoked the node's lease"
+    finally:
+        for m in members:
+            m.leave()
+        client.revoke(node.lease)
+
+
+def test_a_worker_whose_nodes_lease_is_gone_registers_under_a_lease_of_its_own(client):
+    node = Node(client)
+    client.revoke(node.lease)  # its launcher ended before the worker registered
+    member = Member(client, "scale-node-gone", node_lease=node.share())
+    try:
+        kv = client.get(JobKeys("scale-node-gone").member(member.id))
+        assert kv is not None and kv.lease not in (0, node.lease)
+        assert member.membership.node_lease is None
+        assert member.form("start").world_size == 1
+    finally:
+        member.leave()

@@ -50,6 +50,8 @@ def one_clear_line(text: str, *needles: str) -> None:
     (["run", "--rendezvous-timeout", "inf", WORKER], ["argument --rendezvous-timeout"]),
     (["run", "--grace=-5", WORKER], ["argument --grace", "(got '-5')"]),
     (["run", "--lease-ttl", "0.5", WORKER], ["--lease-ttl (0.5 s) must be at least 1 s"]),
+    (["run", "--node-lease", "--plain", WORKER],
+     ["--node-lease works with elastic workers only"]),
     (["run", "--settle", "400", WORKER],
      ["--settle (400 s) must be shorter than", "--rendezvous-timeout (300 s)",
       "lower ELASTIC_SETTLE or raise ELASTIC_RENDEZVOUS_TIMEOUT"]),
