@@ -1,16 +1,15 @@
 """What membership and rendezvous cost etcd as the job grows: N simulated members, one etcd.
 
 Usage: ``.venv/bin/python benchmarks/bench_membership.py [--sizes 10,100,300,1000] [--procs 4]
-[--declared-size] [--coordinator-packed] [--workers-per-node K] [--idle S] [--label after]
+[--declared-size] [--coordinator-apart] [--workers-per-node K] [--idle S] [--label after]
 [--limit 120] [--out benchmarks/results/membership-DATE.json]``.
 
 For each N, a fresh etcd is started on 127.0.0.1 (its own process, so that its CPU time and
-``/metrics`` belong to that N alone). The first member registers alone in a process of its own
-and so becomes the job's coordinator, as in a real job, where it is one worker process; then
-``--procs`` processes each run (N - 1) / procs members as threads. With
-``--coordinator-packed`` the coordinator is instead whichever member registers first among the
-N / procs members of each process (its watch then competes for one interpreter with hundreds of
-other members' threads, which no real coordinator does). With ``--workers-per-node K`` the
+``/metrics`` belong to that N alone), and ``--procs`` processes each run N / procs members as
+threads; the job's coordinator is whichever registers first. With ``--coordinator-apart`` the
+first member registers alone in a process of its own, and so becomes the coordinator, before
+the others start: as in a real job, where the coordinator is one worker process, its watch does
+not compete for one interpreter with hundreds of other members' threads. With ``--workers-per-node K`` the
 members of each process form nodes of K that share one lease, as ``elastic run --node-lease``
 does: the node's lease is granted when its first member registers and renewed by one thread of
 the node (its launcher's part); each member reports its id and sends heartbeats (a file touched
@@ -273,7 +272,7 @@ class Run:
     """One N: an etcd, the member processes, and the snapshots between phases."""
 
     def __init__(self, n: int, procs: int, limit_s: float, lease_ttl_s: float,
-                 max_workers: int | None = None, coordinator_apart: bool = True,
+                 max_workers: int | None = None, coordinator_apart: bool = False,
                  per_node: int = 1, idle_s: float = 0.0) -> None:
         self.n, self.limit_s, self.per_node, self.idle_s = n, limit_s, per_node, idle_s
         self.etcd = EmbeddedEtcd(niceness=0, go_max_procs=None).start()
@@ -404,9 +403,10 @@ def main() -> None:
                         help="each job declares its size (max_workers = N, as `elastic run "
                              "--max-workers N`): the first round closes as soon as all N joined, "
                              "without the settle window for further joiners")
-    parser.add_argument("--coordinator-packed", action="store_true",
-                        help="the coordinator is the first member to register among the others "
-                             "(packed into their processes), not a member alone in a process")
+    parser.add_argument("--coordinator-apart", action="store_true",
+                        help="the coordinator is a member alone in a process of its own, "
+                             "registered before the others (default: whichever member of the "
+                             "--procs processes registers first)")
     parser.add_argument("--workers-per-node", type=int, default=1, metavar="K",
                         help="members share one lease per K of them, as `elastic run "
                              "--node-lease` with K workers per node (default 1: a lease each)")
@@ -421,7 +421,7 @@ def main() -> None:
     results = []
     for n in (int(s) for s in args.sizes.split(",")):
         run = Run(n, min(args.procs, n), args.limit, args.lease_ttl,
-                  n if args.declared_size else None, not args.coordinator_packed,
+                  n if args.declared_size else None, args.coordinator_apart,
                   args.workers_per_node, args.idle)
         try:
             result = run.measure()
@@ -433,7 +433,7 @@ def main() -> None:
               "date": time.strftime("%Y-%m-%d"),
               "lease_ttl_s": args.lease_ttl or 3.0, "settle_s": 0.5,
               "max_workers": "N" if args.declared_size else None,
-              "coordinator": "packed" if args.coordinator_packed else "apart",
+              "coordinator": "apart" if args.coordinator_apart else "packed",
               "workers_per_node": args.workers_per_node,
               "results": results}
     if args.out:

@@ -39,8 +39,10 @@ def append_member(path: str, member_id: str) -> None:
 
 def heartbeat(path: str) -> None:
     """Marks the worker reporting at ``path`` alive now (the file's modification time)."""
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
-    os.utime(path)
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
 
 
 def last_heartbeat(path: str) -> float | None:

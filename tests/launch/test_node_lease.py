@@ -98,3 +98,28 @@ def test_a_stopped_worker_under_a_node_lease_is_removed_after_a_ttl_and_rejoins_
         client.close()
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait(40) == 0, run.text()
+
+
+def test_workers_whose_launcher_dies_under_a_node_lease_come_back_under_leases_of_their_own(
+        cli, etcd, tmp_path):
+    log_dir, job = tmp_path / "events", f"node-orphans-{os.getpid()}"
+    keys = JobKeys(job)
+    run = cli("run", "--etcd", etcd.url, "--job-id", job, "-n", "2", "--node-lease",
+              "--lease-ttl", "2", "--log-dir", str(log_dir), WORKER, "--steps", "100000")
+    wait_until(lambda: len(trained_in(log_dir, 2)) == 2, 60, "world 2", [run])
+    first = {e["member"] for e in events(log_dir) if e["event"] == "joined"}
+    renewed = lambda: {e["pid"] for e in events(log_dir)  # noqa: E731
+                       if e["event"] == "resumed" and e["world_size"] == 2
+                       and e["member"] not in first}
+    client = EtcdClient(etcd.url)
+    try:
+        [launcher] = client.get_prefix(keys.launchers().members)[0]
+        run.proc.kill()  # the launcher only: its workers live on, and its lease ends in 2 s
+        run.wait(10)
+        wait_until(lambda: renewed() == worker_pids(log_dir), 60,
+                   "both workers to train in world 2 again, as new members", [])
+        leases = member_leases(client, keys)
+        assert set(leases) == worker_pids(log_dir) and len(set(leases.values())) == 2
+        assert launcher.lease not in leases.values()
+    finally:
+        client.close()
