@@ -32,6 +32,15 @@ def member_leases(client: EtcdClient, keys: JobKeys) -> dict[int, int]:
     return {json.loads(kv.value)["pid"]: kv.lease for kv in client.get_prefix(keys.members)[0]}
 
 
+def two_workers_in_world_two(cli, etcd, tmp_path, name: str):  # noqa: ANN001, ANN201
+    """Starts `elastic run --node-lease -n 2 --lease-ttl 2` and waits for world 2."""
+    log_dir, job = tmp_path / "events", f"{name}-{os.getpid()}"
+    run = cli("run", "--etcd", etcd.url, "--job-id", job, "-n", "2", "--node-lease",
+              "--lease-ttl", "2", "--log-dir", str(log_dir), WORKER, "--steps", "100000")
+    wait_until(lambda: len(trained_in(log_dir, 2)) == 2, 60, "world 2", [run])
+    return run, log_dir, JobKeys(job)
+
+
 def test_workers_under_a_node_lease_share_the_launchers_lease_and_a_killed_one_is_removed_at_once(
         cli, etcd, tmp_path):
     log_dir, job = tmp_path / "events", f"node-kill-{os.getpid()}"
@@ -66,11 +75,7 @@ def test_workers_under_a_node_lease_share_the_launchers_lease_and_a_killed_one_i
 
 def test_a_stopped_worker_under_a_node_lease_is_removed_after_a_ttl_and_rejoins_as_a_new_member(
         cli, etcd, tmp_path):
-    log_dir, job = tmp_path / "events", f"node-stop-{os.getpid()}"
-    keys = JobKeys(job)
-    run = cli("run", "--etcd", etcd.url, "--job-id", job, "-n", "2", "--node-lease",
-              "--lease-ttl", "2", "--log-dir", str(log_dir), WORKER, "--steps", "100000")
-    wait_until(lambda: len(trained_in(log_dir, 2)) == 2, 60, "world 2", [run])
+    run, log_dir, keys = two_workers_in_world_two(cli, etcd, tmp_path, "node-stop")
     frozen = min(worker_pids(log_dir))
     stopped_at = time.time()
     os.kill(frozen, signal.SIGSTOP)
@@ -102,11 +107,7 @@ def test_a_stopped_worker_under_a_node_lease_is_removed_after_a_ttl_and_rejoins_
 
 def test_workers_whose_launcher_dies_under_a_node_lease_come_back_under_leases_of_their_own(
         cli, etcd, tmp_path):
-    log_dir, job = tmp_path / "events", f"node-orphans-{os.getpid()}"
-    keys = JobKeys(job)
-    run = cli("run", "--etcd", etcd.url, "--job-id", job, "-n", "2", "--node-lease",
-              "--lease-ttl", "2", "--log-dir", str(log_dir), WORKER, "--steps", "100000")
-    wait_until(lambda: len(trained_in(log_dir, 2)) == 2, 60, "world 2", [run])
+    run, log_dir, keys = two_workers_in_world_two(cli, etcd, tmp_path, "node-orphans")
     first = {e["member"] for e in events(log_dir) if e["event"] == "joined"}
     renewed = lambda: {e["pid"] for e in events(log_dir)  # noqa: E731
                        if e["event"] == "resumed" and e["world_size"] == 2
