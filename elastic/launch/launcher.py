@@ -26,13 +26,14 @@ from elastic.cluster.etcd_client import EtcdClient
 from elastic.cluster.interfaces import socket_interface_env
 from elastic.launch.job_config import JobConfig, claim
 from elastic.launch.lease_files import LeaseFiles
+from elastic.launch.node_members import NodeMembers
 from elastic.launch.joined import JoinedWorkers
 from elastic.launch.output import OutputOptions, WorkerOutput
 from elastic.launch.replacements import Replacement, Replacements
 from elastic.launch.restarts import Restarts
 from elastic.launch.stop_signal import StopSignal
 from elastic.cluster.keys import JobKeys
-from elastic.cluster.membership import EtcdMembership, drop_member
+from elastic.cluster.membership import EtcdMembership
 from elastic.settings import EtcdSecurity
 from elastic.timeouts import Timeouts
 from elastic.launch.worker_procs import WorkerProcs, describe_exit
@@ -204,6 +205,7 @@ class Launcher:
         self.joined: JoinedWorkers | None = None
         self.replacements: Replacements | None = None
         self.etcd_exit: EtcdExit | None = None
+        self.node_members: NodeMembers | None = None  # with --node-lease
 
     def connect(self) -> bool:
         """Connects to etcd, claims or checks the job's configuration and registers.
@@ -224,6 +226,10 @@ class Launcher:
                                          self.spec.timeouts.lease_ttl,
                                          self.spec.timeouts.keepalive)
         self.membership.register()
+        if self.spec.node_lease:
+            membership = self.membership
+            self.node_members = NodeMembers(self.client, self.keys, self.leases,
+                                            lambda: membership.lease, self.spec.timeouts.lease_ttl)
         if not self.spec.plain:
             self.joined = JoinedWorkers(self.client, self.keys)
             self.joined.start()
@@ -292,8 +298,8 @@ class Launcher:
         while True:
             self.procs.changed.wait(timeout=held.wait_s(wake_s))
             self.procs.changed.clear()
-            if self.spec.node_lease:
-                self._check_heartbeats()
+            if self.node_members is not None:
+                self._drop_silent()
             if self.stop.requested.is_set():
                 return self._shutdown(restarts.failed)
             if self.is_etcd_lost():
@@ -305,7 +311,8 @@ class Launcher:
             for worker in self.procs.exited():
                 code = worker.returncode or 0
                 if code == 0:
-                    self._forget_finished(worker.pid)
+                    if self.node_members is not None:
+                        self.node_members.forget_finished(worker.pid)
                     continue
                 self._revoke(worker.pid, code)
                 committed = self.leases.has_committed(worker.pid)
@@ -360,7 +367,7 @@ class Launcher:
         leases = self.leases.read(pid)
         try:
             revoked = revoke_worker_leases(self.client, leases)
-            dropped = self._drop_node_members(pid)
+            dropped = self.node_members.drop(pid) if self.node_members is not None else []
         except EtcdUnavailableError as exc:
             _say(f"worker pid={pid} {describe_exit(code)}; could not revoke its lease ({exc})")
             return
@@ -379,43 +386,14 @@ class Launcher:
                  "plain torch.distributed script (no ElasticState), run it with "
                  "`elastic run --plain`.")
 
-    def _forget_finished(self, pid: int) -> None:
-        """A worker exited 0: it left the job, or (a script that exits without leaving) its
-        members under this launcher's lease must go now, since that lease outlives it."""
-        try:
-            self._drop_node_members(pid)
-        except EtcdUnavailableError as exc:
-            log.warning("could not remove the members of finished worker pid=%d (%s)", pid, exc)
-
-    def _drop_node_members(self, pid: int) -> list[str]:
-        """Removes the members that worker ``pid`` registered under this launcher's lease and
-        that are still there (``drop_member``): what the end of their own lease would do.
-
-        Returns:
-            The members removed now.
-        """
-        assert self.client is not None and self.membership is not None
-        members = self.leases.node_members(pid)
-        return [m for m in members
-                if drop_member(self.client, self.keys, m, self.membership.lease)]
-
-    def _check_heartbeats(self) -> None:
-        """Removes the members of live workers whose heartbeats stopped for a lease TTL (a
-        stopped or hung process), as their own lease would have expired; once each."""
-        ttl_s = self.spec.timeouts.lease_ttl.total_seconds()
-        for worker in self.procs.running():
-            silent_s = self.leases.silent_s(worker.pid)
-            if silent_s is None or silent_s <= ttl_s:
-                continue
-            try:
-                dropped = self._drop_node_members(worker.pid)
-            except EtcdUnavailableError as exc:
-                log.warning("could not remove the silent worker pid=%d (%s)", worker.pid, exc)
-                continue
-            self.leases.mark_dropped(worker.pid)
+    def _drop_silent(self) -> None:
+        """Removes the workers under this launcher's lease whose heartbeats stopped."""
+        assert self.node_members is not None
+        for pid, silent_s, dropped in self.node_members.drop_silent(
+                w.pid for w in self.procs.running()):
             if dropped:
-                _say(f"worker pid={worker.pid} sent no heartbeat for {silent_s:.1f} s (stopped "
-                     f"or hung); removed it from the job (member {dropped[-1]}), as its lease "
+                _say(f"worker pid={pid} sent no heartbeat for {silent_s:.1f} s (stopped or "
+                     f"hung); removed it from the job (member {dropped[-1]}), as its lease "
                      "would have expired")
 
     def _shutdown(self, failed: int) -> int:
