@@ -187,7 +187,12 @@ class EtcdMembership:
         assert self.node_lease is not None
         interval_s = self.keepalive.total_seconds()
         while not self.fenced.is_set():
-            self.node_lease.heartbeat()
+            try:
+                self.node_lease.heartbeat()
+            except OSError as exc:  # its launcher removed the lease files: it ended
+                log.warning("member %s stops its heartbeats (%s): its launcher ended, and the "
+                            "node's lease ends with it", self.member_id, exc)
+                return
             if self._stop.wait(interval_s):
                 return
 

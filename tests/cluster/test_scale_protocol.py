@@ -20,6 +20,7 @@ import pytest
 
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.keys import JobKeys
+from elastic.cluster.lease_file import heartbeat
 from elastic.cluster.membership import EtcdMembership, NodeLease, drop_member
 from elastic.cluster.news import NewsMonitor, RoundNews
 from elastic.cluster.records import RecordError
@@ -432,3 +433,23 @@ def test_a_worker_whose_nodes_lease_is_gone_registers_under_a_lease_of_its_own(c
         assert member.form("start").world_size == 1
     finally:
         member.leave()
+
+
+def test_a_heartbeat_that_cannot_reach_its_launchers_file_stops_in_one_warning(
+        client, tmp_path, caplog):
+    node = Node(client)
+    gone = str(tmp_path / "launcher-ended" / "lease-file")  # its directory does not exist
+    member = Member(client, "scale-node-beat", node_lease=NodeLease(
+        node.lease, lambda m: None, lambda: heartbeat(gone)))
+    try:
+        keepalive = member.membership._keepalive  # noqa: SLF001
+        keepalive.join(WAIT_S)
+        assert not keepalive.is_alive(), "the heartbeat thread went on"
+        assert [r.getMessage() for r in caplog.records if "heartbeats" in r.getMessage()] == [
+            f"member {member.id} stops its heartbeats ([Errno 2] No such file or directory: "
+            f"'{gone}'): its launcher ended, and the node's lease ends with it"]
+        assert not member.membership.fenced.is_set()
+        assert member.form("start").world_size == 1
+    finally:
+        member.leave()
+        client.revoke(node.lease)
