@@ -9,12 +9,13 @@ For each N, a fresh etcd is started on 127.0.0.1 (its own process, so that its C
 threads; the job's coordinator is whichever registers first. With ``--coordinator-apart`` the
 first member registers alone in a process of its own, and so becomes the coordinator, before
 the others start: as in a real job, where the coordinator is one worker process, its watch does
-not compete for one interpreter with hundreds of other members' threads. With ``--workers-per-node K`` the
-members of each process form nodes of K that share one lease, as ``elastic run --node-lease``
-does: the node's lease is granted when its first member registers and renewed by one thread of
-the node (its launcher's part); each member reports its id and sends heartbeats (a file touched
-per keepalive interval), and the death removes the victim's keys (``drop_member``, what its
-launcher does) instead of revoking a lease of its own.
+not compete for one interpreter with hundreds of other members' threads (measured slower here,
+not faster). With ``--workers-per-node K`` the members of each process form nodes of K that
+share one lease, as ``elastic run --node-lease`` does: the node's lease is granted when its
+first member registers and renewed by one thread of the node (its launcher's part); each member
+reports its id and sends heartbeats (a file touched per keepalive interval), and the death
+removes the victim's keys (``drop_member``, what its launcher does) instead of revoking a lease
+of its own.
 
 Every member is a real one: its own lease kept alive by its own thread (or its node's), its own
 member key, its own join requests, the same classes a worker uses (``SimMember`` below mirrors
