@@ -43,6 +43,7 @@ counts reached by then.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -110,6 +111,7 @@ class SimNode:
         self._client, self._timeouts, self._stop = client, timeouts, stop
         self._heartbeats = heartbeats
         self._lock = threading.Lock()
+        self._shared = itertools.count()  # names each member's heartbeat file
         self.lease = 0
 
     def share(self) -> NodeLease:
@@ -118,7 +120,7 @@ class SimNode:
             if not self.lease:
                 self.lease = self._client.grant(self._timeouts.lease_ttl)
                 threading.Thread(target=self._renew, daemon=True).start()
-        path = str(self._heartbeats / f"{id(object())}")
+        path = str(self._heartbeats / f"{self.lease:x}-{next(self._shared)}")
         return NodeLease(self.lease, lambda member: None, lambda: heartbeat(path))
 
     def _renew(self) -> None:

@@ -293,7 +293,7 @@ class Launcher:
         held = self.replacements
         assert held is not None, "connect() first"
         wake_s = self.spec.timeouts.wake.total_seconds()
-        if self.spec.node_lease:  # heartbeats are checked at least once per keepalive interval
+        if self.node_members is not None:  # heartbeats: checked once per keepalive interval
             wake_s = min(wake_s, self.spec.timeouts.keepalive.total_seconds())
         while True:
             self.procs.changed.wait(timeout=held.wait_s(wake_s))
@@ -352,7 +352,7 @@ class Launcher:
         leases in."""
         path = self.leases.new_path(local_rank)
         env = {**self.spec.worker_env(local_rank, standby), "ELASTIC_LEASE_FILE": path}
-        if self.spec.node_lease:
+        if self.node_members is not None:
             assert self.membership is not None, "connect() first"
             env["ELASTIC_NODE_LEASE"] = str(self.membership.lease)
         worker = self.procs.start(local_rank, env)

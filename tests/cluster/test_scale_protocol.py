@@ -354,18 +354,16 @@ def test_the_membership_benchmark_forms_ten_members_and_reforms_them_after_a_dea
 
 
 class Node:
-    """What a launcher with ``--node-lease`` holds: one lease for its workers, and what each
-    reported (its member id, and its heartbeats)."""
+    """What a launcher with ``--node-lease`` holds: one lease for its workers, and the
+    heartbeats of each member they reported."""
 
     def __init__(self, client: EtcdClient) -> None:
         self.lease = client.grant(timedelta(seconds=10))
-        self.members: list[str] = []
         self.beats: Counter[str] = Counter()
 
     def share(self) -> NodeLease:
         reported: list[str] = []
-        return NodeLease(self.lease, lambda m: (reported.append(m), self.members.append(m)),
-                         lambda: self.beats.update(reported))
+        return NodeLease(self.lease, reported.append, lambda: self.beats.update(reported))
 
 
 def test_workers_sharing_their_nodes_lease_grant_and_renew_nothing_and_a_dropped_one_is_fenced(
