@@ -89,6 +89,7 @@ class Coordinator:
         # Who holds the coordinator key, as this member's ``control/`` watch tells (its
         # registration hands it the keys as they were): no read to learn it.
         self._holder: str | None = None
+        self._holder_revision = 0  # the coordinator key's mod revision (0: not seen yet)
         self._holder_known = False
         membership.add_listener(self._on_control)
 
@@ -137,6 +138,7 @@ class Coordinator:
                         freed = True
                     self._holder = e.value.decode("utf-8", errors="replace") \
                         if e.kind == "put" else None
+                    self._holder_revision = e.revision if e.kind == "put" else 0
                     self._holder_known = True
         if freed:
             self._poke()
@@ -344,10 +346,14 @@ class Coordinator:
                                                           if monitor.pending.is_set() else ""),
                            done=bool(done_set & set(plan.ranks)),
                            finished=bool(done_set) and finished)
-            if news == self._news:
+            if news == self._news or self._lost:
                 return
             revision = self._news_revision
-        if self._client.replace(self._keys.news, news.to_json(), revision):
+            # Only while the key that made it leader is still its own: a leader whose lease
+            # just ended (it may not know yet) must not write the news its successor writes.
+            held = (self._keys.coordinator, self._holder_revision) \
+                if self._holder == self._membership.member_id and self._holder_revision else None
+        if self._client.replace(self._keys.news, news.to_json(), revision, held=held):
             self._news = news
         else:  # another writer since our last look: a new coordinator, or our own plan
             self._poke()

@@ -117,7 +117,7 @@ class CompareAndSwap:
         return existing is not None and existing.value == data and existing.lease == (lease or 0)
 
     def replace(self, key: str, value: bytes | str, mod_revision: int, *,
-                clearing: tuple[str, ...] = ()) -> bool:
+                clearing: tuple[str, ...] = (), held: tuple[str, int] | None = None) -> bool:
         """Writes ``key`` only if its mod revision is still ``mod_revision`` (0: absent).
 
         Args:
@@ -126,6 +126,8 @@ class CompareAndSwap:
             mod_revision: The mod revision the caller read (0: the key was absent).
             clearing: Prefixes whose other keys are deleted in the same transaction (only if
                 the write happens), so that two callers cannot both clear and write.
+            held: ``(other_key, mod_revision)``: and only if ``other_key`` still has that mod
+                revision (a leader's write, only while the key that makes it leader is its).
 
         Returns:
             True when this call wrote ``key``.
@@ -134,11 +136,13 @@ class CompareAndSwap:
         ranges = [r for prefix in clearing for r in _ranges_without(prefix.encode(), key.encode())]
 
         async def txn(c: aetcd.Client) -> bool:
-            compare = (c.transactions.mod(key.encode()) == mod_revision if mod_revision
-                       else c.transactions.create(key.encode()) == 0)
+            compare = [c.transactions.mod(key.encode()) == mod_revision if mod_revision
+                       else c.transactions.create(key.encode()) == 0]
+            if held is not None:
+                compare.append(c.transactions.mod(held[0].encode()) == held[1])
             deletes = [c.transactions.delete(start, range_end=end) for start, end in ranges]
             ok, _ = await c.transaction(
-                compare=[compare], success=[*deletes, c.transactions.put(key.encode(), data)],
+                compare=compare, success=[*deletes, c.transactions.put(key.encode(), data)],
                 failure=[])
             return bool(ok)
 

@@ -252,6 +252,23 @@ def test_replace_clearing_prefixes_writes_and_clears_in_one_guarded_transaction(
     assert client.get("/t/clr/job/config").value == b"new"
 
 
+def test_replace_while_held_writes_only_while_the_held_key_is_unchanged(client):
+    """A coordinator's news write is guarded by its own coordinator key: once that key went
+    (its lease ended) or was taken again, the write does nothing."""
+    lease = client.grant(timedelta(seconds=30))
+    client.put("/t/held/coordinator", "a", lease=lease)
+    held = client.get("/t/held/coordinator")
+    assert client.replace("/t/held/news", "1", 0, held=(held.key, held.mod_revision))
+    news = client.get("/t/held/news")
+    client.revoke(lease)  # the leader's lease ends: its key goes
+    assert not client.replace("/t/held/news", "2", news.mod_revision,
+                              held=(held.key, held.mod_revision))
+    client.put("/t/held/coordinator", "b")  # a successor holds it now
+    assert not client.replace("/t/held/news", "2", news.mod_revision,
+                              held=(held.key, held.mod_revision))
+    assert client.get("/t/held/news").value == b"1"
+
+
 class _LetsAnotherLauncherInAfterItsFirstRead:
     """An EtcdClient whose first ``get`` is followed by another launcher's whole claim."""
 
