@@ -24,11 +24,13 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Registration:
     """What ``put_and_claim`` found: the revision of its write, whether it took the claimed
-    key, and every key under the prefix it read, as of that revision (the write included)."""
+    key, and every key under the prefix it read, as of that revision (the write included).
+    ``taken``: the key was another's, and nothing was written."""
 
     revision: int
     claimed: bool
     read: list[KeyValue]
+    taken: bool = False
 
 
 class CompareAndSwap:
@@ -43,28 +45,35 @@ class CompareAndSwap:
 
     def put_and_claim(self, key: str, value: bytes | str, lease: int,
                       claim: tuple[str, str] | None, read: str) -> Registration:
-        """Writes ``key`` (bound to ``lease``), takes ``claim`` = (key, value), bound to the same
-        lease, if no such key exists, and reads every key under ``read``: one transaction, so
-        that a member's registration, its bid to lead and its first look at the job's control
-        keys cost one request. Retried safely: a retry after a lost reply finds the claimed key
-        holding ``claim``'s value and reports it taken (``claim`` lies under ``read``).
+        """Creates ``key`` (bound to ``lease``) if no such key exists, takes ``claim`` = (key,
+        value), bound to the same lease, if that key does not exist either, and reads every key
+        under ``read``: one transaction, so that a member's registration, its bid to lead and
+        its first look at the job's control keys cost one request. A ``key`` that exists is
+        left as it is (``Registration.taken``), unless it holds this very write: retried
+        safely, a retry after a lost reply finds its own key and the claimed key holding
+        ``claim``'s value (``claim`` lies under ``read``).
         """
         data = value.encode() if isinstance(value, str) else value
         raw_key, prefix = key.encode(), read.encode()
 
         async def txn(c: aetcd.Client) -> tuple[bool, list[Any]]:
-            put = c.transactions.put(raw_key, data, lease=lease)
-            reads = [c.transactions.get(raw_key),  # the write itself: its revision
-                     c.transactions.get(prefix, aetcd.utils.prefix_range_end(prefix))]
-            if claim is None:
-                return await c.transaction(compare=[], success=[put, *reads], failure=[])
-            take = c.transactions.put(claim[0].encode(), claim[1].encode(), lease=lease)
-            return await c.transaction(compare=[c.transactions.create(claim[0].encode()) == 0],
-                                       success=[put, take, *reads], failure=[put, *reads])
+            ops = c.transactions
+            reads = [ops.get(raw_key),  # the write itself: its revision
+                     ops.get(prefix, aetcd.utils.prefix_range_end(prefix))]
+            writes = [ops.put(raw_key, data, lease=lease)]
+            if claim is not None:
+                writes.append(ops.txn(compare=[ops.create(claim[0].encode()) == 0],
+                                      success=[ops.put(claim[0].encode(), claim[1].encode(),
+                                                       lease=lease)], failure=[]))
+            return await c.transaction(compare=[ops.create(raw_key) == 0],
+                                       success=[*writes, *reads], failure=reads)
 
-        took, responses = self._call(txn, f"register {key}")
-        (_, written), = responses[-2]
-        found = utf8_keys([got for _, got in responses[-1]])
+        created, responses = self._call(txn, f"register {key}")
+        got, found = responses[-2], utf8_keys([kv for _, kv in responses[-1]])
+        written = got[0][1] if got else None
+        if written is None or (not created and (written.lease != lease or written.value != data)):
+            return Registration(revision=0, claimed=False, read=found, taken=True)
+        took = created and claim is not None and responses[1].response_txn.succeeded
         claimed = claim is not None and (took or any(
             kv.key == claim[0] and kv.value == claim[1].encode() and kv.lease == lease
             for kv in found))

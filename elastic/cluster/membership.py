@@ -18,6 +18,7 @@ reports) is honoured only while its member key is there.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
-from elastic.errors import EtcdAccessError, EtcdUnavailableError, FencedError
+from elastic.errors import EtcdAccessError, EtcdRecordError, EtcdUnavailableError, FencedError
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.etcd_txn import Registration
 from elastic.cluster.keys import JobKeys
@@ -75,9 +76,14 @@ def drop_member(client: EtcdClient, keys: JobKeys, member_id: str, lease: int) -
     return dropped
 
 
+_SERIAL = itertools.count()
+_MAX_DRAWS = 3  # the identities this process made
+
+
 def new_member_id() -> str:
-    """A member id unique across hosts, processes and re-registrations."""
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    """A member id unique across hosts, processes and re-registrations: a serial number makes
+    those of one process differ, the random part those of a process whose pid was reused."""
+    return f"{socket.gethostname()}-{os.getpid()}-{next(_SERIAL)}-{uuid.uuid4().hex[:6]}"
 
 
 class EtcdMembership:
@@ -174,6 +180,22 @@ class EtcdMembership:
         return registered.revision
 
     def _put_and_claim(self) -> Registration:
+        """Writes the member key (see ``register``), under a new id while the one drawn is
+        another member's (``_MAX_DRAWS`` at most: ids of one process never repeat)."""
+        for _ in range(_MAX_DRAWS):
+            registered = self._put_and_claim_once()
+            if not registered.taken:
+                return registered
+            taken, self.member_id = self.member_id, new_member_id()
+            log.warning("member id %s is another member's; registering as %s", taken,
+                        self.member_id)
+            if self.node_lease is not None:
+                self.node_lease.on_member(self.member_id)
+        raise EtcdRecordError(f"{_MAX_DRAWS} member ids drawn in a row were already registered "
+                              f"under {self.keys.members}: something other than this job's "
+                              "workers writes there; stop it, or run with another job id.")
+
+    def _put_and_claim_once(self) -> Registration:
         info = {"host": socket.gethostname(), "pid": os.getpid(), "addr": self.advertise_addr,
                 "lease": self.lease, "since": time.time()}
         return self._client.put_and_claim(

@@ -19,7 +19,7 @@ from elastic.errors import EtcdUnavailableError
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.launch.job_config import JobConfig, claim
 from elastic.cluster.keys import JobKeys
-from elastic.cluster.membership import EtcdMembership
+from elastic.cluster.membership import EtcdMembership, new_member_id
 from elastic.cluster.plan import JoinRequest, Plan
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig
 from elastic.timeouts import Timeouts
@@ -83,6 +83,48 @@ def test_a_graceful_leave_deletes_the_member_key_at_once(client):
     membership.leave()
     assert client.get(keys.member(membership.member_id)) is None
     assert not membership.fenced.is_set()
+
+
+def test_a_member_whose_id_is_taken_registers_under_another_and_leaves_the_first_as_it_was(
+        client):
+    keys = JobKeys("id-collision-test")
+    first = EtcdMembership(client, keys, "127.0.0.1", timedelta(seconds=30))
+    second = EtcdMembership(client, keys, "127.0.0.1", timedelta(seconds=30))
+    second.member_id = first.member_id  # what two equal random ids in one process would give
+    first.register()
+    try:
+        second.register()
+        try:
+            assert client.get(keys.member(first.member_id)).lease == first.lease
+            assert second.member_id != first.member_id
+            assert client.get(keys.member(second.member_id)).lease == second.lease
+            assert first.confirm_lease() and not first.fenced.is_set()
+        finally:
+            second.leave()
+        assert client.get(keys.member(first.member_id)).lease == first.lease
+    finally:
+        first.leave()
+
+
+def test_a_registration_sent_again_finds_its_own_write_and_another_finds_the_key_taken(client):
+    lease, other = client.grant(timedelta(seconds=30)), client.grant(timedelta(seconds=30))
+    try:
+        args = ("/t/reg/members/a", "info", lease, ("/t/reg/control/lead", "a"), "/t/reg/control/")
+        first = client.put_and_claim(*args)
+        again = client.put_and_claim(*args)  # what a retry after a lost reply sends
+        assert (first.taken, first.claimed) == (again.taken, again.claimed) == (False, True)
+        assert again.revision == first.revision
+        taken = client.put_and_claim("/t/reg/members/a", "info", other, None, "/t/reg/control/")
+        assert taken.taken and not taken.claimed
+        assert client.get("/t/reg/members/a").lease == lease
+    finally:
+        client.revoke(lease)
+        client.revoke(other)
+
+
+def test_member_ids_made_in_one_process_do_not_repeat():
+    made = {new_member_id() for _ in range(100_000)}
+    assert len(made) == 100_000
 
 
 @pytest.mark.parametrize("lose_data", [False, True], ids=["on its data", "without its data"])
