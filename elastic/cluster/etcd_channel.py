@@ -14,6 +14,7 @@ from datetime import timedelta
 from urllib.parse import urlsplit
 
 import aetcd
+import aetcd.exceptions
 import aetcd.rpc
 import aetcd.watcher
 import grpc
@@ -135,6 +136,16 @@ def _authenticate_error(exc: grpc.aio.AioRpcError) -> aetcd.ClientError:
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         return aetcd.ConnectionTimeoutError(exc.details())
     return Refused(exc.code(), exc.details() or "")
+
+
+def client_error(exc: grpc.aio.AioRpcError) -> aetcd.ClientError:
+    """aetcd's error for a gRPC error of a call made outside aetcd's own methods (the same
+    mapping, with ``exc`` as the cause that ``status_of`` reads)."""
+    try:
+        aetcd.exceptions._handle_exception(exc)  # raises the mapped error, never returns
+    except aetcd.ClientError as mapped:
+        return mapped
+    return aetcd.ClientError(str(exc))  # unreachable: _handle_exception always raises
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode | None:

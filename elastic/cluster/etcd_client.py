@@ -36,6 +36,7 @@ import tenacity  # noqa: E402
 
 from elastic.cluster.etcd_channel import (  # noqa: E402
     TRANSIENT, Client, grpc_options, parse_endpoints, refusal, status_of, uses_tls)
+from elastic.cluster.etcd_keepalive import KeepAlives  # noqa: E402
 from elastic.cluster.etcd_txn import CompareAndSwap  # noqa: E402
 from elastic.cluster.etcd_values import KeyValue, WatchEvent, kv_of, utf8_keys  # noqa: E402
 from elastic.cluster.key_range import KeyRange  # noqa: E402
@@ -92,6 +93,7 @@ class EtcdClient(CompareAndSwap):
         self._connecting: asyncio.Lock | None = None  # made on the loop thread, on first use
         self._closed = False
         self._probed_plaintext = False
+        self._keepalives = KeepAlives()  # every lease's renewals, on one stream
         self._watches = Watches(self._connected, self._drop,
                                 self._fail_over if len(self._endpoints) > 1 else None,
                                 self.timeouts)
@@ -283,8 +285,8 @@ class EtcdClient(CompareAndSwap):
             lease: the lease id.
             retry_for: how long to retry transient errors (default: the client's deadline).
         """
-        reply = self._call(lambda c: c.refresh_lease(lease), "lease keepalive", retry_for)
-        return 0 if reply is None else int(reply.TTL)
+        return self._call(lambda c: self._keepalives.renew(c, lease, self._rpc_timeout_s),
+                          "lease keepalive", retry_for)
 
     def revoke(self, lease: int) -> bool:
         """Revokes a lease, deleting every key bound to it.
@@ -356,6 +358,7 @@ class EtcdClient(CompareAndSwap):
         self._closed = True
 
         async def shutdown() -> None:
+            self._keepalives.close()
             if self._client is not None:
                 await self._client.close()
                 self._client = None

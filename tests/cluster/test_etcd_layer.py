@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -83,6 +85,43 @@ def test_a_graceful_leave_deletes_the_member_key_at_once(client):
     membership.leave()
     assert client.get(keys.member(membership.member_id)) is None
     assert not membership.fenced.is_set()
+
+
+def _keepalive_streams_started(url: str) -> float:
+    """etcd's own count of LeaseKeepAlive streams opened (from its /metrics)."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("grpc_server_started_total{")
+               and 'grpc_method="LeaseKeepAlive"' in line)
+
+
+def test_every_lease_of_a_client_is_renewed_on_one_stream_and_each_gets_its_own_answer(
+        private_etcd):
+    client = EtcdClient(private_etcd.url)
+    try:
+        leases = [client.grant(timedelta(seconds=30)) for _ in range(20)]
+        gone = leases.pop()
+        client.revoke(gone)
+        before = _keepalive_streams_started(private_etcd.url)
+        with ThreadPoolExecutor(8) as pool:
+            ttls = list(pool.map(client.refresh, leases * 5 + [gone] * 5))
+        assert all(0 < ttl <= 30 for ttl in ttls[:-5]) and ttls[-5:] == [0] * 5
+        assert _keepalive_streams_started(private_etcd.url) - before == 1
+    finally:
+        client.close()
+
+
+def test_a_lease_is_renewed_on_a_new_stream_after_etcd_restarts_under_the_old_one(private_etcd):
+    client = EtcdClient(private_etcd.url, retry_for=timedelta(seconds=30))
+    try:
+        lease = client.grant(timedelta(seconds=60))
+        assert client.refresh(lease) > 0
+        private_etcd.restart()  # the stream breaks; etcd keeps its leases across a restart
+        assert client.refresh(lease) > 0
+        client.revoke(lease)
+        assert client.refresh(lease) == 0
+    finally:
+        client.close()
 
 
 def test_a_member_whose_id_is_taken_registers_under_another_and_leaves_the_first_as_it_was(
