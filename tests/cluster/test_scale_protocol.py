@@ -353,6 +353,21 @@ def test_the_membership_benchmark_forms_ten_members_and_reforms_them_after_a_dea
     assert death["client_write"] <= 3 and death["etcd_watch_events"] <= 5, death
 
 
+def test_the_keepalive_benchmark_renews_on_one_stream_and_its_anchor_on_one_per_renewal(
+        tmp_path):
+    """``benchmarks/bench_keepalive.py`` at its smallest, so that it does not rot."""
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "keepalive.json"
+    ran = subprocess.run([sys.executable, str(repo / "benchmarks" / "bench_keepalive.py"),
+                          "--clients", "3", "--seconds", "1", "--rounds", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=90, check=False)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    results = {r["how"]: r for r in json.loads(out.read_text())["results"]}
+    assert results["one stream"]["streams_opened_per_renewal"] == 0, results
+    assert results["stream per renewal"]["streams_opened_per_renewal"] > 0.9, results
+    assert all(r["renewals_per_s"] > 0 for r in results.values()), results
+
+
 class Node:
     """What a launcher with ``--node-lease`` holds: one lease for its workers, and the
     heartbeats of each member they reported."""
