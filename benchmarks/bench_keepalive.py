@@ -27,24 +27,20 @@ import resource
 import sys
 import threading
 import time
-import urllib.request
 from datetime import timedelta
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.bench_membership import etcd_cpu_s  # noqa: E402
+from benchmarks.bench_membership import etcd_cpu_s, etcd_metrics  # noqa: E402
 from elastic.cluster.etcd_client import EtcdClient  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 
 def streams_opened(url: str) -> float:
     """LeaseKeepAlive streams etcd has opened so far (its ``/metrics``)."""
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("grpc_server_started_total{")
-               and 'grpc_method="LeaseKeepAlive"' in line)
+    return etcd_metrics(url).get("keepalive_streams_opened", 0.0)
 
 
 def own_cpu_s() -> float:

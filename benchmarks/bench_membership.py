@@ -249,7 +249,8 @@ def etcd_cpu_s(pid: int) -> float:
 
 
 def etcd_metrics(url: str) -> dict[str, float]:
-    """etcd's own counts: gRPC requests handled (all, and the KV writes) and watch events."""
+    """etcd's own counts: gRPC requests handled (all, and the KV writes), lease keepalive
+    streams opened and renewals received, and watch events."""
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     out: Counter[str] = Counter()
     for line in text.splitlines():
@@ -261,6 +262,9 @@ def etcd_metrics(url: str) -> dict[str, float]:
                 out["kv_writes"] += value
             if 'grpc_method="LeaseKeepAlive"' in line:
                 out["keepalive_streams"] += value
+        elif line.startswith("grpc_server_started_total{") \
+                and 'grpc_method="LeaseKeepAlive"' in line:
+            out["keepalive_streams_opened"] += float(line.rsplit(" ", 1)[1])
         elif line.startswith("grpc_server_msg_received_total{") \
                 and 'grpc_method="LeaseKeepAlive"' in line:
             out["keepalives"] += float(line.rsplit(" ", 1)[1])

@@ -69,9 +69,9 @@ class CompareAndSwap:
                                        success=[*writes, *reads], failure=reads)
 
         created, responses = self._call(txn, f"register {key}")
-        got, found = responses[-2], utf8_keys([kv for _, kv in responses[-1]])
-        written = got[0][1] if got else None
-        if written is None or (not created and (written.lease != lease or written.value != data)):
+        (_, written), = responses[-2]  # either way the key exists: written now, or before
+        found = utf8_keys([kv for _, kv in responses[-1]])
+        if not created and (written.lease != lease or written.value != data):
             return Registration(revision=0, claimed=False, read=found, taken=True)
         took = created and claim is not None and responses[1].response_txn.succeeded
         claimed = claim is not None and (took or any(

@@ -76,8 +76,8 @@ def drop_member(client: EtcdClient, keys: JobKeys, member_id: str, lease: int) -
     return dropped
 
 
-_SERIAL = itertools.count()
-_MAX_DRAWS = 3  # the identities this process made
+_SERIAL = itertools.count()  # the identities this process made
+_MAX_DRAWS = 3  # ids drawn for one registration before giving up
 
 
 def new_member_id() -> str:

@@ -9,9 +9,8 @@ from __future__ import annotations
 import itertools
 import shutil
 import tempfile
-from pathlib import Path
-
 import time
+from pathlib import Path
 
 from elastic.cluster.lease_file import has_committed, last_heartbeat, read_leases, read_members
 
