@@ -17,8 +17,9 @@ reports its id and sends heartbeats (a file touched per keepalive interval), and
 removes the victim's keys (``drop_member``, what its launcher does) instead of revoking a lease
 of its own.
 
-Every member is a real one: its own lease kept alive by its own thread (or its node's), its own
-member key, its own join requests, the same classes a worker uses (``SimMember`` below mirrors
+Every member is a real one: its own lease (or its node's), renewed as a worker's is (by its
+client's renewal thread, ``elastic.cluster.lease_renewals``, which here batches the renewals of
+the process's members), its own member key, its own join requests, the same classes a worker uses (``SimMember`` below mirrors
 the etcd half of ``elastic.cluster.cluster.Cluster``); the members of one process share one
 etcd client (one gRPC connection). No torch collectives are run.
 
@@ -84,11 +85,16 @@ class CountingClient(EtcdClient):
         self._count_lock = threading.Lock()
 
     def _call(self, op, what, retry_for=None):  # type: ignore[no-untyped-def]
-        kind = "keepalive" if what == "lease keepalive" else (
-            "write" if what.startswith(_WRITES) else "read")
-        with self._count_lock:
-            self.counts[kind] += 1
+        if what != "lease keepalive":  # counted per lease, below
+            with self._count_lock:
+                self.counts["write" if what.startswith(_WRITES) else "read"] += 1
         return super()._call(op, what, retry_for)
+
+    def refresh_many(self, leases, retry_for=None):  # type: ignore[no-untyped-def]
+        with self._count_lock:
+            self.counts["keepalive"] += len(leases)
+            self.counts["keepalive_batches"] += 1
+        return super().refresh_many(leases, retry_for)
 
     def watch_range(self, keys, start_revision, callback,  # type: ignore[no-untyped-def]
                     on_open=None):
@@ -381,6 +387,9 @@ class Run:
                                                 before["client"].get("keepalive", 0)),
                 "etcd_keepalives_per_member_s": rate(after["etcd"].get("keepalives", 0),
                                                      before["etcd"].get("keepalives", 0)),
+                "keepalive_batches_per_s": round(
+                    (after["client"].get("keepalive_batches", 0)
+                     - before["client"].get("keepalive_batches", 0)) / seconds, 2),
                 "etcd_cpu_s": round(after["etcd_cpu_s"] - before["etcd_cpu_s"], 3)}
 
     def close(self) -> None:

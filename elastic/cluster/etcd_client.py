@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -37,6 +37,7 @@ import tenacity  # noqa: E402
 from elastic.cluster.etcd_channel import (  # noqa: E402
     TRANSIENT, Client, grpc_options, parse_endpoints, refusal, status_of, uses_tls)
 from elastic.cluster.etcd_keepalive import KeepAlives  # noqa: E402
+from elastic.cluster.lease_renewals import LeaseRenewals  # noqa: E402
 from elastic.cluster.etcd_txn import CompareAndSwap  # noqa: E402
 from elastic.cluster.etcd_values import KeyValue, WatchEvent, kv_of, utf8_keys  # noqa: E402
 from elastic.cluster.key_range import KeyRange  # noqa: E402
@@ -94,6 +95,7 @@ class EtcdClient(CompareAndSwap):
         self._closed = False
         self._probed_plaintext = False
         self._keepalives = KeepAlives()  # every lease's renewals, on one stream
+        self.renewals = LeaseRenewals(self.refresh_many)  # periodic renewals, on one thread
         self._watches = Watches(self._connected, self._drop,
                                 self._fail_over if len(self._endpoints) > 1 else None,
                                 self.timeouts)
@@ -285,8 +287,22 @@ class EtcdClient(CompareAndSwap):
             lease: the lease id.
             retry_for: how long to retry transient errors (default: the client's deadline).
         """
-        return self._call(lambda c: self._keepalives.renew(c, lease, self._rpc_timeout_s),
-                          "lease keepalive", retry_for)
+        return self.refresh_many([lease], retry_for)[lease]
+
+    def refresh_many(self, leases: Sequence[int],
+                     retry_for: timedelta | None = None) -> dict[int, int]:
+        """Keeps several leases alive once, their renewals sent together; returns each one's
+        remaining TTL in seconds (``refresh``). A transient error retries them all."""
+        async def renew_all(c: aetcd.Client) -> dict[int, int]:
+            remaining = await asyncio.gather(
+                *(self._keepalives.renew(c, lease, self._rpc_timeout_s) for lease in leases),
+                return_exceptions=True)
+            for outcome in remaining:
+                if isinstance(outcome, BaseException):
+                    raise outcome  # they share one stream: one error is every one's
+            return dict(zip(leases, remaining))  # type: ignore[arg-type]
+
+        return self._call(renew_all, "lease keepalive", retry_for)
 
     def revoke(self, lease: int) -> bool:
         """Revokes a lease, deleting every key bound to it.
@@ -356,6 +372,7 @@ class EtcdClient(CompareAndSwap):
         if self._closed:
             return
         self._closed = True
+        self.renewals.close()
 
         async def shutdown() -> None:
             self._keepalives.close()

@@ -1,6 +1,7 @@
-"""One worker's membership in a job: an etcd lease kept alive by a thread, and a job watch.
+"""One worker's membership in a job: an etcd lease kept alive, and a job watch.
 
-Owns the member key (bound to the lease), the keepalive thread, and the member's watches: the
+Owns the member key (bound to the lease), its lease's renewals (on the client's renewal thread,
+``lease_renewals``, shared with the process's other members), and the member's watches: the
 job's ``control/`` keys (the coordinator and its news) and its own member key, fanned out to
 listeners. It never watches other members' records: a change costs each member O(1) events. A
 member whose lease is gone, or whose member key was deleted, is *fenced*: ``fenced`` is set,
@@ -9,7 +10,7 @@ as a new member). No torch here.
 
 A member may instead share its node's lease (``NodeLease``: ``elastic run --node-lease``), which
 its launcher keeps alive for every worker of the node: it then grants nothing and renews
-nothing, and its keepalive thread only tells the launcher that it is alive (a heartbeat). What
+nothing, and a thread of its own only tells the launcher that it is alive (a heartbeat). What
 the end of its own lease would have done, the launcher does (``drop_member``): when the worker
 dies, or sends no heartbeat for a lease TTL, it deletes the member key and the coordinator key
 if this member held it; every record the member wrote under the shared lease (join requests,
@@ -33,6 +34,7 @@ from datetime import timedelta
 from elastic.errors import EtcdAccessError, EtcdRecordError, EtcdUnavailableError, FencedError
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.etcd_txn import Registration
+from elastic.cluster.lease_renewals import Outcome
 from elastic.cluster.keys import JobKeys
 
 log = logging.getLogger(__name__)
@@ -130,7 +132,9 @@ class EtcdMembership:
         self._stop = threading.Event()
         self._listeners: list[Listener] = []
         self._fence_listeners: list[Callable[[], None]] = []
-        self._keepalive: threading.Thread | None = None
+        self._keepalive: threading.Thread | None = None  # the heartbeat under a node's lease
+        self._stop_renewals: Callable[[], None] | None = None
+        self._unreachable_since: float | None = None
         self._cancel_watches: list[Callable[[], None]] = []
 
     def add_listener(self, listener: Listener) -> None:
@@ -173,10 +177,13 @@ class EtcdMembership:
             self._client.watch_prefix(prefix, registered.revision + 1, self._dispatch)
             for prefix in (self.keys.control, self.keys.member(self.member_id))]
         self.is_registered = True
-        self._keepalive = threading.Thread(
-            target=self._keep_alive if self.node_lease is None else self._heartbeat,
-            name="elastic-keepalive", daemon=True)
-        self._keepalive.start()
+        if self.node_lease is None:
+            self._stop_renewals = self._client.renewals.add(self.lease, self.keepalive,
+                                                            self._renewed)
+        else:
+            self._keepalive = threading.Thread(target=self._heartbeat, name="elastic-heartbeat",
+                                               daemon=True)
+            self._keepalive.start()
         return registered.revision
 
     def _put_and_claim(self) -> Registration:
@@ -226,33 +233,36 @@ class EtcdMembership:
         for listener in self._listeners:
             listener(events)
 
-    def _keep_alive(self) -> None:
-        """Renews the lease until ``leave()``. An unreachable etcd fences nobody: training with
-        the world unchanged never needs etcd, and etcd keeps leases across its restarts; the
-        member is fenced only when etcd answers that the lease is gone."""
-        interval_s = self.keepalive.total_seconds()
-        unreachable_since: float | None = None
-        while not self._stop.wait(interval_s):
-            try:
-                remaining = self._client.refresh(self.lease, retry_for=self.keepalive)
-            except EtcdAccessError as exc:  # credentials or permissions withdrawn
-                self.fence(f"etcd refuses its keepalive: {exc}")
-                return
-            except EtcdUnavailableError as exc:
-                if unreachable_since is None:
-                    unreachable_since = time.monotonic()
-                    log.warning("etcd is unreachable (%s); training goes on, and the lease of "
-                                "%s is renewed once it answers", exc, self.member_id)
-                continue
-            if self._stop.is_set():
-                return  # our own leave() revoked it
-            if remaining <= 0:
-                self.fence("its lease expired (the process was frozen or cut off)")
-                return
-            if unreachable_since is not None:
-                log.warning("etcd answers again after %.0f s; the lease of %s is alive",
-                            time.monotonic() - unreachable_since, self.member_id)
-                unreachable_since = None
+    def _renewed(self, outcome: Outcome) -> bool:
+        """One renewal of the lease (on the client's renewal thread); False ends its renewals.
+        An unreachable etcd fences nobody: training with the world unchanged never needs etcd,
+        and etcd keeps leases across its restarts; the member is fenced only when etcd answers
+        that the lease is gone, or refuses it."""
+        if self._stop.is_set():
+            return False  # our own leave() revokes it
+        if isinstance(outcome, EtcdAccessError):  # credentials or permissions withdrawn
+            self._fence_apart(f"etcd refuses its keepalive: {outcome}")
+            return False
+        if isinstance(outcome, EtcdUnavailableError):
+            if self._unreachable_since is None:
+                self._unreachable_since = time.monotonic()
+                log.warning("etcd is unreachable (%s); training goes on, and the lease of %s "
+                            "is renewed once it answers", outcome, self.member_id)
+            return True
+        if outcome <= 0:
+            self._fence_apart("its lease expired (the process was frozen or cut off)")
+            return False
+        if self._unreachable_since is not None:
+            log.warning("etcd answers again after %.0f s; the lease of %s is alive",
+                        time.monotonic() - self._unreachable_since, self.member_id)
+            self._unreachable_since = None
+        return True
+
+    def _fence_apart(self, why: str) -> None:
+        """Fences on a thread of its own: the listeners may take their time, and the renewal
+        thread renews the other members' leases meanwhile."""
+        threading.Thread(target=self.fence, args=(why,), name="elastic-fence",
+                         daemon=True).start()
 
     def fence(self, why: str) -> None:
         """Marks this identity as fenced for good (once) and tells the listeners."""
@@ -304,6 +314,8 @@ class EtcdMembership:
         cancels, self._cancel_watches = self._cancel_watches, []
         for cancel in cancels:
             cancel()
+        if self._stop_renewals is not None:
+            self._stop_renewals()
         if self._keepalive is not None:
             self._keepalive.join(timeout=self._client_timeout_s())
         if self.lease and not self.fenced.is_set():
@@ -321,5 +333,6 @@ class EtcdMembership:
                                 self.member_id, exc, self.lease_ttl)
 
     def _client_timeout_s(self) -> float:
-        """Bounds the wait for the keepalive thread: a refresh in flight ends within a lease."""
+        """Bounds the wait for the heartbeat thread (under a node's lease), which wakes every
+        keepalive interval."""
         return (2 * self.lease_ttl + self.keepalive).total_seconds()

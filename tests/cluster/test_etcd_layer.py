@@ -124,6 +124,53 @@ def test_a_lease_is_renewed_on_a_new_stream_after_etcd_restarts_under_the_old_on
         client.close()
 
 
+class BatchCountingClient(EtcdClient):
+    """An ``EtcdClient`` that records each batch of lease renewals it is asked for."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.batches: list[list[int]] = []
+        self.renewed = threading.Condition()
+
+    def refresh_many(self, leases, retry_for=None):  # type: ignore[no-untyped-def]
+        remaining = super().refresh_many(leases, retry_for)
+        with self.renewed:
+            self.batches.append(list(leases))
+            self.renewed.notify_all()
+        return remaining
+
+    def wait_renewed(self, leases: list[int], times: int, timeout_s: float) -> bool:
+        """Waits until each of ``leases`` was renewed ``times`` times."""
+        def done() -> bool:
+            return all(sum(b.count(lease) for b in self.batches) >= times for lease in leases)
+
+        with self.renewed:
+            return self.renewed.wait_for(done, timeout=timeout_s)
+
+
+def test_the_leases_of_a_clients_members_are_renewed_together_from_one_thread(etcd):
+    client = BatchCountingClient(etcd.url)
+    members = [EtcdMembership(client, JobKeys("renewal-batches"), "127.0.0.1",
+                              timedelta(seconds=3), keepalive=timedelta(seconds=0.5))
+               for _ in range(30)]
+    try:
+        for member in members:
+            member.register()
+        leases = [member.lease for member in members]
+        assert client.wait_renewed(leases, times=3, timeout_s=30)
+        renewing = [t for t in threading.enumerate() if t.name == "elastic-keepalive"]
+        assert len(renewing) == 1, f"{len(renewing)} threads renew 30 leases"
+        renewals = sum(len(batch) for batch in client.batches)
+        assert renewals / len(client.batches) >= 5, client.batches
+        assert not any(member.fenced.is_set() for member in members)
+    finally:
+        for member in members:
+            member.leave()
+        client.close()
+    renewing[0].join(timeout=10)
+    assert not renewing[0].is_alive(), "the renewal thread outlived every lease of its client"
+
+
 def test_a_member_whose_id_is_taken_registers_under_another_and_leaves_the_first_as_it_was(
         client):
     keys = JobKeys("id-collision-test")
