@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic.cluster.etcd_client import EtcdClient
 from elastic.launch.embedded_etcd import EmbeddedEtcd
 from tests.support.faulty_fs import faulty_fs  # noqa: F401 (a fixture)
 from tests.support.harness import Job
@@ -30,6 +31,16 @@ def etcd() -> Iterator[EmbeddedEtcd]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def client(etcd: EmbeddedEtcd) -> Iterator[EtcdClient]:
+    """A client of the session's etcd; always closed."""
+    c = EtcdClient(etcd.url)
+    try:
+        yield c
+    finally:
+        c.close()
 
 
 @pytest.fixture

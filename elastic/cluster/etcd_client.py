@@ -37,10 +37,10 @@ import tenacity  # noqa: E402
 from elastic.cluster.etcd_channel import (  # noqa: E402
     TRANSIENT, Client, grpc_options, parse_endpoints, refusal, status_of, uses_tls)
 from elastic.cluster.etcd_keepalive import KeepAlives  # noqa: E402
-from elastic.cluster.lease_renewals import LeaseRenewals  # noqa: E402
 from elastic.cluster.etcd_txn import CompareAndSwap  # noqa: E402
 from elastic.cluster.etcd_values import KeyValue, WatchEvent, kv_of, utf8_keys  # noqa: E402
 from elastic.cluster.key_range import KeyRange  # noqa: E402
+from elastic.cluster.lease_renewals import LeaseRenewals  # noqa: E402
 from elastic.cluster.etcd_watch import Watches, within  # noqa: E402
 from elastic.cluster.etcd_tls import channel_credentials, plaintext_problem, tls_problem  # noqa: E402
 from elastic.errors import EtcdAccessError, EtcdUnavailableError, FencedError  # noqa: E402
@@ -174,6 +174,8 @@ class EtcdClient(CompareAndSwap):
                 raise
 
         def once() -> T:
+            if self._closed:  # closed while retrying: its loop answers nobody now
+                raise EtcdUnavailableError(f"The etcd client for {self.urls} is closed.")
             try:
                 return self._submit(attempt())
             except TRANSIENT:
@@ -292,17 +294,32 @@ class EtcdClient(CompareAndSwap):
     def refresh_many(self, leases: Sequence[int],
                      retry_for: timedelta | None = None) -> dict[int, int]:
         """Keeps several leases alive once, their renewals sent together; returns each one's
-        remaining TTL in seconds (``refresh``). A transient error retries them all."""
+        remaining TTL in seconds (``refresh``). A transient error retries them all.
+
+        Raises:
+            EtcdUnavailableError: no answer within ``retry_for``, or an error no other rule
+                maps (a renewal is then as if unanswered).
+            EtcdAccessError: etcd refuses this client.
+        """
+        if not leases:
+            return {}
+
         async def renew_all(c: aetcd.Client) -> dict[int, int]:
             remaining = await asyncio.gather(
                 *(self._keepalives.renew(c, lease, self._rpc_timeout_s) for lease in leases),
                 return_exceptions=True)
-            for outcome in remaining:
+            for outcome in remaining:  # they share one stream: one error is every one's
+                if isinstance(outcome, asyncio.CancelledError):
+                    raise aetcd.ConnectionFailedError("a lease renewal was cancelled")
                 if isinstance(outcome, BaseException):
-                    raise outcome  # they share one stream: one error is every one's
+                    raise outcome
             return dict(zip(leases, remaining))  # type: ignore[arg-type]
 
-        return self._call(renew_all, "lease keepalive", retry_for)
+        try:
+            return self._call(renew_all, "lease keepalive", retry_for)
+        except aetcd.ClientError as exc:
+            raise EtcdUnavailableError(f"etcd at {self.urls} answered a lease keepalive with "
+                                       f"{type(exc).__name__}: {exc}") from exc
 
     def revoke(self, lease: int) -> bool:
         """Revokes a lease, deleting every key bound to it.

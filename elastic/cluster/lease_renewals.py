@@ -7,9 +7,9 @@ renewals go out at once on the client's keepalive stream). A process of one memb
 thread of its own would; a process of hundreds wakes a few times per interval instead of
 hundreds. The thread runs only while some lease is to be renewed.
 
-Outcomes are handed over on that thread, so a handler must return at once (a member hands its
-fencing to a thread of its own); it says whether the lease is to be renewed again. It must not
-know about jobs.
+Outcomes are handed over on that thread, under this object's lock, so a handler returns at once
+and never calls ``add`` or a removal (a member hands its fencing to a thread of its own); it
+says whether the lease is to be renewed again. It must not know about jobs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
-from elastic.errors import EtcdAccessError, EtcdUnavailableError
+from elastic.errors import ElasticError, EtcdAccessError, EtcdUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +61,20 @@ class LeaseRenewals:
     def add(self, lease: int, interval: timedelta, handler: Handler) -> Callable[[], None]:
         """Renews ``lease`` every ``interval`` (the first time one interval from now) and hands
         ``handler`` each outcome, until it returns False or the returned function is called
-        (after which it is handed nothing more)."""
+        (once that returns, ``handler`` is handed nothing more).
+
+        Raises:
+            EtcdUnavailableError: the client is closed.
+        """
         interval_s = interval.total_seconds()
         renewal = _Renewal(lease, interval_s, handler, time.monotonic() + interval_s)
         with self._lock:
             if self._closed:
-                raise EtcdUnavailableError("the etcd client is closed; no lease is renewed.")
+                raise EtcdUnavailableError("the etcd client is closed, so it renews no lease; "
+                                           "register with a client that is open.")
             self._renewals.append(renewal)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="elastic-keepalive",
-                                                daemon=True)
-                self._thread.start()
+                self._start()
             self._changed.notify()
 
         def remove() -> None:
@@ -82,11 +85,18 @@ class LeaseRenewals:
         return remove
 
     def close(self) -> None:
-        """Stops renewing every lease (the thread ends after a batch in flight)."""
+        """Stops renewing every lease (the thread ends after a batch in flight, whose outcomes
+        nobody is handed)."""
         with self._lock:
             self._closed = True
-            self._renewals.clear()
+            for renewal in list(self._renewals):
+                self._drop(renewal)
             self._changed.notify()
+
+    def _start(self) -> None:
+        """Starts the renewal thread (called under the lock)."""
+        self._thread = threading.Thread(target=self._run, name="elastic-keepalive", daemon=True)
+        self._thread.start()
 
     def _drop(self, renewal: _Renewal) -> None:
         renewal.active = False
@@ -100,19 +110,24 @@ class LeaseRenewals:
                 self._renew(due)
             ended = True
         finally:
-            if not ended:  # an error no handler is for: the next ``add`` starts a thread
+            if not ended:  # a bug, whose traceback threading prints: the others go on
                 with self._lock:
                     self._thread = None
+                    if self._renewals and not self._closed:
+                        self._start()
 
     def _next_due(self) -> list[_Renewal] | None:
-        """Waits for the earliest renewal's time; returns those due by then (None: no lease is
-        left to renew, and this thread ends)."""
+        """Waits for the earliest renewal's time; returns those due by then, each next due one
+        interval later (None: no lease is left to renew, and this thread ends)."""
         with self._lock:
             while self._renewals:
                 now = time.monotonic()
                 first = min(r.due for r in self._renewals)
                 if first <= now:
-                    return [r for r in self._renewals if r.due <= now + _EARLY * r.interval_s]
+                    due = [r for r in self._renewals if r.due <= now + _EARLY * r.interval_s]
+                    for renewal in due:
+                        renewal.due = now + renewal.interval_s
+                    return due
                 self._changed.wait(first - now)  # bounded: the earliest renewal's time
             self._thread = None
             return None
@@ -125,12 +140,13 @@ class LeaseRenewals:
             outcomes = dict(self._refresh_many(leases, retry_for))
         except (EtcdAccessError, EtcdUnavailableError) as exc:
             outcomes = dict.fromkeys(leases, exc)
+        except ElasticError as exc:  # none other is expected of a renewal: as if unanswered
+            outcomes = dict.fromkeys(leases, EtcdUnavailableError(f"lease renewal: {exc}"))
         renewed_at = time.monotonic()
-        for renewal in due:
-            with self._lock:
+        with self._lock:
+            for renewal in due:
                 if not renewal.active:
                     continue
                 renewal.due = renewed_at + renewal.interval_s
-            if not renewal.handler(outcomes[renewal.lease]):
-                with self._lock:
+                if not renewal.handler(outcomes[renewal.lease]):
                     self._drop(renewal)

@@ -134,6 +134,7 @@ class EtcdMembership:
         self._fence_listeners: list[Callable[[], None]] = []
         self._keepalive: threading.Thread | None = None  # the heartbeat under a node's lease
         self._stop_renewals: Callable[[], None] | None = None
+        self._fencing: threading.Thread | None = None  # a fence found by a renewal
         self._unreachable_since: float | None = None
         self._cancel_watches: list[Callable[[], None]] = []
 
@@ -170,6 +171,9 @@ class EtcdMembership:
                 self._on_lease(self.lease)
             registered = self._put_and_claim()
         self.claimed = registered.claimed
+        if self.node_lease is None:
+            self._stop_renewals = self._client.renewals.add(self.lease, self.keepalive,
+                                                            self._renewed)
         # As puts, before the watch can deliver anything newer (as ``follow_prefix`` does).
         self._dispatch([WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease,
                                    kv.create_revision) for kv in registered.read])
@@ -177,10 +181,7 @@ class EtcdMembership:
             self._client.watch_prefix(prefix, registered.revision + 1, self._dispatch)
             for prefix in (self.keys.control, self.keys.member(self.member_id))]
         self.is_registered = True
-        if self.node_lease is None:
-            self._stop_renewals = self._client.renewals.add(self.lease, self.keepalive,
-                                                            self._renewed)
-        else:
+        if self.node_lease is not None:
             self._keepalive = threading.Thread(target=self._heartbeat, name="elastic-heartbeat",
                                                daemon=True)
             self._keepalive.start()
@@ -259,10 +260,15 @@ class EtcdMembership:
         return True
 
     def _fence_apart(self, why: str) -> None:
-        """Fences on a thread of its own: the listeners may take their time, and the renewal
-        thread renews the other members' leases meanwhile."""
-        threading.Thread(target=self.fence, args=(why,), name="elastic-fence",
-                         daemon=True).start()
+        """Fences on a thread of its own (``leave()`` waits for it): the listeners may take
+        their time, and the renewal thread renews the other members' leases meanwhile."""
+        def fence_unless_left() -> None:
+            if not self._stop.is_set():
+                self.fence(why)
+
+        self._fencing = threading.Thread(target=fence_unless_left, name="elastic-fence",
+                                         daemon=True)
+        self._fencing.start()
 
     def fence(self, why: str) -> None:
         """Marks this identity as fenced for good (once) and tells the listeners."""
@@ -315,9 +321,10 @@ class EtcdMembership:
         for cancel in cancels:
             cancel()
         if self._stop_renewals is not None:
-            self._stop_renewals()
-        if self._keepalive is not None:
-            self._keepalive.join(timeout=self._client_timeout_s())
+            self._stop_renewals()  # then no renewal starts a fence any more
+        for thread in (self._keepalive, self._fencing):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=self._client_timeout_s())
         if self.lease and not self.fenced.is_set():
             try:
                 if self.node_lease is not None:
@@ -334,5 +341,5 @@ class EtcdMembership:
 
     def _client_timeout_s(self) -> float:
         """Bounds the wait for the heartbeat thread (under a node's lease), which wakes every
-        keepalive interval."""
+        keepalive interval, and for a fence in progress."""
         return (2 * self.lease_ttl + self.keepalive).total_seconds()

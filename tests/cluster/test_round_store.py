@@ -20,13 +20,6 @@ pytestmark = pytest.mark.timeout(120)
 WAIT = timedelta(seconds=30)
 
 
-@pytest.fixture
-def client(etcd):
-    c = EtcdClient(etcd.url)
-    yield c
-    c.close()
-
-
 def gloo_group(store: dist.Store, rank: int, world: int) -> dist.ProcessGroup:
     """A gloo group of its own (not the process's default group), so threads can each form one."""
     options = dist.ProcessGroupGloo._Options()

@@ -73,13 +73,6 @@ class Member:
         self.membership.leave()
 
 
-@pytest.fixture
-def client(etcd):
-    c = EtcdClient(etcd.url)
-    yield c
-    c.close()
-
-
 def form_all(members: list[Member], reason: str) -> list[Topology]:
     with ThreadPoolExecutor(len(members)) as pool:
         return list(pool.map(lambda m: m.form(reason), members, timeout=WAIT_S))

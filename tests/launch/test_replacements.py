@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -20,12 +19,6 @@ from tests.support.polling import poll_until
 pytestmark = pytest.mark.timeout(60)
 SLOT = Replacement(local_rank=1, standby=False)
 
-
-@pytest.fixture
-def client(etcd) -> Iterator[EtcdClient]:
-    c = EtcdClient(etcd.url)
-    yield c
-    c.close()
 
 
 def write_round(client: EtcdClient, keys: JobKeys, n: int, ranks: list[str]) -> None:
