@@ -12,10 +12,10 @@ the others start: as in a real job, where the coordinator is one worker process,
 not compete for one interpreter with hundreds of other members' threads (measured slower here,
 not faster). With ``--workers-per-node K`` the members of each process form nodes of K that
 share one lease, as ``elastic run --node-lease`` does: the node's lease is granted when its
-first member registers and renewed by one thread of the node (its launcher's part); each member
-reports its id and sends heartbeats (a file touched per keepalive interval), and the death
-removes the victim's keys (``drop_member``, what its launcher does) instead of revoking a lease
-of its own.
+first member registers and renewed as its launcher renews it (on the client's renewal thread);
+each member reports its id and sends heartbeats (a file touched per keepalive interval, from a
+thread of its own), and the death removes the victim's keys (``drop_member``, what its launcher
+does) instead of revoking a lease of its own.
 
 Every member is a real one: its own lease (or its node's), renewed as a worker's is (by its
 client's renewal thread, ``elastic.cluster.lease_renewals``, which here batches the renewals of
@@ -110,7 +110,7 @@ class CountingClient(EtcdClient):
 
 class SimNode:
     """The launcher's part of ``elastic run --node-lease`` for K simulated members: one lease,
-    granted when the first of them registers, renewed by one thread until ``stop``."""
+    granted when the first of them registers, renewed until ``stop``."""
 
     def __init__(self, client: EtcdClient, timeouts: Timeouts, stop: threading.Event,
                  heartbeats: Path) -> None:
@@ -125,13 +125,11 @@ class SimNode:
         with self._lock:
             if not self.lease:
                 self.lease = self._client.grant(self._timeouts.lease_ttl)
-                threading.Thread(target=self._renew, daemon=True).start()
+                # As the launcher's own membership renews it: on its client's renewal thread.
+                self._client.renewals.add(self.lease, self._timeouts.keepalive,
+                                          lambda outcome: not self._stop.is_set())
         path = str(self._heartbeats / f"{self.lease:x}-{next(self._shared)}")
         return NodeLease(self.lease, lambda member: None, lambda: heartbeat(path))
-
-    def _renew(self) -> None:
-        while not self._stop.wait(self._timeouts.keepalive.total_seconds()):
-            self._client.refresh(self.lease)
 
 
 class SimMember:
