@@ -117,15 +117,16 @@ class LeaseRenewals:
                         self._start()
 
     def _next_due(self) -> list[_Renewal] | None:
-        """Waits for the earliest renewal's time; returns those due by then, each next due one
-        interval later (None: no lease is left to renew, and this thread ends)."""
+        """Waits for the earliest renewal's time; returns those due by then (None: no lease is
+        left to renew, and this thread ends). Each is next due one interval after its batch
+        returns (``_renew``), as a renewal loop of its own would be."""
         with self._lock:
             while self._renewals:
                 now = time.monotonic()
                 first = min(r.due for r in self._renewals)
                 if first <= now:
                     due = [r for r in self._renewals if r.due <= now + _EARLY * r.interval_s]
-                    for renewal in due:
+                    for renewal in due:  # until the batch ends (if it never does: a bug)
                         renewal.due = now + renewal.interval_s
                     return due
                 self._changed.wait(first - now)  # bounded: the earliest renewal's time
