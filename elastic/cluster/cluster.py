@@ -277,8 +277,7 @@ class Cluster:
             self.group.form(store, topology.rank, topology.world_size)
             self.channel.connect(store, self.settings.advertise_addr, topology.round,
                                  self.group.form_timeout)
-            members = topology.members
-            self.channel.watch(lambda rank: self.monitor.on_peer_gone(members[rank]),
+            self.channel.watch(lambda rank: self.monitor.on_peer_gone(topology.member(rank)),
                                self.settings.timeouts.wake)
         except RuntimeError as exc:  # torch's DistError family derives from RuntimeError
             raise PeerFailureError(f"forming the group of round {topology.round} failed: "
@@ -295,10 +294,10 @@ class Cluster:
         everyone asked.
         """
         last = self._last
-        if last is None or last.round != n - 1 or last.members[last.rank] != self.member_id:
+        if last is None or last.round != n - 1 or last.member_id != self.member_id:
             return {}  # not in that round, or only under an identity it dropped since
-        lost = {last.members[rank]: silent for rank, silent in self.channel.peers_lost().items()}
-        rank0 = last.members[0]
+        lost = {last.member(rank): silent for rank, silent in self.channel.peers_lost().items()}
+        rank0 = last.rank0
         address = self.channel.peer_address(0) if last.rank != 0 else None
         if address is not None and rank0 not in lost and self._probed != n:
             self._probed = n

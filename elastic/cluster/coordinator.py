@@ -9,14 +9,16 @@ in memory (O(1) work per event), and:
 
 - closes round ``R + 1`` when the rules allow (``verdict.CloseVerdict``: a first round's
   settle window, a re-formation's roll call of round ``R``), by the same compare-and-swap as
-  always (``Rendezvous.close``: exactly one plan per round, ``round`` only moves forward), the
-  news of round ``R + 1`` and a copy of its plan written in the same transaction;
+  always (``Rendezvous.close``: exactly one plan per round, ``round`` only moves forward);
+- seats every member the new plan names (``seat.py``: its rank, under ``assigned/``), then
+  writes the round's news: a member's seat is there before the news of its round;
 - tracks the formed round with a ``ChangeMonitor`` (who is news, who breaks the round) and
   writes what it finds into ``control/news``: pending, broken, done, finished.
 
 So each change costs the leader O(N) and every other member O(1): they watch only
-``control/`` and their own member key, which brings them each round's plan. A leader taking over
-reads the job once and acts on what it finds (a member of the round gone, joins already waiting).
+``control/``, their own member key and their own seat. A leader taking over reads the job once
+and acts on what it finds (a round closed but not yet told, a member of the round gone, joins
+already waiting).
 It never runs collectives and never raises into the training: its etcd errors are logged and
 retried at the next wake.
 """
@@ -37,6 +39,7 @@ from elastic.cluster.news import RoundNews
 from elastic.cluster import records
 from elastic.cluster.plan import JoinRequest, Plan
 from elastic.cluster.records import SkippedRecords
+from elastic.cluster.seat import seats_of
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,8 @@ class Coordinator:
         self._plan: Plan | None = None
         self._news = RoundNews(0)
         self._news_revision = 0
+        self._told = True  # the news of the tracked round is written (its members are seated)
+        self._seated = 0  # the newest round whose members this leader seated
         self._broken = ""
         self._monitor: ChangeMonitor | None = None
         self._seen: tuple[frozenset[str], frozenset[str]] | None = None
@@ -301,7 +306,7 @@ class Coordinator:
             self._checked = {k: r for k, r in self._checked.items()
                              if (self._keys.round_of(k[0]) or 0) > latest}
             self._dones = {n: d for n, d in self._dones.items() if n >= latest}
-            self._news = self._read_news(news_kv, latest)
+            self._news, self._told = self._read_news(news_kv, latest)
             live = set(self._members)
         if plan is None:
             self._monitor = None
@@ -317,14 +322,16 @@ class Coordinator:
             done = set(self._dones.get(latest, ()))
         monitor.on_events([WatchEvent("put", self._keys.done(latest, m), b"1", 0) for m in done])
 
-    def _read_news(self, kv: KeyValue | None, latest: int) -> RoundNews:
+    def _read_news(self, kv: KeyValue | None, latest: int) -> tuple[RoundNews, bool]:
+        """The stored news of round ``latest``, and True; else the news to tell, and False
+        (the round was closed, but its members were not told yet)."""
         if kv is not None:
             self._news_revision = kv.mod_revision
             news = self._skipped.read(kv.key, kv.mod_revision,
                                       lambda: RoundNews.from_json(kv.value))
             if news is not None and news.round == latest:
-                return news
-        return RoundNews(latest)
+                return news, True
+        return RoundNews(latest), False
 
     def _on_broken(self, reason: str) -> None:
         """The monitor's verdict (any thread): told at the next step."""
@@ -334,10 +341,13 @@ class Coordinator:
             self._changed.notify_all()
 
     def _tell(self) -> None:
-        """Writes the news of the tracked round when it changed (one write per change)."""
+        """Writes the news of the tracked round when it changed (one write per change); a new
+        round's news only once every member it names has its seat."""
         monitor, plan = self._monitor, self._plan
         if monitor is None or plan is None:
             return
+        if not self._told:
+            self._seat(plan)
         with self._changed:
             done_set = self._dones.get(self._round, set())
             finished = all(m in done_set or m not in self._members for m in plan.ranks)
@@ -346,7 +356,7 @@ class Coordinator:
                                                           if monitor.pending.is_set() else ""),
                            done=bool(done_set & set(plan.ranks)),
                            finished=bool(done_set) and finished)
-            if news == self._news or self._lost:
+            if (news == self._news and self._told) or self._lost:
                 return
             revision = self._news_revision
             # Only while the key that made it leader is still its own: a leader whose lease
@@ -354,9 +364,21 @@ class Coordinator:
             held = (self._keys.coordinator, self._holder_revision) \
                 if self._holder == self._membership.member_id and self._holder_revision else None
         if self._client.replace(self._keys.news, news.to_json(), revision, held=held):
-            self._news = news
+            self._news, self._told = news, True
         else:  # another writer since our last look: a new coordinator, or our own plan
             self._poke()
+
+    def _seat(self, plan: Plan) -> None:
+        """Writes the seat of every member ``plan`` names (``seat.py``), bound to its lease:
+        ``put_many``, about one transaction per hundred members. A member whose lease is gone
+        gets none."""
+        if self._seated == plan.round:
+            return
+        with self._changed:
+            leases = dict(self._members)
+        self._client.put_many([(self._keys.seat(member), seat.to_json(), leases[member])
+                               for member, seat in seats_of(plan).items() if leases.get(member)])
+        self._seated = plan.round
 
     def _close_next(self) -> None:
         """Closes round ``R + 1`` when its join requests allow (``verdict.CloseVerdict``)."""

@@ -52,6 +52,9 @@ T = TypeVar("T")
 
 # Retried after fetching a new token: etcd expired or forgot the one we hold.
 _RETRIED = (*TRANSIENT, aetcd.exceptions.UnauthenticatedError)
+# Puts in one transaction: etcd refuses a transaction of more than --max-txn-ops (128 unless
+# its operator changed it).
+_TXN_PUTS = 100
 
 
 class EtcdClient(CompareAndSwap):
@@ -250,6 +253,40 @@ class EtcdClient(CompareAndSwap):
         raw = key.encode() if isinstance(key, str) else key
         result = self._call(lambda c: c.put(raw, data, lease=lease), f"put {key!r}")
         return result.header.revision
+
+    def put_many(self, entries: Sequence[tuple[str, bytes | str, int]]) -> list[str]:
+        """Writes many keys, each bound to its lease: ``_TXN_PUTS`` to a transaction, the
+        transactions sent together. A key whose lease is gone is not written.
+
+        Returns:
+            The keys not written because their lease is gone.
+        """
+        encoded = [(k.encode(), v.encode() if isinstance(v, str) else v, lease)
+                   for k, v, lease in entries]
+        batches = [encoded[i:i + _TXN_PUTS] for i in range(0, len(encoded), _TXN_PUTS)]
+
+        async def lease_gone(write: Coroutine[Any, Any, Any]) -> bool:
+            try:
+                await write
+            except aetcd.ClientError as exc:
+                if status_of(exc) != grpc.StatusCode.NOT_FOUND:
+                    raise
+                return True
+            return False
+
+        async def write_all(c: aetcd.Client) -> list[str]:
+            def batch_txn(batch: list[tuple[bytes, bytes, int]]) -> Coroutine[Any, Any, Any]:
+                return c.transaction(compare=[], failure=[], success=[
+                    c.transactions.put(k, v, lease=lease) for k, v, lease in batch])
+
+            failed = await asyncio.gather(*(lease_gone(batch_txn(b)) for b in batches))
+            # A batch holding a key whose lease is gone wrote nothing: its keys one by one.
+            alone = [e for b, gone in zip(batches, failed) if gone for e in b]
+            gone = await asyncio.gather(*(lease_gone(c.put(k, v, lease=lease))
+                                          for k, v, lease in alone))
+            return [k.decode() for (k, _, _), g in zip(alone, gone) if g]
+
+        return self._call(write_all, f"put {len(entries)} keys") if entries else []
 
     def get(self, key: str) -> KeyValue | None:
         """Reads one key, or None when it does not exist."""

@@ -19,9 +19,10 @@ Layout under ``/elastic/{job_id}/``:
 - ``control/coordinator``: lease-bound, the member that reads everyone's records and closes
   rounds (``coordinator.py``); created by compare-and-swap, taken over when its lease ends.
 - ``control/news``: what the coordinator tells every member about the newest round (``news.py``).
-- ``control/plan``: a copy of the newest round's plan, written with it, so that it reaches every
-  member by watch with the news of its round instead of by one read per member.
-  Members watch only ``control/`` and their own member key, so a change costs each of them O(1).
+- ``assigned/{member}``: bound to the member's lease, its seat in the newest round it is named
+  in (``seat.py``): written by the coordinator after the round's plan, before its news.
+  Members watch only ``control/``, their own member key and their own seat, so a change costs
+  each of them O(1) (the coordinator's watch, after ``control/``, does not hold the seats).
 
 The launchers of a job (``elastic run``) register under a sibling job, ``{job_id}.launchers``
 (``JobKeys.launchers``), with the same layout: its ``members/`` are the live launchers and its
@@ -149,8 +150,11 @@ class JobKeys:
         return f"{self.control}news"
 
     @property
-    def newest_plan(self) -> str:
-        return f"{self.control}plan"
+    def seats(self) -> str:
+        return f"{self.prefix}assigned/"
+
+    def seat(self, member_id: str) -> str:
+        return f"{self.seats}{member_id}"
 
     def launchers(self) -> "JobKeys":
         """The keys of this job's launchers (their membership and ``--plain`` generations)."""

@@ -2,11 +2,11 @@
 
 Owns the member key (bound to the lease), its lease's renewals (on the client's renewal thread,
 ``lease_renewals``, shared with the process's other members), and the member's watches: the
-job's ``control/`` keys (the coordinator and its news) and its own member key, fanned out to
-listeners. It never watches other members' records: a change costs each member O(1) events. A
-member whose lease is gone, or whose member key was deleted, is *fenced*: ``fenced`` is set,
-listeners hear of it, and this identity is never used again (a new ``EtcdMembership`` registers
-as a new member). No torch here.
+job's ``control/`` keys (the coordinator and its news), its own member key and its own seat
+(``seat.py``), fanned out to listeners. It never watches other members' records: a change
+costs each member O(1) events. A member whose lease is gone, or whose member key was deleted,
+is *fenced*: ``fenced`` is set, listeners hear of it, and this identity is never used again (a
+new ``EtcdMembership`` registers as a new member). No torch here.
 
 A member may instead share its node's lease (``NodeLease``: ``elastic run --node-lease``), which
 its launcher keeps alive for every worker of the node: it then grants nothing and renews
@@ -60,10 +60,11 @@ class NodeLease:
 
 
 def drop_member(client: EtcdClient, keys: JobKeys, member_id: str, lease: int) -> bool:
-    """Deletes member ``member_id``'s key if it is still bound to ``lease``, and the coordinator
-    key if that member holds it under the same lease: what the end of the member's own lease
-    would delete, for a member that shares ``lease`` with others (``NodeLease``). Each delete
-    is conditional on the revision read, so a key re-written since is left alone.
+    """Deletes member ``member_id``'s key if it is still bound to ``lease`` (and then its
+    seat), and the coordinator key if that member holds it under the same lease: what the end
+    of the member's own lease would delete, for a member that shares ``lease`` with others
+    (``NodeLease``). The deletes of the member and coordinator keys are conditional on the
+    revision read, so a key re-written since is left alone.
 
     Returns:
         Whether the member key was deleted now.
@@ -72,6 +73,8 @@ def drop_member(client: EtcdClient, keys: JobKeys, member_id: str, lease: int) -
     kv = client.get(keys.member(member_id))
     if kv is not None and kv.lease == lease:
         dropped = client.delete_if(kv.key, kv.mod_revision)
+    if dropped:
+        client.delete(keys.seat(member_id))
     held = client.get(keys.coordinator)
     if held is not None and held.lease == lease and held.value == member_id.encode():
         client.delete_if(held.key, held.mod_revision)
@@ -139,8 +142,8 @@ class EtcdMembership:
         self._cancel_watches: list[Callable[[], None]] = []
 
     def add_listener(self, listener: Listener) -> None:
-        """Calls ``listener`` with every change of the job's ``control/`` keys and of this
-        member's own key (on the etcd thread)."""
+        """Calls ``listener`` with every change of the job's ``control/`` keys, of this
+        member's own key and of its seat (on the etcd thread)."""
         self._listeners.append(listener)
 
     def on_fenced(self, callback: Callable[[], None]) -> None:
@@ -179,7 +182,8 @@ class EtcdMembership:
                                    kv.create_revision) for kv in registered.read])
         self._cancel_watches = [
             self._client.watch_prefix(prefix, registered.revision + 1, self._dispatch)
-            for prefix in (self.keys.control, self.keys.member(self.member_id))]
+            for prefix in (self.keys.control, self.keys.member(self.member_id),
+                           self.keys.seat(self.member_id))]
         self.is_registered = True
         if self.node_lease is not None:
             self._keepalive = threading.Thread(target=self._heartbeat, name="elastic-heartbeat",

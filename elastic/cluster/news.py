@@ -103,19 +103,23 @@ class NewsMonitor:
         self._round: int | None = None
         self._broken = False
         self._latest: RoundNews | None = None  # the newest news the watch brought, armed or not
+        self._fed = False  # the listener was called: by the registration's hand-over, or later
 
     def arm(self, topology: "Topology", client: EtcdClient) -> None:
         """Starts tracking a newly formed round and acts on the news written while this member
-        was forming: the newest the watch brought, or, when the watch has not yet brought the
-        news of this round, the record itself (one read)."""
+        was forming: the newest the watch brought. The news of a round is written after its
+        members' seats, so when the watch has brought only older news, it brings this round's
+        later; only a monitor that was not listening from its member's registration (which
+        hands it the ``control/`` keys as they were) reads the record (one read)."""
         with self._lock:
             self._round = topology.round
             self._broken = False
             self.pending.clear()
             self.reason = ""
-            latest = self._latest
-        if latest is not None and latest.round >= topology.round:
-            self._apply(latest)
+            latest, fed = self._latest, self._fed
+        if fed:
+            if latest is not None and latest.round >= topology.round:
+                self._apply(latest)
             return
         kv = client.get(self._keys.news)
         if kv is not None:
@@ -151,6 +155,8 @@ class NewsMonitor:
     def on_events(self, events: list[WatchEvent]) -> None:
         """Listener for the membership watch (runs on the etcd thread)."""
         read = read_news(self._keys, events, self._skipped)
+        with self._lock:
+            self._fed = True
         if read is None:
             return
         with self._lock:
@@ -176,11 +182,3 @@ class NewsMonitor:
         if broken:
             self._on_broken(broken)
 
-
-def read_plan_copy(keys: JobKeys, events: list[WatchEvent]) -> bytes | None:
-    """The newest copy of a round's plan among ``events`` (``control/plan``, written with the
-    news of its round), unparsed: None when there is none."""
-    for event in reversed(events):
-        if event.key == keys.newest_plan and event.kind == "put":
-            return event.value
-    return None

@@ -2,18 +2,18 @@
 
 A member reports the members of round ``R`` (the newest planned) whose agreement connection
 it saw end (``gone_reports``), asks to be in round ``R + 1`` with its newest commit version,
-waits for the news of round ``R + 1`` (``control/news``), which comes with a copy of its plan
-(``control/plan``; read once otherwise). The job's coordinator (``coordinator.py``, elected
-at registration or later by compare-and-swap) closes the round once the rules allow
-(``verdict``) by one compare-and-swap that creates ``rounds/{n}/plan``, moves ``round`` to
-``n`` and writes the news and the plan's copy: one plan per round. Waiting
-wakes on the news and on the wake cap, never on a polling sleep; a waiting member reads no
-other member's records.
+and waits for its seat in round ``R + 1`` (``seat.py``, by the watch of its own seat key). The
+job's coordinator (``coordinator.py``, elected at registration or later by compare-and-swap)
+closes the round once the rules allow (``verdict``) by one compare-and-swap that creates
+``rounds/{n}/plan`` and moves ``round`` to ``n``: one plan per round. It then writes each member
+of the plan its seat, then the round's news (``control/news``). A member that the news of the
+round reaches without a seat of that round reads its seat, then the round's plan, once each:
+it asked too late, or the watch brought the news first. Waiting wakes on the watch and on the
+wake cap, never on a polling sleep; a waiting member reads no other member's records.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -32,32 +32,54 @@ from elastic.cluster import records
 from elastic.cluster.gone_reports import GoneReports
 from elastic.cluster.verdict import CloseVerdict
 from elastic.cluster.coordinator import Coordinator
-from elastic.cluster.news import RoundNews, read_news, read_plan_copy
+from elastic.cluster.news import RoundNews, read_news
 from elastic.cluster.records import RecordError, SkippedRecords
+from elastic.cluster.seat import Seat, seat_in
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Topology:
-    """This member's place in a formed round."""
+    """This member's place in a formed round, from its seat (``seat.py``).
+
+    ``lineage`` names the round among the rounds of any etcd, the same on each of its members.
+    ``members`` lists every rank on rank 0 only: the other ranks talk to rank 0 alone.
+    """
 
     round: int
     rank: int
     world_size: int
-    members: tuple[str, ...]
+    member_id: str
+    rank0: str
     master_addr: str
     master_port: int
     store_prefix: str
-    versions: dict[str, int]
+    lineage: int
+    members: tuple[str, ...] = ()
 
-    @property
-    def lineage(self) -> int:
-        """A positive int64 naming this round among the rounds of any etcd (its number and
-        its members: a member id belongs to one registration), the same on each member."""
-        digest = hashlib.blake2b(f"{self.round} {' '.join(self.members)}".encode(),
-                                 digest_size=8).digest()
-        return int.from_bytes(digest, "big") >> 1 or 1
+    @staticmethod
+    def of(seat: Seat, member_id: str, store_prefix: str) -> "Topology":
+        return Topology(round=seat.round, rank=seat.rank, world_size=seat.world_size,
+                        member_id=member_id, rank0=seat.rank0, master_addr=seat.master_addr,
+                        master_port=seat.master_port, store_prefix=store_prefix,
+                        lineage=seat.lineage, members=seat.ranks)
+
+    def member(self, rank: int) -> str:
+        """The id of the member with ``rank``: any rank on rank 0; elsewhere this member's own
+        and rank 0's, the only ranks it talks to.
+
+        Raises:
+            ValueError: another rank, asked of a member that is not rank 0.
+        """
+        if self.members:
+            return self.members[rank]
+        if rank == self.rank:
+            return self.member_id
+        if rank == 0:
+            return self.rank0
+        raise ValueError(f"rank {self.rank} of round {self.round} does not know who has rank "
+                         f"{rank}: only rank 0 does")
 
 
 class Rendezvous:
@@ -83,7 +105,7 @@ class Rendezvous:
         self._epoch = 0
         self.standby = config.standby  # a warm spare until a round takes it
         self._news: RoundNews | None = None  # the newest news seen (by watch or one read)
-        self._newest_plan: bytes | None = None  # ``control/plan`` as the watch brought it
+        self._seat: Seat | None = None  # this member's newest seat, as the watch brought it
         self._last_round = 0  # the last round this member was in
         membership.add_listener(self._on_events)
         # Listening before the registration: it hands over the ``control/`` keys as they were.
@@ -94,14 +116,23 @@ class Rendezvous:
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         read = read_news(self._keys, events, self._skipped)
-        plan = read_plan_copy(self._keys, events)
+        seat = self._read_seat(events)
         with self._changed:
             if read is not None:
                 self._news = read[0]  # the watch delivers in order: the last is the newest
-            if plan is not None:
-                self._newest_plan = plan
+            if seat is not None and (self._seat is None or seat.round >= self._seat.round):
+                self._seat = seat
             self._epoch += 1
             self._changed.notify_all()
+
+    def _read_seat(self, events: list[WatchEvent]) -> Seat | None:
+        """This member's newest seat among ``events`` (None: none, or malformed)."""
+        key = self._keys.seat(self._membership.member_id)
+        for event in reversed(events):
+            if event.key == key and event.kind == "put":
+                return self._skipped.read(key, event.revision,
+                                          lambda e=event: Seat.from_json(e.value))
+        return None
 
     def stop(self) -> None:
         """Stops this member's coordinator (before its membership leaves)."""
@@ -146,19 +177,11 @@ class Rendezvous:
 
     def read_plan(self, n: int, stored: KeyValue | None = None) -> Plan | None:
         """The plan of round ``n``, or None when there is none yet: ``stored`` (the round's
-        own key, as a watch of it brought it), else the copy that the watch of ``control/``
-        brought when it is of round ``n``, else read.
+        own key, as a watch of it brought it), else read.
 
         Raises:
             EtcdRecordError: the stored plan is malformed.
         """
-        with self._changed:
-            newest = self._newest_plan
-        if newest is not None and n > 0 and stored is None:
-            try:
-                return Plan.from_json(newest, n)
-            except RecordError:
-                pass  # of another round (or malformed): the round's own key decides
         kv = stored or (self._client.get(self._keys.plan(n)) if n > 0 else None)
         if kv is None:
             return None
@@ -198,9 +221,11 @@ class Rendezvous:
         self._coordinator.start()
         while True:
             self._membership.check_not_fenced()
-            n = self._news_now().round + 1  # written with ``round`` by every close
+            n = self._newest_told() + 1
             if self._last_round and n - 1 > self._last_round:  # it went on: without this one?
-                self._check_not_cut(self.read_plan(self._last_round + 1))
+                went_on = self.read_plan(self._last_round + 1)
+                me = self._membership.member_id
+                self._check_not_cut(None if went_on is None else seat_in(went_on, me))
             # A warm spare's joins never ask the running members to re-form.
             request = JoinRequest(self._membership.member_id, version,
                                   "spare" if self.standby else reason,
@@ -210,42 +235,51 @@ class Rendezvous:
             self._report_gone(n, gone(n), reported)
             self._client.put(self._keys.join(n, self._membership.member_id), request.to_json(),
                              lease=self._membership.lease)
-            plan = self._wait_for_plan(n, started, cancelled, gone, reported)
-            if plan is None:
-                log.info("round %d was overtaken by later rounds; asking for the newest", n)
+            seat = self._wait_for_seat(n, started, cancelled, gone, reported)
+            if seat is None:
+                log.info("round %d closed without %s (or was overtaken); asking for the next",
+                         n, self._membership.member_id)
                 continue
-            if self._membership.member_id in plan.ranks:
-                self.standby = False
-                return self._topology(plan)
-            if self._membership.member_id in plan.spares:
+            self._check_not_cut(seat)
+            if seat.place == "spare":
                 return None
-            self._check_not_cut(plan)
-            log.info("round %d closed without %s; asking for the next", n,
-                     self._membership.member_id)
+            self.standby = False
+            self._last_round = n
+            return Topology.of(seat, self._membership.member_id, self._keys.store(n))
 
-    def _check_not_cut(self, plan: Plan | None) -> None:
-        """Raises ``CutOffError`` when ``plan`` went on without this member and named it cut
-        off (also when its lease outlived the cut: it must not write as itself again)."""
-        if plan is not None and self._membership.member_id in plan.cut:
-            raise CutOffError(f"round {plan.round} went on without "
+    def _newest_told(self) -> int:
+        """The newest round this member knows closed: by its news, or by its seat (which the
+        watch may bring before the news of its round)."""
+        with self._changed:
+            seated = 0 if self._seat is None else self._seat.round
+        return max(self._news_now().round, seated)
+
+    def _check_not_cut(self, seat: Seat | None) -> None:
+        """Raises ``CutOffError`` when ``seat`` says that its round went on without this
+        member, cut off (also when its lease outlived the cut: it must not write as itself
+        again)."""
+        if seat is not None and seat.place == "cut":
+            raise CutOffError(f"round {seat.round} went on without "
                               f"{self._membership.member_id}: the network between it and the "
                               "other members went down")
 
-    def _wait_for_plan(self, n: int, started: float, cancelled: Callable[[], bool],
+    def _wait_for_seat(self, n: int, started: float, cancelled: Callable[[], bool],
                        gone: Callable[[int], dict[str, bool]],
-                       reported: set[str]) -> Plan | None:
-        """Waits for the news of round ``n`` and reads its plan; None when round ``n`` was
-        overtaken (the news is of a later round and no plan of ``n`` is left to read)."""
+                       reported: set[str]) -> Seat | None:
+        """Waits for this member's seat in round ``n``; None when round ``n`` closed without
+        it, or was overtaken (the news is of a later round and no plan of ``n`` is left)."""
         enough_since = started  # when the round last had min_workers (checked past the timeout)
         while True:
             with self._changed:
-                epoch = self._epoch
+                epoch, seat = self._epoch, self._seat
+            if seat is not None and seat.round == n:
+                return seat
             self._membership.check_not_fenced()
             if cancelled():
                 raise LeaveInterrupt(f"asked to leave while waiting for round {n}")
             news = self._news_now()
-            if news.round >= n:
-                return self.read_plan(n)
+            if news.round >= n:  # told after the seats: this member has none, or not heard it
+                return self._seat_of(n)
             if news.round == n - 1 and news.done:
                 raise RendezvousClosedError(f"The job finished in round {n - 1}; nothing to join.")
             self._report_gone(n, gone(n), reported)
@@ -312,18 +346,17 @@ class Rendezvous:
 
     def close(self, n: int, round_revision: int, requests: list[JoinRequest],
               previous: Plan | None, cut: frozenset[str] = frozenset()) -> bool:
-        """Writes round ``n``'s plan, moves ``round`` to ``n`` and writes its news: only if no
-        plan of ``n`` exists and ``round`` is still what the closer read (``n - 1``), so that
-        ``round`` only moves forward, even for a closer that was delayed past later rounds.
-        The members in ``cut`` are left out and named in the plan (``verdict``)."""
+        """Writes round ``n``'s plan and moves ``round`` to ``n``: only if no plan of ``n``
+        exists and ``round`` is still what the closer read (``n - 1``), so that ``round`` only
+        moves forward, even for a closer that was delayed past later rounds. The members in
+        ``cut`` are left out and named in the plan (``verdict``). The coordinator then seats
+        the plan's members and tells the round's news (``Coordinator._tell``)."""
         plan = assign_ranks([r for r in requests if r.member_id not in cut],
                             previous.ranks if previous else [], n,
                             self.config.max_workers, self.config.min_workers)
         plan = replace(plan, cut=sorted(cut))
         stored = plan.to_json()
-        if self._client.create(self._keys.plan(n), stored,
-                               also={self._keys.round: str(n), self._keys.newest_plan: stored,
-                                     self._keys.news: RoundNews(n).to_json()},
+        if self._client.create(self._keys.plan(n), stored, also={self._keys.round: str(n)},
                                unchanged=(self._keys.round, round_revision)):
             log.info("round %d formed by %s: world %d", n, self._membership.member_id,
                      plan.world_size)
@@ -332,13 +365,17 @@ class Rendezvous:
             return True
         return False
 
-    def _topology(self, plan: Plan) -> Topology:
+    def _seat_of(self, n: int) -> Seat | None:
+        """This member's seat in round ``n``, read: its seat key, else the round's plan (None:
+        the plan does not name it, or is gone)."""
         me = self._membership.member_id
-        self._last_round = plan.round
-        return Topology(round=plan.round, rank=plan.ranks.index(me), world_size=plan.world_size,
-                        members=tuple(plan.ranks), master_addr=plan.master_addr,
-                        master_port=plan.master_port,
-                        store_prefix=self._keys.store(plan.round), versions=dict(plan.versions))
+        kv = self._client.get(self._keys.seat(me))
+        seat = None if kv is None else self._skipped.read(kv.key, kv.mod_revision,
+                                                         lambda: Seat.from_json(kv.value))
+        if seat is not None and seat.round == n:
+            return seat
+        plan = self.read_plan(n)
+        return None if plan is None else seat_in(plan, me)
 
     def finish(self, topology: Topology, timeout: timedelta) -> None:
         """Records that this member returned from the training function, then waits until every
@@ -366,7 +403,8 @@ class Rendezvous:
         """The members of the round that neither returned nor left, read from etcd (O(N): only
         for a fenced member, when every lease may be gone and no coordinator can speak)."""
         n = topology.round
+        plan = self.read_plan(n)
         dones, _ = self._client.get_prefix(self._keys.dones(n))
         finished = {kv.key[len(self._keys.dones(n)):] for kv in dones}
         _, live = self._read_round(n + 1)
-        return [m for m in topology.members if m not in finished and m in live]
+        return [m for m in (plan.ranks if plan else []) if m not in finished and m in live]

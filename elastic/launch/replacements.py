@@ -9,8 +9,9 @@ the dead worker, and connect its group and move the state meanwhile), or ``wait`
 death, whichever comes first: the survivors may be too
 few to form a round alone (``--min-workers``), or wait for a member inside a long step. A worker
 that was alone in its round, or is in no current round (it died before joining, or the others
-went on without it already), is replaced at once. The rounds come from the job's ``control/``
-keys (its news and the copy of its newest plan): one watch, O(1) per change for the launcher.
+went on without it already), is replaced at once. The rounds come from the job's news
+(``control/``): one watch, O(1) per change for the launcher; at a death it reads the newest
+round's plan once.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
+from elastic.errors import EtcdAccessError, EtcdUnavailableError
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.keys import JobKeys
-from elastic.cluster.news import read_news, read_plan_copy
+from elastic.cluster.news import read_news
 from elastic.cluster.plan import Plan
 from elastic.cluster.records import RecordError, SkippedRecords
 
@@ -63,7 +65,6 @@ class Replacements:
         self._wait_s, self._connect_s = wait.total_seconds(), connect.total_seconds()
         self._lock = threading.Lock()
         self._round = 0  # the newest round, from the news
-        self._plan: bytes | None = None  # the newest plan's copy, parsed only at a death
         self._held: list[_Held] = []
         self._skipped = SkippedRecords()
         self._cancel: Callable[[], None] | None = None
@@ -81,11 +82,12 @@ class Replacements:
         """Holds ``replacement`` back while the survivors of the round its worker (known in etcd
         as ``members``) died in re-form; False when it should start now."""
         with self._lock:
-            raw, newest = self._plan, self._round
+            newest = self._round
         try:
-            plan = None if raw is None else Plan.from_json(raw, newest)
-        except RecordError:
-            plan = None  # of a round the news has not told yet, or malformed: do not wait
+            kv = self._client.get(self._keys.plan(newest)) if newest else None
+            plan = None if kv is None else Plan.from_json(kv.value, newest)
+        except (RecordError, EtcdUnavailableError, EtcdAccessError):
+            plan = None  # malformed, or etcd does not answer: do not wait
         if plan is None or plan.world_size < 2 or not set(members) & set(plan.ranks):
             return False
         with self._lock:
@@ -115,14 +117,11 @@ class Replacements:
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         read = read_news(self._keys, events, self._skipped)
-        plan = read_plan_copy(self._keys, events)
         connected = time.monotonic() + self._connect_s
         formed = False
         with self._lock:
             if read is not None:
                 self._round = read[0].round
-            if plan is not None:
-                self._plan = plan
             for held in self._held:
                 if not held.formed and self._round > held.died_in:
                     held.formed = formed = True

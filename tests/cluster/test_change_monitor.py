@@ -9,6 +9,7 @@ from elastic.cluster.keys import JobKeys
 from elastic.cluster.monitor import ChangeMonitor
 from elastic.cluster.plan import JoinRequest
 from elastic.cluster.rendezvous import Topology
+from elastic.cluster.seat import lineage
 
 pytestmark = pytest.mark.unit
 
@@ -39,8 +40,9 @@ class FakeClient:
 
 def topology(round_: int = ROUND, members: tuple[str, ...] = (ME, "m1", "m2")) -> Topology:
     return Topology(round=round_, rank=members.index(ME), world_size=len(members),
-                    members=members, master_addr="127.0.0.1", master_port=1234,
-                    store_prefix=KEYS.store(round_), versions={m: 0 for m in members})
+                    member_id=ME, rank0=members[0], master_addr="127.0.0.1", master_port=1234,
+                    store_prefix=KEYS.store(round_), lineage=lineage(round_, members),
+                    members=members)
 
 
 def join_value(member: str, reason: str = "start") -> bytes:

@@ -375,6 +375,22 @@ def test_replace_clearing_prefixes_writes_and_clears_in_one_guarded_transaction(
     assert client.get("/t/clr/job/config").value == b"new"
 
 
+def test_many_puts_go_in_transactions_and_only_a_key_whose_lease_is_gone_is_not_written(
+        client):
+    prefix = f"/test/put-many-{os.getpid()}/"
+    live, gone = client.grant(timedelta(seconds=30)), client.grant(timedelta(seconds=30))
+    assert client.revoke(gone)
+    entries = [(f"{prefix}{i:03d}", f"v{i}", gone if i == 150 else live) for i in range(250)]
+    try:
+        assert client.put_many(entries) == [f"{prefix}150"]
+        written, _ = client.get_prefix(prefix)
+        assert [kv.key for kv in written] == [k for k, _, _ in entries if not k.endswith("150")]
+        assert {kv.lease for kv in written} == {live}
+        assert client.put_many([]) == []
+    finally:
+        client.revoke(live)
+
+
 def test_replace_while_held_writes_only_while_the_held_key_is_unchanged(client):
     """A coordinator's news write is guarded by its own coordinator key: once that key went
     (its lease ended) or was taken again, the write does nothing."""

@@ -1,5 +1,5 @@
-"""What is read from etcd is checked before use: join requests, plans and the round counter
-(pure: bytes in, a value or a typed error out; no etcd)."""
+"""What is read from etcd is checked before use: join requests, plans, seats and the round
+counter (pure: bytes in, a value or a typed error out; no etcd)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from elastic.cluster import records
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.plan import JoinRequest, Plan
 from elastic.cluster.records import RecordError, SkippedRecords
+from elastic.cluster.seat import Seat, lineage, seat_in, seats_of
 from elastic.errors import EtcdRecordError
 
 pytestmark = pytest.mark.unit
@@ -85,6 +86,34 @@ def test_a_plan_is_checked_against_its_round_and_its_fields():
         assert bad != raw
         with pytest.raises(RecordError):
             Plan.from_json(bad, 4)
+
+
+def test_a_plan_seats_each_member_it_names_and_only_rank_0_is_told_every_rank():
+    plan = Plan(round=7, ranks=["a-1-x", "b-2-y", "c-3-z"], spares=["s-4-w"], cut=["k-5-v"],
+                master_addr="10.0.0.7", master_port=29400)
+    seats = seats_of(plan)
+    assert set(seats) == {"a-1-x", "b-2-y", "c-3-z", "s-4-w", "k-5-v"}
+    assert seats["a-1-x"].ranks == ("a-1-x", "b-2-y", "c-3-z") and seats["c-3-z"].ranks == ()
+    assert seats["c-3-z"] == Seat(round=7, place="rank", rank=2, world_size=3,
+                                  master_addr="10.0.0.7", master_port=29400, rank0="a-1-x",
+                                  lineage=lineage(7, plan.ranks))
+    assert (seats["s-4-w"].place, seats["k-5-v"].place) == ("spare", "cut")
+    assert seat_in(plan, "b-2-y") == seats["b-2-y"] and seat_in(plan, "z-9-q") is None
+    for seat in seats.values():
+        assert Seat.from_json(seat.to_json().encode()) == seat
+    big = Plan(round=7, ranks=[f"m-{i}-x" for i in range(1000)])
+    assert len(seat_in(big, "m-500-x").to_json()) < 200 < len(big.to_json()) / 10
+
+
+@pytest.mark.parametrize("changes", [{"rank": 3}, {"rank": -1}, {"place": "chair"},
+                                     {"world_size": 0}, {"rank0": "a/b"}, {"lineage": 0},
+                                     {"ranks": ["a-1-x"]}, {"extra": 1}])
+def test_a_malformed_seat_is_a_record_error(changes):
+    good = json.loads(seats_of(Plan(round=2, ranks=["a-1-x", "b-2-y", "c-3-z"]))["a-1-x"]
+                      .to_json())
+    Seat.from_json(json.dumps(good).encode())
+    with pytest.raises(RecordError):
+        Seat.from_json(json.dumps({**good, **changes}).encode())
 
 
 @pytest.mark.parametrize("raw", [b"x", b"-1", b"0", b"\xc2\xb2", b"1e3", b"123456789"])

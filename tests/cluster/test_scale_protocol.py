@@ -38,12 +38,13 @@ class Member:
     """One member: membership, rendezvous and its news monitor; counts the events it hears."""
 
     def __init__(self, client: EtcdClient, job: str, version: int = 0,
-                 node_lease: NodeLease | None = None) -> None:
+                 node_lease: NodeLease | None = None,
+                 config: RendezvousConfig = RendezvousConfig(timeouts=TIMEOUTS)) -> None:
         self.client = client
         self.version = version
         self.membership = EtcdMembership(client, JobKeys(job), "127.0.0.1", timedelta(seconds=10),
                                          claim=JobKeys(job).coordinator, node_lease=node_lease)
-        self.rendezvous = Rendezvous(client, self.membership, RendezvousConfig(timeouts=TIMEOUTS))
+        self.rendezvous = Rendezvous(client, self.membership, config)
         self.broken = threading.Event()
         self.monitor = NewsMonitor(JobKeys(job), lambda reason: self.broken.set())
         self.heard: Counter[str] = Counter()
@@ -52,9 +53,11 @@ class Member:
         self.membership.register()
 
     def _count(self, events: list[WatchEvent]) -> None:
+        keys = self.membership.keys
         self.heard["events"] += len(events)
-        self.heard["others"] += sum(not e.key.startswith(self.membership.keys.control)
-                                    and e.key != self.membership.keys.member(self.id)
+        self.heard["bytes"] += sum(len(e.value) for e in events)
+        self.heard["others"] += sum(not e.key.startswith(keys.control)
+                                    and e.key not in (keys.member(self.id), keys.seat(self.id))
                                     for e in events)
 
     @property
@@ -84,6 +87,7 @@ def test_a_change_costs_each_member_a_few_events_and_never_another_members_recor
         first = form_all(members, "start")
         assert {t.round for t in first} == {1} and {t.world_size for t in first} == {24}
         before = {m.id: m.heard["events"] for m in members}
+        heard = {m.id: m.heard["bytes"] for m in members}
         victim = next(m for m, t in zip(members, first) if t.rank == 23)
         client.revoke(victim.membership.lease)  # what its launcher does after a SIGKILL
         survivors = [m for m in members if m is not victim]
@@ -92,6 +96,41 @@ def test_a_change_costs_each_member_a_few_events_and_never_another_members_recor
         assert {t.round for t in second} == {2} and {t.world_size for t in second} == {23}
         assert max(m.heard["events"] - before[m.id] for m in survivors) <= 5
         assert sum(m.heard["others"] for m in members) == 0
+        # Only rank 0 is handed every rank: the others hear less than the plan holds, whatever N.
+        plan = members[0].rendezvous.read_plan(2)
+        assert plan is not None and plan.world_size == 23
+        rank0 = next(m for m, t in zip(survivors, second) if t.rank == 0)
+        assert max(m.heard["bytes"] - heard[m.id] for m in survivors if m is not rank0) \
+            < len(plan.to_json())
+    finally:
+        for m in members:
+            m.leave()
+
+
+def test_a_round_whose_closer_died_before_seating_its_members_is_seated_by_the_coordinator(
+        client):
+    keys = JobKeys("scale-unseated")
+    config = RendezvousConfig(min_workers=3, timeouts=TIMEOUTS)  # the coordinator never closes
+    members = [Member(client, keys.job_id, version=i, config=config) for i in range(2)]
+    try:
+        with ThreadPoolExecutor(len(members)) as pool:
+            forming = [pool.submit(m.form, "start") for m in members]
+            assert poll_until(lambda: len(client.get_prefix(keys.joins(1))[0]) == 2, WAIT_S)
+            joins, _ = client.get_prefix(keys.joins(1))
+            leases = {m.id: m.membership.lease for m in members}
+            closer = members[0].rendezvous
+            requests = [closer.admissible(1, kv, leases) for kv in joins]
+            # A closer writes the plan and moves the round, then dies: no seat, no news.
+            assert closer.close(1, 0, [r for r in requests if r is not None], None)
+            formed = [f.result(timeout=WAIT_S) for f in forming]
+        assert sorted((t.rank, t.member_id) for t in formed) == [(0, members[1].id),
+                                                                 (1, members[0].id)]
+        assert {t.lineage for t in formed} == {formed[0].lineage}
+        def told() -> int:
+            news = client.get(keys.news)
+            return 0 if news is None else RoundNews.from_json(news.value).round
+
+        assert poll_until(lambda: told() == 1, WAIT_S), "the news follows the seats"
     finally:
         for m in members:
             m.leave()
@@ -399,7 +438,8 @@ def test_workers_sharing_their_nodes_lease_grant_and_renew_nothing_and_a_dropped
         assert all(m.broken.wait(WAIT_S) for m in survivors)
         second = form_all(survivors, "failure")
         assert {t.round for t in second} == {2} and {t.world_size for t in second} == {3}
-        assert victim.id not in second[0].members
+        rank0 = next(t for t in second if t.rank == 0)
+        assert sorted(rank0.members) == sorted(m.id for m in survivors)
         assert counting.get(keys.coordinator).value.decode() in {m.id for m in survivors}
         assert not drop_member(counting, keys, victim.id, node.lease), "removed twice"
     finally:

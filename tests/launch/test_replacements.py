@@ -1,5 +1,5 @@
 """When a crashed worker's replacement starts (``Replacements``), against a real etcd: the
-job's rounds are written as the coordinator writes them (the news, the newest plan's copy)."""
+job's rounds are written as the coordinator writes them (the plan, then the news)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ SLOT = Replacement(local_rank=1, standby=False)
 
 
 def write_round(client: EtcdClient, keys: JobKeys, n: int, ranks: list[str]) -> None:
-    client.put(keys.newest_plan, Plan(round=n, ranks=ranks).to_json())
+    client.put(keys.plan(n), Plan(round=n, ranks=ranks).to_json())
     client.put(keys.news, RoundNews(n).to_json())
 
 
