@@ -254,7 +254,7 @@ def etcd_cpu_s(pid: int) -> float:
 
 def etcd_metrics(url: str) -> dict[str, float]:
     """etcd's own counts: gRPC requests handled (all, and the KV writes), lease keepalive
-    streams opened and renewals received, and watch events."""
+    streams opened and renewals received, watch events, and the bytes it sent to clients."""
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     out: Counter[str] = Counter()
     for line in text.splitlines():
@@ -272,6 +272,8 @@ def etcd_metrics(url: str) -> dict[str, float]:
         elif line.startswith("grpc_server_msg_received_total{") \
                 and 'grpc_method="LeaseKeepAlive"' in line:
             out["keepalives"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("etcd_network_client_grpc_sent_bytes_total "):
+            out["sent_bytes"] += float(line.rsplit(" ", 1)[1])
         elif line.startswith("etcd_debugging_mvcc_events_total "):
             out["watch_events"] += float(line.rsplit(" ", 1)[1])
         elif line.startswith("etcd_debugging_mvcc_watcher_total "):

@@ -20,7 +20,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 PANELS = [("first_round", "seconds", "first round: s to every member holding the plan"),
           ("one_death", "seconds", "one death: s to every survivor holding the next plan"),
           ("one_death", "etcd_requests", "one death: etcd requests per member (etcd /metrics)"),
-          ("one_death", "etcd_watch_events", "one death: watch events per member (etcd /metrics)")]
+          ("one_death", "etcd_watch_events", "one death: watch events per member (etcd /metrics)"),
+          ("first_round", "etcd_sent_bytes",
+           "first round: bytes etcd sent per member (etcd /metrics)"),
+          ("one_death", "etcd_sent_bytes", "one death: bytes etcd sent per member (etcd /metrics)")]
 
 
 def value(result: dict, phase: str, field: str) -> float | None:
@@ -38,9 +41,9 @@ def main() -> None:
     parser.add_argument("--out", default="docs/membership-scale.png")
     args = parser.parse_args()
     runs = [json.loads(Path(path).read_text()) for path in args.results]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    fig, axes = plt.subplots(3, 2, figsize=(11, 11.5))
     for ax, (phase, field, title) in zip(axes.flat, PANELS):
-        for run in runs:
+        for i, run in enumerate(runs):  # one colour per run in every panel
             points = [(r["n"], value(r, phase, field)) for r in run["results"]]
             shown = [(n, v) for n, v in points if v]
             missing = [n for n, v in points if not v]
@@ -48,7 +51,7 @@ def main() -> None:
             if missing:
                 label += f"; N={','.join(map(str, missing))} did not finish"
             if shown:
-                ax.plot(*zip(*shown), marker="o", label=label)
+                ax.plot(*zip(*shown), marker="o", label=label, color=f"C{i}")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("members N")

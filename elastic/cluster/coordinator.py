@@ -356,17 +356,26 @@ class Coordinator:
                                                           if monitor.pending.is_set() else ""),
                            done=bool(done_set & set(plan.ranks)),
                            finished=bool(done_set) and finished)
-            if (news == self._news and self._told) or self._lost:
+            if news == self._news and self._told:
                 return
+        if self._write_news(news):
+            self._news, self._told = news, True
+
+    def _write_news(self, news: RoundNews) -> bool:
+        """Writes ``news`` over the news record as this leader last saw it; False (and a step
+        again soon) when another wrote it since: a new coordinator, or its own close."""
+        with self._changed:
+            if self._lost:
+                return False
             revision = self._news_revision
             # Only while the key that made it leader is still its own: a leader whose lease
             # just ended (it may not know yet) must not write the news its successor writes.
             held = (self._keys.coordinator, self._holder_revision) \
                 if self._holder == self._membership.member_id and self._holder_revision else None
         if self._client.replace(self._keys.news, news.to_json(), revision, held=held):
-            self._news, self._told = news, True
-        else:  # another writer since our last look: a new coordinator, or our own plan
-            self._poke()
+            return True
+        self._poke()
+        return False
 
     def _seat(self, plan: Plan) -> None:
         """Writes the seat of every member ``plan`` names (``seat.py``), bound to its lease:
@@ -407,8 +416,13 @@ class Coordinator:
                                        waited, gone) if requests else None
         if cut is None:
             return
-        if self._rendezvous.close(n, revision, requests, self._plan, cut):
+        plan = self._rendezvous.close(n, revision, requests, self._plan, cut)
+        if plan is not None:  # its members are told at once, not when the watch brings it
             self._closed = n
+            self._seat(plan)
+            self._write_news(RoundNews(n))
+            if n > 2:
+                self._client.delete_prefix(self._keys.round_prefix(n - 2))
 
     def _admissible(self, n: int, kv: KeyValue, leases: dict[str, int]) -> JoinRequest | None:
         """``Rendezvous.admissible``, once per version of a request and of its member's lease

@@ -182,8 +182,12 @@ class EtcdMembership:
                                    kv.create_revision) for kv in registered.read])
         self._cancel_watches = [
             self._client.watch_prefix(prefix, registered.revision + 1, self._dispatch)
-            for prefix in (self.keys.control, self.keys.member(self.member_id),
-                           self.keys.seat(self.member_id))]
+            for prefix in (self.keys.control, self.keys.member(self.member_id))]
+        # No seat is written before this member asks to join, so its watch starts at etcd's
+        # current revision (0): it is never among the watches that etcd must catch up from
+        # the past. A seat it still misses, the member reads when the news of its round comes.
+        self._cancel_watches.append(
+            self._client.watch_prefix(self.keys.seat(self.member_id), 0, self._dispatch))
         self.is_registered = True
         if self.node_lease is not None:
             self._keepalive = threading.Thread(target=self._heartbeat, name="elastic-heartbeat",

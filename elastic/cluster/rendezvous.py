@@ -345,12 +345,13 @@ class Rendezvous:
         return enough_since
 
     def close(self, n: int, round_revision: int, requests: list[JoinRequest],
-              previous: Plan | None, cut: frozenset[str] = frozenset()) -> bool:
+              previous: Plan | None, cut: frozenset[str] = frozenset()) -> Plan | None:
         """Writes round ``n``'s plan and moves ``round`` to ``n``: only if no plan of ``n``
         exists and ``round`` is still what the closer read (``n - 1``), so that ``round`` only
         moves forward, even for a closer that was delayed past later rounds. The members in
-        ``cut`` are left out and named in the plan (``verdict``). The coordinator then seats
-        the plan's members and tells the round's news (``Coordinator._tell``)."""
+        ``cut`` are left out and named in the plan (``verdict``). Returns the plan written
+        (None: none); the coordinator then seats its members, tells the round's news and
+        deletes the keys of round ``n - 2``."""
         plan = assign_ranks([r for r in requests if r.member_id not in cut],
                             previous.ranks if previous else [], n,
                             self.config.max_workers, self.config.min_workers)
@@ -360,10 +361,8 @@ class Rendezvous:
                                unchanged=(self._keys.round, round_revision)):
             log.info("round %d formed by %s: world %d", n, self._membership.member_id,
                      plan.world_size)
-            if n > 2:
-                self._client.delete_prefix(self._keys.round_prefix(n - 2))
-            return True
-        return False
+            return plan
+        return None
 
     def _seat_of(self, n: int) -> Seat | None:
         """This member's seat in round ``n``, read: its seat key, else the round's plan (None:
