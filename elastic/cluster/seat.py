@@ -110,16 +110,11 @@ def seats_of(plan: Plan, members: list[str] | None = None) -> dict[str, Seat]:
 
     seats = {m: Seat(round=plan.round, place="spare") for m in named(plan.spares)}
     seats.update({m: Seat(round=plan.round, place="cut") for m in named(plan.cut)})
-    ranked = named(plan.ranks)
-    if not ranked:
-        return seats
-    rank_of = {m: i for i, m in enumerate(plan.ranks)} if len(ranked) > 1 else \
-        {ranked[0]: plan.ranks.index(ranked[0])}
     line = lineage(plan.round, plan.ranks)
-    for member in ranked:
-        rank = rank_of[member]
-        seats[member] = Seat(round=plan.round, place="rank", rank=rank,
-                             world_size=plan.world_size, master_addr=plan.master_addr,
-                             master_port=plan.master_port, rank0=plan.ranks[0], lineage=line,
-                             ranks=tuple(plan.ranks) if rank == 0 else ())
+    for rank, member in enumerate(plan.ranks):
+        if wanted is None or member in wanted:
+            seats[member] = Seat(round=plan.round, place="rank", rank=rank,
+                                 world_size=plan.world_size, master_addr=plan.master_addr,
+                                 master_port=plan.master_port, rank0=plan.ranks[0],
+                                 lineage=line, ranks=tuple(plan.ranks) if rank == 0 else ())
     return seats
