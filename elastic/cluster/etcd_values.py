@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aetcd
+import aetcd.rpc
 
 log = logging.getLogger(__name__)
 
@@ -57,22 +58,25 @@ def utf8_keys(kvs: Any) -> list[KeyValue]:
 
 
 def event_of(event: Any) -> WatchEvent:
-    kind = "put" if str(event.kind).endswith("PUT") else "delete"
+    """The event of etcd's protobuf ``mvccpb.Event``."""
+    kind = "delete" if event.type == aetcd.rpc.Event.DELETE else "put"
     return WatchEvent(kind=kind, key=event.kv.key.decode(), value=bytes(event.kv.value),
                       revision=event.kv.mod_revision, lease=event.kv.lease,
                       create_revision=event.kv.create_revision)
 
 
-def deliver(event: Any, callback: Callable[[list[WatchEvent]], None]) -> None:
-    """Hands one event to a watch's callback; nothing either does can end the watch."""
-    try:
-        seen = event_of(event)
-    except UnicodeDecodeError:
-        log.warning("skipping etcd key %r: not UTF-8 (nothing of ours writes it)",
-                    bytes(event.kv.key)[:80])
-        return
-    try:
-        callback([seen])
-    except Exception as exc:  # noqa: BLE001 (a listener's bug must not blind the member)
-        log.warning("a listener failed on %s %s (%s: %s); the watch goes on", seen.kind,
-                    seen.key, type(exc).__name__, exc)
+def deliver(events: list[Any], callback: Callable[[list[WatchEvent]], None]) -> None:
+    """Hands the events of one watch answer to a watch's callback, one at a time (a listener
+    that fails on one still gets the next); nothing either does can end the watch."""
+    for event in events:
+        try:
+            seen = event_of(event)
+        except UnicodeDecodeError:
+            log.warning("skipping etcd key %r: not UTF-8 (nothing of ours writes it)",
+                        bytes(event.kv.key)[:80])
+            continue
+        try:
+            callback([seen])
+        except Exception as exc:  # noqa: BLE001 (a listener's bug must not blind the member)
+            log.warning("a listener failed on %s %s (%s: %s); the watch goes on", seen.kind,
+                        seen.key, type(exc).__name__, exc)

@@ -1,12 +1,11 @@
 """Watches on one etcd connection: each re-opened after errors from the last revision it saw.
 
-aetcd hands a watch-create answer to whichever create is waiting when the answer arrives. An
-answer that comes after its create gave up (etcd was frozen, or the stream connected late)
-therefore binds a later watch to the wrong keys: that watch gets another's events and never
-its own. So watches are created one at a time, each within the RPC timeout, and a create that
-is not answered in time drops the whole connection: every watch on it is re-opened, from the
-last revision it saw, on a fresh connection that holds no stale create. A watch that re-opens
-on an etcd whose revision went back (it lost its data) starts from that etcd's beginning.
+Every watch of a client is on the connection's one Watch stream (``etcd_watch_stream``), its
+create naming its own id, so creates do not wait for each other. A create that is not answered
+within the RPC timeout (etcd is frozen, or the connection is half dead) drops the whole
+connection: every watch on it is re-opened, from the last revision it saw, on a fresh one. A
+watch that re-opens on an etcd whose revision went back (it lost its data) starts from that
+etcd's beginning.
 
 Used by ``etcd_client`` (which sets gRPC's environment before anything imports it).
 """
@@ -22,6 +21,7 @@ import aetcd
 
 from elastic.cluster.etcd_channel import TRANSIENT
 from elastic.cluster.etcd_values import WatchEvent, deliver
+from elastic.cluster.etcd_watch_stream import Watch, WatchStream
 from elastic.cluster.key_range import KeyRange
 from elastic.timeouts import Timeouts
 
@@ -46,7 +46,7 @@ class Watches:
         self._drop = drop
         self._fail_over = fail_over
         self._timeouts = timeouts
-        self._creating = asyncio.Lock()  # one create in flight per client
+        self._stream: WatchStream | None = None
         self._dropped = asyncio.Event()  # set when the connection of the open watches went
 
     async def forever(self, keys: KeyRange, revision: int,
@@ -69,10 +69,11 @@ class Watches:
                     on_open()
                 stopper = asyncio.ensure_future(_cancel_when(watch, stopped, dropped))
                 try:
-                    async for event in watch:
-                        revision = event.kv.mod_revision + 1
+                    while True:
+                        events = await watch.next()
+                        revision = events[-1].kv.mod_revision + 1
                         backoff_s = first_s
-                        deliver(event, callback)
+                        deliver(events, callback)
                 finally:
                     stopper.cancel()
             except aetcd.ClientError as exc:
@@ -95,7 +96,7 @@ class Watches:
                 backoff_s = min(max_s, backoff_s * 2)
 
     async def _open(self, keys: KeyRange, revision: int,
-                    reopened: bool) -> tuple[Any, asyncio.Event, int]:
+                    reopened: bool) -> tuple[Watch, asyncio.Event, int]:
         """Creates one watch; with it, the event set when its connection is dropped, and the
         revision it starts from (``revision``, unless etcd lost its data: ``_start``).
 
@@ -104,22 +105,26 @@ class Watches:
                 is dropped: its late answer must reach no other create).
         """
         timeout_s = self._timeouts.etcd_rpc.total_seconds()
-        async with self._creating:
-            client = await self._connected()
-            if reopened:
-                revision = await self._start(client, keys, revision)
-            dropped = self._dropped
-            try:
-                watch = await within(client.watch(keys.start.encode(), keys.end.encode(),
-                                                  start_revision=revision), timeout_s)
-            except (asyncio.TimeoutError, aetcd.WatchTimeoutError):
+        client = await self._connected()
+        if reopened:
+            revision = await self._start(client, keys, revision)
+        dropped = self._dropped
+        stream = self._stream
+        if stream is None or stream.client is not client or stream.broken:
+            if stream is not None:
+                stream.close()
+            stream = self._stream = WatchStream(client)
+        try:
+            watch = await stream.create(keys, revision, timeout_s)
+        except asyncio.TimeoutError:
+            if self._dropped is dropped:  # the first create to give up drops the connection
                 self._dropped = asyncio.Event()
                 dropped.set()
                 await self._drop(client)
-                raise aetcd.ConnectionTimeoutError(
-                    f"the watch on {keys} was not created within {timeout_s:g} s; "
-                    "reconnecting") from None
-            return watch, dropped, revision
+            raise aetcd.ConnectionTimeoutError(
+                f"the watch on {keys} was not created within {timeout_s:g} s; "
+                "reconnecting") from None
+        return watch, dropped, revision
 
     async def _start(self, client: aetcd.Client, keys: KeyRange, revision: int) -> int:
         """Where a watch re-opens: ``revision``, or 1 when etcd's own revision went back below
@@ -164,7 +169,7 @@ def _quiet(task: asyncio.Future) -> None:
         task.exception()
 
 
-async def _cancel_when(watch: Any, *events: asyncio.Event) -> None:
+async def _cancel_when(watch: Watch, *events: asyncio.Event) -> None:
     """Cancels ``watch`` once any of ``events`` is set (it was stopped, or its connection
     dropped: then it is re-opened on the next)."""
     waits = [asyncio.ensure_future(e.wait()) for e in events]
@@ -173,4 +178,4 @@ async def _cancel_when(watch: Any, *events: asyncio.Event) -> None:
     finally:
         for w in waits:
             w.cancel()
-    await watch.cancel()
+    watch.cancel()

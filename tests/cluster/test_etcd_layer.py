@@ -19,12 +19,14 @@ import pytest
 
 from elastic.errors import EtcdUnavailableError
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
+from elastic.cluster.key_range import KeyRange
 from elastic.launch.job_config import JobConfig, claim
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership, new_member_id
 from elastic.cluster.plan import JoinRequest, Plan
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig
 from elastic.timeouts import Timeouts
+from tests.support.slow_link import SlowLink
 
 
 def test_create_is_a_compare_and_swap_that_only_one_caller_wins(client):
@@ -238,19 +240,11 @@ def test_a_watch_sees_every_key_across_an_etcd_restart(private_etcd, lose_data):
 
 
 def test_watches_created_while_etcd_is_frozen_each_get_their_own_events(private_etcd):
-    """aetcd hands a watch-create answer to whichever create is waiting when it arrives: a
-    create that gave up while etcd was frozen must not feed its events to a later watch."""
+    """A create that gave up while etcd was frozen must not feed its events to a later watch
+    (aetcd hands a create's answer to whichever create waits when it arrives; ours name their
+    watch ids)."""
     client = EtcdClient(private_etcd.url, retry_for=timedelta(seconds=30))
-    got: dict[str, list[str]] = {"/t/b/": [], "/t/c/": []}
-    arrived = threading.Condition()
-
-    def collect(prefix: str):
-        def on_events(events: list[WatchEvent]) -> None:
-            with arrived:
-                got[prefix].extend(e.key for e in events)
-                arrived.notify_all()
-        return on_events
-
+    heard = _Heard(["/t/b/", "/t/c/"])
     gave_up = _LogSeen("watch on /t/b/* broke")
     watch_log = logging.getLogger("elastic.cluster")
     level = watch_log.level
@@ -260,16 +254,15 @@ def test_watches_created_while_etcd_is_frozen_each_get_their_own_events(private_
         _, revision = client.get_prefix("/t/")  # connected before etcd freezes
         private_etcd.pause()
         try:
-            # b's create goes out first; c's waits behind it and goes out once b's gives up
-            cancels = [client.watch_prefix(p, revision + 1, collect(p)) for p in got]
+            # b's and c's creates go out together; b's gives up first and drops the connection
+            cancels = [client.watch_prefix(p, revision + 1, heard.listener(p)) for p in heard.got]
             assert gave_up.wait(30), "b's watch create never gave up while etcd was frozen"
         finally:
             private_etcd.resume()
         client.put("/t/c/x", "1")
         client.put("/t/b/x", "2")
-        with arrived:
-            arrived.wait_for(lambda: all(got.values()), timeout=20)
-        assert got == {"/t/b/": ["/t/b/x"], "/t/c/": ["/t/c/x"]}
+        heard.wait_for_all(20)
+        assert heard.got == {"/t/b/": ["/t/b/x"], "/t/c/": ["/t/c/x"]}
         for cancel in cancels:
             cancel()
     finally:
@@ -542,3 +535,51 @@ def test_the_launcher_and_the_key_builder_import_no_grpc_before_the_etcd_client_
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_watches_opened_together_do_not_wait_for_each_others_answers(etcd):
+    """A process that opens many watches at once (hundreds of members registering, and the
+    coordinator's watch among them) sends their creates together, each naming its own watch:
+    through a link that delays etcd's every answer by 0.2 s, twenty watches are open within five
+    delays, where one create per round trip (aetcd's) takes twenty. Each still hears only its
+    own keys."""
+    delay_s, count = 0.2, 20
+    host, port = etcd.url.rsplit("//", 1)[1].rsplit(":", 1)
+    with SlowLink((host, int(port)), delay_s) as link:
+        client = EtcdClient(f"http://127.0.0.1:{link.port}")
+        try:
+            _, revision = client.get_prefix("/t/together/")  # connected
+            opened = threading.Semaphore(0)
+            heard = _Heard([f"/t/together/{i}/" for i in range(count)])
+            started = time.monotonic()
+            cancels = [client.watch_range(KeyRange.prefix(p), revision + 1, heard.listener(p),
+                                          opened.release) for p in heard.got]
+            assert all(opened.acquire(timeout=count * delay_s * 3) for _ in range(count))
+            took_s = time.monotonic() - started
+            assert took_s < 5 * delay_s, f"{count} watches took {took_s:.2f} s to open"
+            client.put_many([(f"{p}k", "v", 0) for p in heard.got])
+            heard.wait_for_all(20)
+            assert heard.got == {p: [f"{p}k"] for p in heard.got}
+            for cancel in cancels:
+                cancel()
+        finally:
+            client.close()
+
+
+class _Heard:
+    """The keys each of several watches heard, by the prefix it watches."""
+
+    def __init__(self, prefixes: list[str]) -> None:
+        self.got: dict[str, list[str]] = {p: [] for p in prefixes}
+        self._arrived = threading.Condition()
+
+    def listener(self, prefix: str):  # noqa: ANN201
+        def on_events(events: list[WatchEvent]) -> None:
+            with self._arrived:
+                self.got[prefix].extend(e.key for e in events)
+                self._arrived.notify_all()
+        return on_events
+
+    def wait_for_all(self, timeout_s: float) -> None:
+        with self._arrived:
+            assert self._arrived.wait_for(lambda: all(self.got.values()), timeout_s), self.got
