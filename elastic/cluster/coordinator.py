@@ -399,7 +399,8 @@ class Coordinator:
             joins = list(self._joins.get(n, {}).values())
             gone = list(self._gones.get(n, {}).values())
             revision = self._round_revision if self._round else 0
-        requests = [r for r in (self._admissible(n, kv, leases) for kv in joins)
+        start = len(self._keys.joins(n))  # where the member id begins in a join key
+        requests = [r for r in (self._admissible(n, kv, kv.key[start:], leases) for kv in joins)
                     if r is not None]
         state = (frozenset(r.member_id for r in requests), frozenset(leases))
         now = time.monotonic()
@@ -424,10 +425,10 @@ class Coordinator:
             if n > 2:
                 self._client.delete_prefix(self._keys.round_prefix(n - 2))
 
-    def _admissible(self, n: int, kv: KeyValue, leases: dict[str, int]) -> JoinRequest | None:
+    def _admissible(self, n: int, kv: KeyValue, member: str,
+                    leases: dict[str, int]) -> JoinRequest | None:
         """``Rendezvous.admissible``, once per version of a request and of its member's lease
         (a step sees every request of the round: parsing each again would cost O(N) each)."""
-        member = kv.key[len(self._keys.joins(n)):]
         checked = (kv.key, kv.mod_revision, leases.get(member))
         if checked not in self._checked:
             self._checked[checked] = self._rendezvous.admissible(n, kv, leases)

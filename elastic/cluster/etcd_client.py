@@ -342,15 +342,7 @@ class EtcdClient(CompareAndSwap):
             return {}
 
         async def renew_all(c: aetcd.Client) -> dict[int, int]:
-            remaining = await asyncio.gather(
-                *(self._keepalives.renew(c, lease, self._rpc_timeout_s) for lease in leases),
-                return_exceptions=True)
-            for outcome in remaining:  # they share one stream: one error is every one's
-                if isinstance(outcome, asyncio.CancelledError):
-                    raise aetcd.ConnectionFailedError("a lease renewal was cancelled")
-                if isinstance(outcome, BaseException):
-                    raise outcome
-            return dict(zip(leases, remaining))  # type: ignore[arg-type]
+            return await self._keepalives.renew(c, list(leases), self._rpc_timeout_s)
 
         try:
             return self._call(renew_all, "lease keepalive", retry_for)

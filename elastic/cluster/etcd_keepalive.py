@@ -31,31 +31,41 @@ class KeepAlives:
     def __init__(self) -> None:
         self._stream: _Stream | None = None
 
-    async def renew(self, client: aetcd.Client, lease: int, timeout_s: float) -> int:
-        """Renews ``lease`` once on ``client``'s stream; returns its remaining TTL in seconds
-        (0 when etcd no longer has it).
+    async def renew(self, client: aetcd.Client, leases: list[int],
+                    timeout_s: float) -> dict[int, int]:
+        """Renews each of ``leases`` once on ``client``'s stream, the requests sent together;
+        returns each one's remaining TTL in seconds (0 when etcd no longer has it).
 
         Raises:
-            aetcd.ConnectionTimeoutError: no reply within ``timeout_s`` (the stream is closed).
-            aetcd.ClientError: the stream broke (mapped from its gRPC status).
+            aetcd.ConnectionTimeoutError: a reply did not come within ``timeout_s`` (the stream
+                is closed).
+            aetcd.ClientError: the stream broke (mapped from its gRPC status); the renewals
+                share it, so one's error is every one's.
         """
         stream = self._stream
         if stream is None or stream.client is not client or stream.broken:
             if stream is not None:
                 stream.close()
             stream = self._stream = _Stream(client)
-        reply = stream.ask(lease)
+        replies = [stream.ask(lease) for lease in leases]
         try:
-            done, _ = await asyncio.wait({reply}, timeout=timeout_s)
+            _, pending = await asyncio.wait(replies, timeout=timeout_s)
         except asyncio.CancelledError:
-            reply.cancel()  # its answer, when it comes, is dropped
+            for reply in replies:
+                reply.cancel()  # its answer, when it comes, is dropped
             raise
-        if not done:
-            reply.cancel()
+        if pending:
+            for reply in replies:
+                reply.cancel()
             stream.close()
             raise aetcd.ConnectionTimeoutError(
                 f"no lease keepalive reply within {timeout_s:g} s; the stream is re-opened")
-        return reply.result()
+        for reply in replies:
+            if reply.cancelled():
+                raise aetcd.ConnectionFailedError("a lease renewal was cancelled")
+            if (error := reply.exception()) is not None:
+                raise error
+        return {lease: reply.result() for lease, reply in zip(leases, replies)}
 
     def close(self) -> None:
         """Closes the stream; renewals waiting on it fail."""
