@@ -1,8 +1,9 @@
 """Draws what ``bench_membership.py`` measured: time and etcd work per member against N, log-log.
 
 Usage: ``.venv/bin/python benchmarks/plot_membership.py RESULT.json [RESULT.json ...]
-[--out docs/membership-scale.png]``. Each JSON is one labelled run (before, after, ...); a phase
-that did not finish within the run's limit is left out of the time panels (and said so in the
+[--out docs/membership-scale.png]``. Each JSON is one labelled setting (before, after, ...),
+with one or more sweeps (a size measured more than once is drawn at its median); a phase that
+did not finish within the run's limit is left out of the time panels (and said so in the
 legend). matplotlib comes with the ``test`` and ``report`` extras.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -35,6 +37,16 @@ def value(result: dict, phase: str, field: str) -> float | None:
     return None
 
 
+def by_size(points: list[tuple[int, float | None]]) -> list[tuple[int, float | None]]:
+    """One point per N, in order: the median of its sweeps' values (None if none finished)."""
+    sizes: dict[int, list[float]] = {}
+    for n, v in points:
+        sizes.setdefault(n, [])
+        if v:
+            sizes[n].append(v)
+    return [(n, statistics.median(vs) if vs else None) for n, vs in sorted(sizes.items())]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("results", nargs="+")
@@ -44,7 +56,7 @@ def main() -> None:
     fig, axes = plt.subplots(3, 2, figsize=(11, 11.5))
     for ax, (phase, field, title) in zip(axes.flat, PANELS):
         for i, run in enumerate(runs):  # one colour per run in every panel
-            points = [(r["n"], value(r, phase, field)) for r in run["results"]]
+            points = by_size([(r["n"], value(r, phase, field)) for r in run["results"]])
             shown = [(n, v) for n, v in points if v]
             missing = [n for n, v in points if not v]
             label = f"{run['label']} (lease TTL {run.get('lease_ttl_s', 3.0):g} s)"
