@@ -21,7 +21,7 @@ import aetcd
 
 from elastic.cluster.etcd_channel import TRANSIENT
 from elastic.cluster.etcd_values import WatchEvent, deliver
-from elastic.cluster.etcd_watch_stream import Watch, WatchStream
+from elastic.cluster.etcd_watch_stream import Watch, WatchRefused, WatchStream
 from elastic.cluster.key_range import KeyRange
 from elastic.timeouts import Timeouts
 
@@ -61,6 +61,7 @@ class Watches:
         max_s = self._timeouts.backoff_max.total_seconds()
         backoff_s = first_s
         opens = 0
+        refused = False  # told the user once
         while not stopped.is_set():
             try:
                 opens += 1
@@ -76,6 +77,13 @@ class Watches:
                         deliver(events, callback)
                 finally:
                     stopper.cancel()
+            except WatchRefused as exc:
+                if stopped.is_set():
+                    return
+                (log.debug if refused else log.warning)(
+                    "etcd refused the watch on %s (%s): give this etcd user read access to the "
+                    "job's prefixes (README, \"Security\"); retrying", keys, exc)
+                refused = True
             except aetcd.ClientError as exc:
                 if stopped.is_set():
                     return

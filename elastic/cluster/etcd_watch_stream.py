@@ -30,6 +30,10 @@ from elastic.cluster.key_range import KeyRange
 Item = list[Any] | aetcd.ClientError
 
 
+class WatchRefused(aetcd.ClientError):
+    """etcd cancelled a watch for a reason of its own (permission denied, for one)."""
+
+
 class WatchStream:
     """The Watch call of one connection, shared by every watch opened on it."""
 
@@ -123,9 +127,8 @@ class WatchStream:
             self._end(watch_id, aetcd.RevisionCompactedError(response.compact_revision),
                       created)
         elif response.canceled:
-            self._end(watch_id, aetcd.ClientError(
-                f"etcd cancelled the watch: {response.cancel_reason or 'no reason given'}"),
-                created)
+            self._end(watch_id, WatchRefused(response.cancel_reason or "no reason given"),
+                      created)
         else:
             if created is not None and not created.done():
                 created.set_result(None)

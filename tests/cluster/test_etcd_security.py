@@ -8,6 +8,8 @@ at once (a refusal does not pass by retrying).
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from elastic.cluster.etcd_client import EtcdClient, uses_tls
+from elastic.cluster.key_range import KeyRange
 from elastic.cluster.keys import JobKeys
 from elastic.errors import EtcdAccessError
 from elastic.settings import EtcdSecurity
@@ -108,6 +111,31 @@ def test_a_user_cannot_read_or_write_another_jobs_keys(secure_etcd, pki):
         bob.put(JobKeys(JOB_B).commit, "bob's")  # bob's own job is his to write
     finally:
         alice.close()
+        bob.close()
+
+
+def test_a_watch_etcd_refuses_is_named_once_and_the_others_on_its_stream_go_on(
+        secure_etcd, pki, caplog):
+    """etcd refuses a watch of another job's keys by cancelling it (naming it -1, not by its
+    id): the refusal is logged once with the fix, and the user's own watch on the same stream
+    hears its keys."""
+    bob = EtcdClient(secure_etcd.url, security=as_user(pki, "bob"), retry_for=RETRY_FOR)
+    opened, heard = threading.Event(), threading.Event()
+    try:
+        with caplog.at_level(logging.WARNING, logger="elastic.cluster"):
+            cancel_theirs = bob.watch_prefix(JobKeys(JOB_A).prefix, 0, lambda events: None)
+            cancel_mine = bob.watch_range(KeyRange.prefix(JobKeys(JOB_B).prefix), 0,
+                                          lambda events: heard.set(), opened.set)
+            assert opened.wait(PROMPT_S), "bob's own watch was not opened"
+            bob.put(JobKeys(JOB_B).commit, "bob's")
+            assert heard.wait(PROMPT_S), "bob's own watch heard nothing"
+            refusals = [r.getMessage() for r in caplog.records
+                        if r.getMessage().startswith("etcd refused the watch")]
+        cancel_theirs()
+        cancel_mine()
+        assert len(refusals) == 1, refusals
+        assert JobKeys(JOB_A).prefix in refusals[0] and "read access" in refusals[0]
+    finally:
         bob.close()
 
 
