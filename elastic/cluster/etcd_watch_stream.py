@@ -63,7 +63,8 @@ class WatchStream:
         watch_id = next(self._ids)
         created: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._created[watch_id] = created
-        self._queues[watch_id] = asyncio.Queue()
+        queue: asyncio.Queue[Item] = asyncio.Queue()
+        self._queues[watch_id] = queue
         self._unanswered[watch_id] = None
         self._requests.put_nowait(aetcd.rpc.WatchRequest(
             create_request=aetcd.rpc.WatchCreateRequest(
@@ -82,7 +83,7 @@ class WatchStream:
         except aetcd.ClientError:
             self.cancel(watch_id)
             raise
-        return Watch(self, watch_id, self._queues[watch_id])
+        return Watch(self, watch_id, queue)  # an end that came already is in its queue
 
     def cancel(self, watch_id: int) -> None:
         """Ends watch ``watch_id``: etcd is asked to cancel it, and its reader is told."""
