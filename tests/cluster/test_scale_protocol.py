@@ -320,10 +320,13 @@ def test_no_event_reaches_a_member_twice_and_a_death_costs_five_events_per_membe
                      key=lambda m: first[members.index(m)].rank)
         survivors = [m for m in members if m is not victim]
         leader = next(m for m in survivors if m.membership.claimed)
-        # Its members formed round 1 by their own watches; count once the coordinator's
-        # brought it the round counter of round 1 too.
-        assert poll_until(lambda: any(k == JobKeys("scale-once").round
-                                      for k, _ in leader.client.heard), WAIT_S)
+        # Its members formed round 1 by their own seats; count once the coordinator's watch
+        # brought it the round counter of round 1 too, and every member's the round's news
+        # (which comes after the seats): else a late one would be counted as the death's.
+        keys = JobKeys("scale-once")
+        assert poll_until(lambda: any(k == keys.round for k, _ in leader.client.heard), WAIT_S)
+        assert poll_until(lambda: all(any(k == keys.news for k, _ in m.client.heard)
+                                      for m in survivors), WAIT_S)
         before = {id(m): len(m.client.heard) for m in survivors}
         clients[0].revoke(victim.membership.lease)
         assert all(m.broken.wait(WAIT_S) for m in survivors)
