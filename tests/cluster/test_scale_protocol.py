@@ -56,6 +56,7 @@ class Member:
         keys = self.membership.keys
         self.heard["events"] += len(events)
         self.heard["bytes"] += sum(len(e.value) for e in events)
+        self.heard["news"] += sum(e.key == keys.news for e in events)
         self.heard["others"] += sum(not e.key.startswith(keys.control)
                                     and e.key not in (keys.member(self.id), keys.seat(self.id))
                                     for e in events)
@@ -86,6 +87,9 @@ def test_a_change_costs_each_member_a_few_events_and_never_another_members_recor
     try:
         first = form_all(members, "start")
         assert {t.round for t in first} == {1} and {t.world_size for t in first} == {24}
+        # A member's join returns with its seat, before the round's news: count the death's
+        # events once every member heard the news of round 1.
+        assert poll_until(lambda: all(m.heard["news"] for m in members), WAIT_S)
         before = {m.id: m.heard["events"] for m in members}
         heard = {m.id: m.heard["bytes"] for m in members}
         victim = next(m for m, t in zip(members, first) if t.rank == 23)
