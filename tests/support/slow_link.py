@@ -26,6 +26,7 @@ class SlowLink:
         self.port = self._listener.getsockname()[1]
         self._sockets: list[socket.socket] = [self._listener]
         self._lock = threading.Lock()
+        self._closed = threading.Event()
         threading.Thread(target=self._accept, name="slow-link-accept", daemon=True).start()
 
     def __enter__(self) -> SlowLink:
@@ -33,6 +34,7 @@ class SlowLink:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
+        self._closed.set()
         with self._lock:
             sockets, self._sockets = self._sockets, []
         for s in sockets:
@@ -55,11 +57,12 @@ class SlowLink:
 
     def _release(self, held: queue.Queue[tuple[float, bytes] | None],
                  near: socket.socket) -> None:
-        """Sends each held chunk once its delay is over (the delay is the link's, not a wait
-        for anything)."""
+        """Sends each held chunk once its delay is over (the link's latency), unless the relay
+        closes first."""
         while (item := held.get()) is not None:
             due, data = item
-            time.sleep(max(0.0, due + self._delay_s - time.monotonic()))
+            if self._closed.wait(max(0.0, due + self._delay_s - time.monotonic())):
+                return
             try:
                 near.sendall(data)
             except OSError:
