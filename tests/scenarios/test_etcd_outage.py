@@ -67,7 +67,9 @@ def test_training_goes_on_while_etcd_is_killed_and_restarted_on_its_data(make_pr
 
 def test_survivors_of_a_worker_killed_while_etcd_is_down_re_form_once_it_returns(
         make_private_job, private_etcd):
-    job = make_private_job(SHORT_ARGS, ENV)
+    # Their re-formation tells that etcd is unreachable once a request's retries ran out: 3 s,
+    # not the default 10 s, so that the outage they wait through is known sooner.
+    job = make_private_job(SHORT_ARGS, {**ENV, "ELASTIC_ETCD_RETRY": "3"})
     job.start_together(range(3))
     job.wait_until(lambda: training_in_world(job, 3), 60, "a world of 3 training")
     private_etcd.pause()
@@ -91,8 +93,10 @@ def test_a_job_whose_etcd_lost_its_data_re_forms_once_and_its_durable_commits_st
     job = make_private_job(SHORT_ARGS, {**ENV, "ELASTIC_CHECKPOINT": url})
     job.start_together(range(3))
     job.wait_until(lambda: training_in_world(job, 3), 60, "a world of 3 training")
-    private_etcd.restart(lose_data=True)  # the same URL, no leases, rounds counted from 1
+    # Taken before the restart returns: a worker may re-register (and the job re-form) as soon
+    # as the fresh etcd answers, while the restart still waits for its health probe.
     lost_at = time.time()
+    private_etcd.restart(lose_data=True)  # the same URL, no leases, rounds counted from 1
     for i in range(3):
         assert job.wait_exit(i, timeout=180) == 0, job.tails()
     check_outcome(job, [0, 1, 2])
