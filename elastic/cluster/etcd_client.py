@@ -53,8 +53,14 @@ T = TypeVar("T")
 # Retried after fetching a new token: etcd expired or forgot the one we hold.
 _RETRIED = (*TRANSIENT, aetcd.exceptions.UnauthenticatedError)
 # Puts in one transaction: etcd refuses a transaction of more than --max-txn-ops (128 unless
-# its operator changed it).
+# its operator lowered it: ``put_many`` then halves what it sends).
 _TXN_PUTS = 100
+
+
+def _too_many_ops(exc: aetcd.ClientError) -> bool:
+    """etcd refused a transaction for holding more operations than its ``--max-txn-ops``."""
+    return status_of(exc) == grpc.StatusCode.INVALID_ARGUMENT \
+        and "too many operations" in str(exc)
 
 
 class EtcdClient(CompareAndSwap):
@@ -89,6 +95,7 @@ class EtcdClient(CompareAndSwap):
         # Beyond one RPC's deadline: how long a caller waits for the loop thread's reply.
         self._shutdown_s = self.timeouts.shutdown.total_seconds()
         self._endpoint_index = 0
+        self._txn_puts = _TXN_PUTS  # keys per transaction of put_many (an etcd may take fewer)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="elastic-etcd",
                                         daemon=True)
@@ -255,15 +262,18 @@ class EtcdClient(CompareAndSwap):
         return result.header.revision
 
     def put_many(self, entries: Sequence[tuple[str, bytes | str, int]]) -> list[str]:
-        """Writes many keys, each bound to its lease: ``_TXN_PUTS`` to a transaction, the
-        transactions sent together. A key whose lease is gone is not written.
+        """Writes many keys, each bound to its lease: up to ``_TXN_PUTS`` to a transaction, the
+        transactions sent together. A key whose lease is gone is not written. An etcd that
+        takes fewer operations per transaction (``--max-txn-ops``) gets halves of a batch it
+        refused, and that size from then on.
 
         Returns:
             The keys not written because their lease is gone.
         """
         encoded = [(k.encode(), v.encode() if isinstance(v, str) else v, lease)
                    for k, v, lease in entries]
-        batches = [encoded[i:i + _TXN_PUTS] for i in range(0, len(encoded), _TXN_PUTS)]
+        size = self._txn_puts
+        batches = [encoded[i:i + size] for i in range(0, len(encoded), size)]
 
         async def lease_gone(write: Coroutine[Any, Any, Any]) -> bool:
             try:
@@ -274,19 +284,40 @@ class EtcdClient(CompareAndSwap):
                 return True
             return False
 
-        async def write_all(c: aetcd.Client) -> list[str]:
-            def batch_txn(batch: list[tuple[bytes, bytes, int]]) -> Coroutine[Any, Any, Any]:
-                return c.transaction(compare=[], failure=[], success=[
-                    c.transactions.put(k, v, lease=lease) for k, v, lease in batch])
+        async def write_batch(c: aetcd.Client, batch: list[tuple[bytes, bytes, int]]
+                              ) -> list[tuple[bytes, bytes, int]]:
+            """Writes ``batch`` in one transaction; returns it whole if a lease was gone."""
+            try:
+                gone = await lease_gone(c.transaction(compare=[], failure=[], success=[
+                    c.transactions.put(k, v, lease=lease) for k, v, lease in batch]))
+            except aetcd.ClientError as exc:
+                if not _too_many_ops(exc) or len(batch) == 1:
+                    raise
+                half = (len(batch) + 1) // 2
+                self._fit_txn(half, exc)
+                halves = await asyncio.gather(write_batch(c, batch[:half]),
+                                              write_batch(c, batch[half:]))
+                return [e for part in halves for e in part]
+            return batch if gone else []
 
-            failed = await asyncio.gather(*(lease_gone(batch_txn(b)) for b in batches))
+        async def write_all(c: aetcd.Client) -> list[str]:
+            refused = await asyncio.gather(*(write_batch(c, b) for b in batches))
             # A batch holding a key whose lease is gone wrote nothing: its keys one by one.
-            alone = [e for b, gone in zip(batches, failed) if gone for e in b]
+            alone = [e for part in refused for e in part]
             gone = await asyncio.gather(*(lease_gone(c.put(k, v, lease=lease))
                                           for k, v, lease in alone))
             return [k.decode() for (k, _, _), g in zip(alone, gone) if g]
 
         return self._call(write_all, f"put {len(entries)} keys") if entries else []
+
+    def _fit_txn(self, size: int, exc: aetcd.ClientError) -> None:
+        """Puts at most ``size`` keys in each transaction from now on (on the loop thread)."""
+        if size >= self._txn_puts:
+            return
+        if self._txn_puts == _TXN_PUTS:
+            log.info("etcd at %s refused a transaction of %d puts (%s): its --max-txn-ops is "
+                     "lower; writing fewer keys per transaction", self.urls, self._txn_puts, exc)
+        self._txn_puts = size
 
     def get(self, key: str) -> KeyValue | None:
         """Reads one key, or None when it does not exist."""

@@ -368,6 +368,25 @@ def test_replace_clearing_prefixes_writes_and_clears_in_one_guarded_transaction(
     assert client.get("/t/clr/job/config").value == b"new"
 
 
+
+
+def test_many_puts_fit_an_etcd_that_takes_fewer_operations_per_transaction_and_say_so_once(
+        small_txn_etcd, caplog):
+    client = EtcdClient(small_txn_etcd.url)
+    try:
+        live, gone = client.grant(timedelta(seconds=30)), client.grant(timedelta(seconds=30))
+        assert client.revoke(gone)
+        entries = [(f"/few/{i:03d}", f"v{i}", gone if i == 7 else live) for i in range(60)]
+        with caplog.at_level(logging.INFO, logger="elastic.cluster.etcd_client"):
+            assert client.put_many(entries) == ["/few/007"]
+            assert client.put_many(entries[8:]) == []  # the size that fits is kept
+        written, _ = client.get_prefix("/few/")
+        assert [kv.key for kv in written] == [k for k, _, _ in entries if k != "/few/007"]
+        said = [r.getMessage() for r in caplog.records if "--max-txn-ops" in r.getMessage()]
+        assert len(said) == 1, said
+    finally:
+        client.close()
+
 def test_many_puts_go_in_transactions_and_only_a_key_whose_lease_is_gone_is_not_written(
         client):
     prefix = f"/test/put-many-{os.getpid()}/"

@@ -27,6 +27,7 @@ from elastic.cluster.records import RecordError
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
 from elastic.errors import RendezvousClosedError
 from tests.support.polling import poll_until
+from tests.support.small_txn_etcd import MAX_TXN_OPS
 from elastic.timeouts import Timeouts
 
 pytestmark = pytest.mark.timeout(120)
@@ -110,6 +111,19 @@ def test_a_change_costs_each_member_a_few_events_and_never_another_members_recor
         for m in members:
             m.leave()
 
+
+
+def test_a_round_of_more_members_than_etcd_takes_operations_per_transaction_forms(
+        small_txn_etcd):
+    client = EtcdClient(small_txn_etcd.url)
+    members = [Member(client, "scale-small-txn") for _ in range(3 * MAX_TXN_OPS)]
+    try:
+        formed = form_all(members, "start")
+        assert sorted(t.rank for t in formed) == list(range(len(members)))
+    finally:
+        for m in members:
+            m.leave()
+        client.close()
 
 def test_a_round_whose_closer_died_before_seating_its_members_is_seated_by_the_coordinator(
         client):
