@@ -16,7 +16,8 @@ class EtcdUnavailableError(ElasticError):
 
 
 class EtcdAccessError(ElasticError):
-    """etcd refused this client: a certificate, the credentials, or a permission is wrong.
+    """etcd refused this client: a certificate, the credentials, or a permission is wrong, or a
+    request is over one of the server's limits.
 
     Not retried (it would not pass by waiting); the message names the setting to fix.
     """

@@ -159,7 +159,8 @@ def status_of(exc: BaseException) -> grpc.StatusCode | None:
 
 def refusal(exc: aetcd.ClientError, what: str, urls: str,
             security: EtcdSecurity) -> EtcdAccessError | None:
-    """The sentence for an authentication or permission refusal (None: not a refusal)."""
+    """The sentence for a refusal that waiting would not end: authentication, permission, or
+    a request over one of the server's limits (None: not such a refusal)."""
     code, user = status_of(exc), security.user
     if code == grpc.StatusCode.PERMISSION_DENIED:
         return EtcdAccessError(
@@ -176,11 +177,15 @@ def refusal(exc: aetcd.ClientError, what: str, urls: str,
             "given ({exc}): turn it on (etcdctl auth enable) or leave out --etcd-user.")
     if isinstance(exc, Refused):
         return EtcdAccessError(f"etcd at {urls} refused user {user!r} ({exc}).")
-    if code == grpc.StatusCode.INVALID_ARGUMENT and not user:
+    if code == grpc.StatusCode.INVALID_ARGUMENT and "user name is empty" in str(exc):
         return EtcdAccessError(
-            f"etcd at {urls} refused {what} ({exc}); if it requires authentication, "
-            "pass --etcd-user and --etcd-password-file (ELASTIC_ETCD_USER, "
-            "ELASTIC_ETCD_PASSWORD).")
+            f"etcd at {urls} refused {what} ({exc}): it requires authentication; pass "
+            "--etcd-user and --etcd-password-file (ELASTIC_ETCD_USER, ELASTIC_ETCD_PASSWORD).")
+    if code == grpc.StatusCode.INVALID_ARGUMENT or (
+            code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in str(exc)):
+        return EtcdAccessError(
+            f"etcd at {urls} refused {what} as invalid ({exc}); if that names one of its "
+            "limits, raise it on the etcd server (--max-request-bytes, --max-txn-ops).")
     return None
 
 # -- key-value ----------------------------------------------------------------------------

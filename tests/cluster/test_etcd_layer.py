@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.errors import EtcdUnavailableError
+from elastic.errors import EtcdAccessError, EtcdUnavailableError
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.key_range import KeyRange
 from elastic.launch.job_config import JobConfig, claim
@@ -386,6 +386,14 @@ def test_many_puts_fit_an_etcd_that_takes_fewer_operations_per_transaction_and_s
         assert len(said) == 1, said
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("mib", [1.8, 3])  # over etcd's own check (1.5 MiB), and over gRPC's
+def test_a_request_over_etcds_size_limit_names_that_limit_not_a_missing_user(client, mib):
+    with pytest.raises(EtcdAccessError) as refused:
+        client.put("/test/too-large", b"x" * int(mib * (1 << 20)))
+    message = str(refused.value)
+    assert "--max-request-bytes" in message and "--etcd-user" not in message, message
 
 def test_many_puts_go_in_transactions_and_only_a_key_whose_lease_is_gone_is_not_written(
         client):

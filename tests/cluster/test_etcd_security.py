@@ -9,6 +9,7 @@ at once (a refusal does not pass by retrying).
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
 import time
 from datetime import timedelta
@@ -20,6 +21,7 @@ from elastic.cluster.etcd_client import EtcdClient, uses_tls
 from elastic.cluster.key_range import KeyRange
 from elastic.cluster.keys import JobKeys
 from elastic.errors import EtcdAccessError
+from elastic.launch.embedded_etcd import find_etcd_binary
 from elastic.settings import EtcdSecurity
 from tests.support.tls_etcd import JOB_A, JOB_B, JOB_USERS, ROOT_PASSWORD, Pki, SecureEtcd
 
@@ -152,6 +154,21 @@ def test_an_auth_token_etcd_no_longer_accepts_is_replaced_without_the_caller_not
     finally:
         client.close()
 
+
+
+def test_an_etcd_that_requires_a_user_asks_for_one_when_none_is_given(private_etcd):
+    etcdctl = str(Path(find_etcd_binary()).with_name("etcdctl"))
+    for args in (["user", "add", f"root:{ROOT_PASSWORD}"], ["auth", "enable"]):
+        subprocess.run([etcdctl, "--endpoints", private_etcd.url, *args], check=True,
+                       capture_output=True, timeout=30)
+    client = EtcdClient(private_etcd.url, retry_for=RETRY_FOR)
+    try:
+        with pytest.raises(EtcdAccessError) as refused:
+            client.put(f"/elastic/{JOB_A}/x", "v")
+    finally:
+        client.close()
+    assert "requires authentication; pass --etcd-user and --etcd-password-file" \
+        in str(refused.value)
 
 @pytest.mark.unit
 def test_tls_files_for_an_http_url_are_refused_rather_than_ignored(tmp_path: Path):
