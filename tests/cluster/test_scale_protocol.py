@@ -196,6 +196,32 @@ def test_a_death_costs_each_survivor_one_write_and_no_read_and_the_plan_is_writt
         counting.close()
 
 
+
+def test_the_coordinator_weighs_a_roll_call_once_its_last_awaited_member_asked_not_at_each_join(
+        client):
+    members = [Member(client, "scale-weighed") for _ in range(24)]
+    weighed: list[int] = []  # how many had asked, at each verdict on round 2
+    for m in members:
+        def counted(n, requests, *args, verdict=m.rendezvous.verdict):  # noqa: ANN001, ANN202
+            if n == 2:
+                weighed.append(len(requests))
+            return verdict(n, requests, *args)
+        m.rendezvous.verdict = counted
+    try:
+        first = form_all(members, "start")
+        victim = next(m for m, t in zip(members, first) if t.rank == 23)
+        survivors = [m for m in members if m is not victim]
+        client.revoke(victim.membership.lease)
+        assert all(m.broken.wait(WAIT_S) for m in survivors)
+        assert {t.world_size for t in form_all(survivors, "failure")} == {23}
+        # The first request of round 1's members starts the rejoin clock; then nothing is
+        # weighed (O(N) each time) until every live member of round 1 asked.
+        assert weighed and weighed[-1] == 23
+        assert len([w for w in weighed if w < 23]) <= 1, weighed
+    finally:
+        for m in members:
+            m.leave()
+
 def test_a_first_round_costs_each_member_a_lease_a_registration_and_a_join_and_no_read(etcd):
     counting = CountingClient(etcd.url)
     members: list[Member] = []
