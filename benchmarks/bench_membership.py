@@ -34,6 +34,8 @@ Measured, per N:
   periodic, not per change), and etcd's own counts from its ``/metrics`` (gRPC requests handled
   and watch events sent);
 - etcd's CPU time (user + system from ``/proc/PID/stat``) per phase;
+- the revisions and database bytes a phase adds to etcd's history (per member: what a change
+  costs the ``--quota-backend-bytes`` of an etcd that does not compact);
 - with ``--idle S``: lease renewals per member and second over S seconds after the death, while
   nothing changes (what a job costs etcd when it only trains).
 
@@ -254,7 +256,9 @@ def etcd_cpu_s(pid: int) -> float:
 
 def etcd_metrics(url: str) -> dict[str, float]:
     """etcd's own counts: gRPC requests handled (all, and the KV writes), lease keepalive
-    streams opened and renewals received, watch events, and the bytes it sent to clients."""
+    streams opened and renewals received, watch events, the bytes it sent to clients, its
+    revision, and the bytes its database holds (its history: what fills
+    ``--quota-backend-bytes`` until compacted)."""
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     out: Counter[str] = Counter()
     for line in text.splitlines():
@@ -278,6 +282,10 @@ def etcd_metrics(url: str) -> dict[str, float]:
             out["watch_events"] += float(line.rsplit(" ", 1)[1])
         elif line.startswith("etcd_debugging_mvcc_watcher_total "):
             out["watchers"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("etcd_debugging_mvcc_current_revision "):
+            out["revisions"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("etcd_mvcc_db_total_size_in_use_in_bytes "):
+            out["history_bytes"] = float(line.rsplit(" ", 1)[1])
     return dict(out)
 
 

@@ -15,7 +15,7 @@ from elastic.cluster.etcd_client import EtcdClient
 from elastic.launch.embedded_etcd import EmbeddedEtcd
 from tests.support.faulty_fs import faulty_fs  # noqa: F401 (a fixture)
 from tests.support.harness import Job
-from tests.support.small_txn_etcd import SmallTxnEtcd
+from tests.support.limited_etcd import MAX_TXN_OPS, LimitedEtcd
 from tests.support.s3_server import s3_server, s3_url  # noqa: F401 (fixtures)
 from tests.support.tls_etcd import JOB_A, JOB_USERS, Pki, SecureEtcd, make_pki, user_env
 
@@ -46,9 +46,8 @@ def client(etcd: EmbeddedEtcd) -> Iterator[EtcdClient]:
 
 @pytest.fixture
 def small_txn_etcd() -> Iterator[EmbeddedEtcd]:
-    """An etcd of the test's own that takes few operations per transaction
-    (``tests/support/small_txn_etcd.py``)."""
-    server = SmallTxnEtcd().start()
+    """An etcd of the test's own that takes few operations per transaction."""
+    server = LimitedEtcd("--max-txn-ops", str(MAX_TXN_OPS)).start()
     try:
         yield server
     finally:

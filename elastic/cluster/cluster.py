@@ -380,7 +380,7 @@ class Cluster:
                   "member": self.member_id}
         try:
             self.client.put(self.keys.commit, json.dumps(record))
-        except EtcdUnavailableError as exc:
+        except (EtcdUnavailableError, EtcdAccessError) as exc:  # unreachable, or full
             log.warning("could not record checkpoint %s in etcd: %s", ref.url, exc)
 
     def finish(self) -> None:

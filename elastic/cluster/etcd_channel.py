@@ -181,6 +181,12 @@ def refusal(exc: aetcd.ClientError, what: str, urls: str,
         return EtcdAccessError(
             f"etcd at {urls} refused {what} ({exc}): it requires authentication; pass "
             "--etcd-user and --etcd-password-file (ELASTIC_ETCD_USER, ELASTIC_ETCD_PASSWORD).")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "database space exceeded" in str(exc):
+        return EtcdAccessError(
+            f"etcd at {urls} is out of space ({exc}): its history filled its "
+            "--quota-backend-bytes. Compact and defragment it, then clear its alarm "
+            "(etcdctl compact REVISION; etcdctl defrag; etcdctl alarm disarm), and run it with "
+            "--auto-compaction-retention (README, \"Multi-node with a real etcd cluster\").")
     if code == grpc.StatusCode.INVALID_ARGUMENT or (
             code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in str(exc)):
         return EtcdAccessError(

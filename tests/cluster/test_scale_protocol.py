@@ -27,7 +27,7 @@ from elastic.cluster.records import RecordError
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
 from elastic.errors import RendezvousClosedError
 from tests.support.polling import poll_until
-from tests.support.small_txn_etcd import MAX_TXN_OPS
+from tests.support.limited_etcd import MAX_TXN_OPS
 from elastic.timeouts import Timeouts
 
 pytestmark = pytest.mark.timeout(120)
