@@ -222,6 +222,24 @@ def test_the_coordinator_weighs_a_roll_call_once_its_last_awaited_member_asked_n
         for m in members:
             m.leave()
 
+
+def test_the_coordinator_weighs_a_first_round_once_every_registered_member_asked(client):
+    members = [Member(client, "scale-weighed-first") for _ in range(24)]  # all registered
+    weighed: list[int] = []  # how many had asked, at each verdict on round 1
+    for m in members:
+        def counted(n, requests, *args, verdict=m.rendezvous.verdict):  # noqa: ANN001, ANN202
+            if n == 1:
+                weighed.append(len(requests))
+            return verdict(n, requests, *args)
+        m.rendezvous.verdict = counted
+    try:
+        assert {t.world_size for t in form_all(members, "start")} == {24}
+        # A first round closes only once every live member asked: before, nothing to weigh.
+        assert weighed and set(weighed) == {24}, weighed
+    finally:
+        for m in members:
+            m.leave()
+
 def test_a_first_round_costs_each_member_a_lease_a_registration_and_a_join_and_no_read(etcd):
     counting = CountingClient(etcd.url)
     members: list[Member] = []
