@@ -83,6 +83,18 @@ def form_all(members: list[Member], reason: str) -> list[Topology]:
         return list(pool.map(lambda m: m.form(reason), members, timeout=WAIT_S))
 
 
+
+def verdicts_on(members: list[Member], round_: int) -> list[int]:
+    """Counts, whichever member leads, how many requests each verdict on ``round_`` weighed."""
+    weighed: list[int] = []
+    for m in members:
+        def counted(n, requests, *args, verdict=m.rendezvous.verdict):  # noqa: ANN001, ANN202
+            if n == round_:
+                weighed.append(len(requests))
+            return verdict(n, requests, *args)
+        m.rendezvous.verdict = counted
+    return weighed
+
 def test_a_change_costs_each_member_a_few_events_and_never_another_members_record(client):
     members = [Member(client, "scale-events", version=i) for i in range(24)]
     try:
@@ -200,13 +212,7 @@ def test_a_death_costs_each_survivor_one_write_and_no_read_and_the_plan_is_writt
 def test_the_coordinator_weighs_a_roll_call_once_its_last_awaited_member_asked_not_at_each_join(
         client):
     members = [Member(client, "scale-weighed") for _ in range(24)]
-    weighed: list[int] = []  # how many had asked, at each verdict on round 2
-    for m in members:
-        def counted(n, requests, *args, verdict=m.rendezvous.verdict):  # noqa: ANN001, ANN202
-            if n == 2:
-                weighed.append(len(requests))
-            return verdict(n, requests, *args)
-        m.rendezvous.verdict = counted
+    weighed = verdicts_on(members, 2)
     try:
         first = form_all(members, "start")
         victim = next(m for m, t in zip(members, first) if t.rank == 23)
@@ -225,13 +231,7 @@ def test_the_coordinator_weighs_a_roll_call_once_its_last_awaited_member_asked_n
 
 def test_the_coordinator_weighs_a_first_round_once_every_registered_member_asked(client):
     members = [Member(client, "scale-weighed-first") for _ in range(24)]  # all registered
-    weighed: list[int] = []  # how many had asked, at each verdict on round 1
-    for m in members:
-        def counted(n, requests, *args, verdict=m.rendezvous.verdict):  # noqa: ANN001, ANN202
-            if n == 1:
-                weighed.append(len(requests))
-            return verdict(n, requests, *args)
-        m.rendezvous.verdict = counted
+    weighed = verdicts_on(members, 1)
     try:
         assert {t.world_size for t in form_all(members, "start")} == {24}
         # A first round closes only once every live member asked: before, nothing to weigh.
