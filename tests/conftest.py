@@ -8,10 +8,12 @@ import itertools
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from elastic.cluster.etcd_client import EtcdClient
+from elastic.errors import EtcdAccessError
 from elastic.launch.embedded_etcd import EmbeddedEtcd
 from tests.support.faulty_fs import faulty_fs  # noqa: F401 (a fixture)
 from tests.support.harness import Job
@@ -51,6 +53,26 @@ def small_txn_etcd() -> Iterator[EmbeddedEtcd]:
     try:
         yield server
     finally:
+        server.stop()
+
+
+@pytest.fixture
+def full_etcd() -> Iterator[SimpleNamespace]:
+    """An etcd of the test's own with a 2 MiB quota (``url``), and ``fill()``, which writes
+    until etcd refuses for want of space and returns the refusal's message."""
+    server = LimitedEtcd("--quota-backend-bytes", str(2 << 20)).start()
+    filler = EtcdClient(server.url)
+
+    def fill() -> str:
+        with pytest.raises(EtcdAccessError) as refused:
+            for i in range(200):  # 20 MB of history
+                filler.put(f"/filler/{i % 10}", b"x" * 100_000)
+        return str(refused.value)
+
+    try:
+        yield SimpleNamespace(url=server.url, fill=fill)
+    finally:
+        filler.close()
         server.stop()
 
 

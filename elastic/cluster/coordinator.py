@@ -81,11 +81,9 @@ class Coordinator:
         # Join requests already checked: (key, mod revision, its member's lease) -> request.
         self._checked: dict[tuple[str, int, int | None], JoinRequest | None] = {}
         self._plan: Plan | None = None
-        # Live members of the tracked round that have not asked to join the next one yet
-        # (kept by the watch): while any is left, a re-formation's roll call needs no weighing.
-        self._awaiting: set[str] = set()
-        # While no plan is tracked (a first round): the live members that have not asked to
-        # join the next round (kept by the watch); while any is left, it cannot close.
+        self._plan_members: frozenset[str] = frozenset()  # the tracked plan's ranks
+        # The live members that have not asked to join the next round yet (kept by the watch):
+        # while one is left, the next round cannot close (``_cannot_close_yet``).
         self._unasked: set[str] = set()
         self._news = RoundNews(0)
         self._news_revision = 0
@@ -218,7 +216,7 @@ class Coordinator:
         with self._changed:
             self.is_leading = True
             self._members, self._joins, self._dones, self._gones = {}, {}, {}, {}
-            self._plans, self._awaiting, self._unasked = {}, set(), set()
+            self._plans, self._plan_members, self._unasked = {}, frozenset(), set()
             self._rejoin_since = None
             self._round, self._latest, self._plan, self._monitor = 0, 0, None, None
             self._closed = 0
@@ -263,7 +261,6 @@ class Coordinator:
                         self._unasked.add(member)
                 else:
                     self._members.pop(member, None)
-                    self._awaiting.discard(member)
                     self._unasked.discard(member)
             elif e.key == keys.round and e.kind == "put":
                 self._round_revision = e.revision
@@ -297,12 +294,10 @@ class Coordinator:
         """Keeps who has yet to ask for round ``n``, the next one (called under ``_changed``);
         in a first round, also starts the rejoin clock at the first request of a member that
         was in a round before (as ``_close_next`` would, without its O(N) weighing)."""
-        plan = self._plan
         if e.kind == "put":
-            self._awaiting.discard(member)
             self._unasked.discard(member)
             since = self._rejoin_since
-            if plan is None and (since is None or since[0] != n):
+            if self._plan is None and (since is None or since[0] != n):
                 try:
                     asked = JoinRequest.from_json(e.value, e.revision, member)
                 except RecordError:
@@ -311,8 +306,6 @@ class Coordinator:
                     self._rejoin_since = (n, time.monotonic())
         elif member in self._members:
             self._unasked.add(member)
-            if plan is not None and member in plan.ranks:
-                self._awaiting.add(member)
 
     # -- one step ------------------------------------------------------------------------------
     def _step(self) -> None:
@@ -343,9 +336,8 @@ class Coordinator:
             self._news, self._told = self._read_news(news_kv, latest)
             live = set(self._members)
             asked = self._joins.get(latest + 1, {})
-            self._awaiting = set() if plan is None else {
-                m for m in plan.ranks if m in live and m not in asked}
             self._unasked = {m for m in live if m not in asked}
+            self._plan_members = frozenset(plan.ranks) if plan is not None else frozenset()
         if plan is None:
             self._monitor = None
             return
@@ -434,7 +426,7 @@ class Coordinator:
         n = self._round + 1
         if n <= self._closed:
             return  # closed by this leader: its watch brings the new round next
-        if self._awaiting_roll_call(n) or self._first_round_unasked():
+        if self._cannot_close_yet(n):
             return
         with self._changed:
             leases = dict(self._members)
@@ -467,26 +459,26 @@ class Coordinator:
             if n > 2:
                 self._client.delete_prefix(self._keys.round_prefix(n - 2))
 
-    def _awaiting_roll_call(self, n: int) -> bool:
-        """True while re-formation ``n`` waits for a live member of round ``n - 1`` that has not
-        asked yet, within the rejoin timeout, with no report of an ended connection to weigh:
-        the verdict could only say no (``roll_call.may_close``), and weighing it costs O(N),
-        so that each of a roll call's steps costs O(1) here and the whole roll call O(N)."""
+    def _cannot_close_yet(self, n: int) -> bool:
+        """True while round ``n`` waits for a live member that has not asked, so that the
+        verdict could only say no and weighing it (O(N) each time) can wait until the last one
+        asks; each step then costs O(1), and the whole round O(N).
+
+        A first round closes only once every live member asked (``plan.should_close``). A
+        re-formation waits for each live member of round ``n - 1`` within the rejoin timeout
+        (``roll_call.may_close``), unless a report of an ended connection is to be weighed;
+        the clock starts at the first request of round ``n - 1``'s members, which the full
+        weighing notes."""
+        with self._changed:
+            if self._plan is None:
+                return bool(self._unasked)
+            if self._unasked.isdisjoint(self._plan_members) or self._gones.get(n):
+                return False
         since = self._rejoin_since
         if since is None or since[0] != n:
-            return False  # the first request of round n - 1's members starts the clock
-        with self._changed:
-            if not self._awaiting or self._gones.get(n):
-                return False
+            return False
         rejoin_s = self._rendezvous.config.timeouts.rejoin.total_seconds()
         return time.monotonic() - since[1] < rejoin_s
-
-    def _first_round_unasked(self) -> bool:
-        """True while a round with no plan before it (a first round) has a live member that
-        has not asked: it closes only once every live member asked (``plan.should_close``), so
-        that weighing it before, O(N) each time, could only say no."""
-        with self._changed:
-            return self._plan is None and bool(self._unasked)
 
     def _admissible(self, n: int, kv: KeyValue, member: str,
                     leases: dict[str, int]) -> JoinRequest | None:

@@ -155,7 +155,6 @@ def test_an_auth_token_etcd_no_longer_accepts_is_replaced_without_the_caller_not
         client.close()
 
 
-
 def test_an_etcd_that_requires_a_user_asks_for_one_when_none_is_given(private_etcd):
     etcdctl = str(Path(find_etcd_binary()).with_name("etcdctl"))
     for args in (["user", "add", f"root:{ROOT_PASSWORD}"], ["auth", "enable"]):
@@ -169,6 +168,7 @@ def test_an_etcd_that_requires_a_user_asks_for_one_when_none_is_given(private_et
         client.close()
     assert "requires authentication; pass --etcd-user and --etcd-password-file" \
         in str(refused.value)
+
 
 @pytest.mark.unit
 def test_tls_files_for_an_http_url_are_refused_rather_than_ignored(tmp_path: Path):

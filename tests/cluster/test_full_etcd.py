@@ -1,4 +1,5 @@
-"""An etcd whose history filled its quota: what a worker can still do, and what it is told."""
+"""An etcd whose history filled its quota: what a worker can still do (the ``full_etcd``
+fixture)."""
 
 from __future__ import annotations
 
@@ -10,31 +11,10 @@ import pytest
 
 from elastic.cluster.cluster import Cluster
 from elastic.cluster.etcd_client import EtcdClient
-from elastic.errors import EtcdAccessError
 from elastic.events import EventLog
 from elastic.settings import WorkerSettings
-from tests.support.limited_etcd import LimitedEtcd
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def full_etcd():
-    """An etcd with a 2 MiB quota, and a function that fills it (until etcd raises its
-    alarm)."""
-    server = LimitedEtcd("--quota-backend-bytes", str(2 << 20)).start()
-    filler = EtcdClient(server.url)
-
-    def fill() -> None:
-        with pytest.raises(EtcdAccessError, match="out of space"):
-            for i in range(200):  # 20 MB of history
-                filler.put(f"/filler/{i % 10}", b"x" * 100_000)
-
-    try:
-        yield SimpleNamespace(url=server.url, fill=fill)
-    finally:
-        filler.close()
-        server.stop()
 
 
 def test_a_worker_keeps_its_lease_and_records_checkpoints_as_warnings_once_etcd_is_full(
@@ -44,7 +24,7 @@ def test_a_worker_keeps_its_lease_and_records_checkpoints_as_warnings_once_etcd_
                                       max_workers=None, checkpoint=None)
     cluster = Cluster(settings, EventLog(None, "full-etcd"))
     try:
-        full_etcd.fill()
+        assert "out of space" in full_etcd.fill()
         ref = SimpleNamespace(step=7, url="file:///ckpt/7", epoch=1)
         with caplog.at_level(logging.WARNING, logger="elastic.cluster.cluster"):
             cluster.publish_checkpoint(ref)  # the durable commit landed; etcd cannot say so
