@@ -114,9 +114,8 @@ class Job:
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.dump_stacks()
-            raise AssertionError(f"worker {index} did not exit in {timeout} s\n{self.tails()}") \
-                from None
+            raise AssertionError(f"worker {index} did not exit in {timeout} s\n"
+                                 f"{self.hang_report()}") from None
 
     def fired(self, kind: str, index: int) -> dict[str, Any]:
         marker = self.out / f"fired-{kind}-{index}"
@@ -141,14 +140,26 @@ class Job:
         """Asks every live worker to write its threads' stacks to its log (SIGUSR1)."""
         dump_stacks(self.procs.values())
 
-    def tails(self, lines: int = 25) -> str:
+    def tails(self, lines: int = 25, since: dict[int, int] | None = None) -> str:
+        """The last ``lines`` of each worker's log; with ``since`` (log sizes taken before),
+        the last ``lines`` before that point and everything written after it."""
         parts = []
         for index in sorted(self.procs):
             path = self.out / f"worker-{index}.log"
-            text = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
+            data = path.read_bytes() if path.exists() else b""
+            cut = len(data) if since is None else since.get(index, 0)
+            text = data[:cut].decode(errors="replace").splitlines()[-lines:]
+            text += data[cut:].decode(errors="replace").splitlines()
             parts.append(f"--- worker {index} (rc={self.procs[index].poll()}) ---\n"
                          + "\n".join(text))
         return "\n".join(parts)
+
+    def hang_report(self) -> str:
+        """Every live worker's and DataLoader worker's stacks, whole, after each log's tail."""
+        sizes = {index: path.stat().st_size for index in self.procs
+                 if (path := self.out / f"worker-{index}.log").exists()}
+        self.dump_stacks()
+        return self.tails(10, since=sizes)
 
     def kill_all(self) -> None:
         """Kills every process this job started (and their process groups), by PID."""
