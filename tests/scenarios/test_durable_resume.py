@@ -57,7 +57,7 @@ def test_durable_commits_still_land_after_a_resume_on_a_fresh_etcd_that_counts_r
     url = str(tmp_path / "ckpt")
     env = {"ELASTIC_CHECKPOINT": url}
     store = CheckpointStore(url)
-    args = ["--epochs", "20", "--samples", "480", "--batch", "8", "--step-ms", "100"]
+    args = ["--epochs", "10", "--samples", "480", "--batch", "8", "--step-ms", "100"]
     first = make_job(args, env)
     for index in range(3):  # one join at a time: rounds 1, 2 and 3
         first.start(index)
@@ -88,7 +88,7 @@ def test_a_rank_zero_frozen_with_its_durable_write_in_flight_never_publishes_it(
         make_job, tmp_path, woken, refused_by):
     url = str(tmp_path / "ckpt")
     job = make_job(["--epochs", "3", "--samples", "480", "--batch", "8", "--step-ms", "100"],
-                   {"ELASTIC_CHECKPOINT": url, "FAULTS": "stop-durable:r0:1", "BALLAST_MB": "256"})
+                   {"ELASTIC_CHECKPOINT": url, "FAULTS": "stop-durable:r0:1", "BALLAST_MB": "64"})
     job.start_together(range(3))
     job.wait_until(lambda: (job.out / "fired-stop-durable-r0").exists(), 90,
                    "rank 0 to freeze inside its first durable write")

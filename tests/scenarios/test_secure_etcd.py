@@ -22,7 +22,7 @@ PASSWORD = JOB_USERS[JOB_A][1]
 
 def test_a_worker_is_killed_then_one_is_added_and_the_job_finishes_over_tls_with_auth(
         secure_job):
-    job = secure_job(ARGS + ["--step-ms", "250"], {"FAULTS": "kill:2:12"}, job_id=JOB_A)
+    job = secure_job(ARGS + ["--step-ms", "150"], {"FAULTS": "kill:2:12"}, job_id=JOB_A)
     job.start_together(range(3))
     assert job.wait_exit(2) == -signal.SIGKILL
     assert job.fired("kill", 2)["world"] == 3
