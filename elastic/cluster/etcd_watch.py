@@ -106,7 +106,8 @@ class Watches:
     async def _open(self, keys: KeyRange, revision: int,
                     reopened: bool) -> tuple[Watch, asyncio.Event, int]:
         """Creates one watch; with it, the event set when its connection is dropped, and the
-        revision it starts from (``revision``, unless etcd lost its data: ``_start``).
+        revision it starts from (``revision``, unless etcd lost its data: ``_start``; etcd's
+        next when that is 0, so that a watch re-opened after a break misses nothing).
 
         Raises:
             aetcd.ConnectionTimeoutError: not created within the RPC timeout (the connection
@@ -132,7 +133,7 @@ class Watches:
             raise aetcd.ConnectionTimeoutError(
                 f"the watch on {keys} was not created within {timeout_s:g} s; "
                 "reconnecting") from None
-        return watch, dropped, revision
+        return watch, dropped, watch.start_revision  # re-opened from there if nothing came
 
     async def _start(self, client: aetcd.Client, keys: KeyRange, revision: int) -> int:
         """Where a watch re-opens: ``revision``, or 1 when etcd's own revision went back below

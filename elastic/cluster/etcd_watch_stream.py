@@ -42,7 +42,7 @@ class WatchStream:
         self.broken = False
         self._ids = itertools.count(1)
         self._requests: asyncio.Queue[aetcd.rpc.WatchRequest | None] = asyncio.Queue()
-        self._created: dict[int, asyncio.Future[None]] = {}
+        self._created: dict[int, asyncio.Future[int]] = {}
         # Creates not answered yet, in the order sent: etcd answers them in that order, and
         # names a create it refused before making the watch (permission denied) -1.
         self._unanswered: dict[int, None] = {}
@@ -61,7 +61,7 @@ class WatchStream:
             aetcd.ClientError: the stream broke, or etcd refused the watch.
         """
         watch_id = next(self._ids)
-        created: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        created: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._created[watch_id] = created
         queue: asyncio.Queue[Item] = asyncio.Queue()
         self._queues[watch_id] = queue
@@ -79,11 +79,12 @@ class WatchStream:
             self.cancel(watch_id)
             raise asyncio.TimeoutError
         try:
-            created.result()
+            revision = created.result()
         except aetcd.ClientError:
             self.cancel(watch_id)
             raise
-        return Watch(self, watch_id, queue)  # an end that came already is in its queue
+        # An end that came already is in its queue.
+        return Watch(self, watch_id, queue, start_revision or revision + 1)
 
     def cancel(self, watch_id: int) -> None:
         """Ends watch ``watch_id``: etcd is asked to cancel it, and its reader is told."""
@@ -132,7 +133,7 @@ class WatchStream:
                       created)
         else:
             if created is not None and not created.done():
-                created.set_result(None)
+                created.set_result(response.header.revision)  # etcd's, as the watch began
             if response.events:
                 queue.put_nowait(list(response.events))
 
@@ -162,10 +163,12 @@ class WatchStream:
 class Watch:
     """One open watch: its events, one answer's worth at a time."""
 
-    def __init__(self, stream: WatchStream, watch_id: int, queue: asyncio.Queue[Item]) -> None:
+    def __init__(self, stream: WatchStream, watch_id: int, queue: asyncio.Queue[Item],
+                 start_revision: int) -> None:
         self._stream = stream
         self.watch_id = watch_id
         self._queue = queue
+        self.start_revision = start_revision  # the first it brings (etcd's next, if asked 0)
 
     async def next(self) -> list[Any]:
         """The events of etcd's next answer for this watch (in revision order).

@@ -239,6 +239,37 @@ def test_a_watch_sees_every_key_across_an_etcd_restart(private_etcd, lose_data):
         client.close()
 
 
+def test_a_watch_from_etcds_current_revision_misses_nothing_when_it_breaks_before_its_first_event(
+        private_etcd):
+    """A watch asked from revision 0 (etcd's next) re-opens from the revision etcd began it at,
+    not from 0 again: a key written before it re-opened is still brought."""
+    client = EtcdClient(private_etcd.url, retry_for=timedelta(seconds=30))
+    writer = EtcdClient(private_etcd.url, retry_for=timedelta(seconds=30))
+    try:
+        got: list[str] = []
+        arrived = threading.Condition()
+        opened = threading.Event()
+
+        def on_events(events: list[WatchEvent]) -> None:
+            with arrived:
+                got.extend(e.key for e in events)
+                arrived.notify_all()
+
+        cancel = client.watch_range(KeyRange.prefix("/t/zero/"), 0, on_events, opened.set)
+        assert opened.wait(30)
+        opened.clear()
+        private_etcd.restart()  # on its data; the watch re-opens after its backoff
+        writer.put("/t/zero/while-it-re-opened", "1")
+        assert opened.wait(30)
+        with arrived:
+            assert arrived.wait_for(lambda: got, timeout=10), "the key written was missed"
+        assert got == ["/t/zero/while-it-re-opened"]
+        cancel()
+    finally:
+        client.close()
+        writer.close()
+
+
 def test_watches_created_while_etcd_is_frozen_each_get_their_own_events(private_etcd):
     """A create that gave up while etcd was frozen must not feed its events to a later watch
     (aetcd hands a create's answer to whichever create waits when it arrives; ours name their
