@@ -33,7 +33,9 @@ Measured, per N:
   watch events delivered, counted in the client (keepalives are counted apart, they are
   periodic, not per change), and etcd's own counts from its ``/metrics`` (gRPC requests handled
   and watch events sent);
-- etcd's CPU time (user + system from ``/proc/PID/stat``) per phase;
+- etcd's CPU time (user + system from ``/proc/PID/stat``) per phase, and the member
+  processes' own, by kind of thread (the members', the etcd client's loop, the lease renewals',
+  the coordinator's, gRPC's);
 - the revisions and database bytes a phase adds to etcd's history (per member: what a change
   costs the ``--quota-backend-bytes`` of an etcd that does not compact);
 - with ``--idle S``: lease renewals per member and second over S seconds after the death, while
@@ -192,6 +194,25 @@ def _member_thread(member: SimMember, go: threading.Event, stop: threading.Event
         times[0] = time.time()  # its lease expired: the process starved its keepalive thread
 
 
+def threads_cpu_s() -> dict[str, float]:
+    """This process's CPU time (user + system, from ``/proc``) by kind of thread: the members'
+    own threads, each named thread of the etcd client and the coordinator, and the threads that
+    Python did not start (gRPC's). A thread that ended took its time with it."""
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    cpu: Counter[str] = Counter()
+    for task in os.listdir("/proc/self/task"):
+        try:
+            stat = Path(f"/proc/self/task/{task}/stat").read_text()
+        except OSError:
+            continue  # the thread ended meanwhile
+        fields = stat.rsplit(")", 1)[1].split()  # after the name: state is field 3
+        name = names.get(int(task), "native")
+        kind = "member" if name.endswith("(_member_thread)") else name
+        cpu[kind] += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return dict(cpu)
+
+
 def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: float,
                 max_workers: int | None, per_node: int = 1) -> None:
     """One process of members, driven by the parent over ``conn``."""
@@ -229,7 +250,7 @@ def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: fl
                        "plans": [(m.membership.member_id, m.topology.rank if m.topology else -1)
                                  for m in members]})
         elif command == "counts":
-            conn.send(dict(client.counts))
+            conn.send({"counts": dict(client.counts), "cpu": threads_cpu_s()})
         elif command == "victim":  # arg: member id; replies its lease
             lease = 0
             for member, victim in zip(members, victims):
@@ -332,9 +353,11 @@ class Run:
 
     def snapshot(self) -> dict[str, Any]:
         client: Counter[str] = Counter()
-        for counts in self.ask("counts"):
-            client.update(counts)
-        return {"client": dict(client), "etcd": etcd_metrics(self.etcd.url),
+        cpu: Counter[str] = Counter()
+        for reply in self.ask("counts"):
+            client.update(reply["counts"])
+            cpu.update(reply["cpu"])
+        return {"client": dict(client), "cpu": dict(cpu), "etcd": etcd_metrics(self.etcd.url),
                 "etcd_cpu_s": etcd_cpu_s(self.etcd.process.pid), "t": time.time()}
 
     def phase(self, name: str, start: dict[str, Any], end: dict[str, Any], started: float,
@@ -350,6 +373,8 @@ class Run:
                 "seconds": round(max(times) - started, 3) if finished else None,
                 "holding": sum(t is not None for t in times), "of": len(times),
                 "etcd_cpu_s": round(end["etcd_cpu_s"] - start["etcd_cpu_s"], 3),
+                "members_cpu_s": {k: round(v - start["cpu"].get(k, 0), 2)
+                                  for k, v in sorted(end["cpu"].items())},
                 "per_member": per}
 
     def measure(self) -> dict[str, Any]:
