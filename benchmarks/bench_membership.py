@@ -1,8 +1,8 @@
 """What membership and rendezvous cost etcd as the job grows: N simulated members, one etcd.
 
 Usage: ``.venv/bin/python benchmarks/bench_membership.py [--sizes 10,100,300,1000] [--procs 4]
-[--declared-size] [--coordinator-apart] [--workers-per-node K] [--idle S] [--label after]
-[--limit 120] [--out benchmarks/results/membership-DATE.json]``.
+[--declared-size] [--coordinator-apart] [--workers-per-node K] [--connections K] [--idle S]
+[--label after] [--limit 120] [--out benchmarks/results/membership-DATE.json]``.
 
 For each N, a fresh etcd is started on 127.0.0.1 (its own process, so that its CPU time and
 ``/metrics`` belong to that N alone), and ``--procs`` processes each run N / procs members as
@@ -16,6 +16,10 @@ first member registers and renewed as its launcher renews it (on the client's re
 each member reports its id and sends heartbeats (a file touched per keepalive interval, from a
 thread of its own), and the death removes the victim's keys (``drop_member``, what its launcher
 does) instead of revoking a lease of its own.
+
+The members of one process share one etcd client unless ``--connections K`` spreads them over
+K clients (K connections, K loop threads): a real worker process has one member and a connection
+of its own, while here 250 members' requests, watch creates and renewals go through one.
 
 Every member is a real one: its own lease (or its node's), renewed as a worker's is (by its
 client's renewal thread, ``elastic.cluster.lease_renewals``, which here batches the renewals of
@@ -214,17 +218,18 @@ def threads_cpu_s() -> dict[str, float]:
 
 
 def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: float,
-                max_workers: int | None, per_node: int = 1) -> None:
-    """One process of members, driven by the parent over ``conn``."""
+                max_workers: int | None, per_node: int = 1, connections: int = 1) -> None:
+    """One process of members, driven by the parent over ``conn``; its members share
+    ``connections`` etcd clients (a node's members share its node's)."""
     timeouts = Timeouts.from_env({}, lease_ttl=timedelta(seconds=lease_ttl_s)) if lease_ttl_s \
         else Timeouts()
-    client = CountingClient(url, timeouts=timeouts)
+    clients = [CountingClient(url, timeouts=timeouts) for _ in range(connections)]
     go, stop = threading.Event(), threading.Event()
     heartbeats = Path(tempfile.mkdtemp(prefix="bench-heartbeats-"))
-    nodes = [SimNode(client, timeouts, stop, heartbeats) if per_node > 1 else None
-             for _ in range(0, count, per_node)]
-    members = [SimMember(client, timeouts, max_workers, nodes[i // per_node])
-               for i in range(count)]
+    nodes = [SimNode(clients[i % connections], timeouts, stop, heartbeats) if per_node > 1
+             else None for i in range(0, count, per_node)]
+    members = [SimMember(clients[(i // per_node) % connections], timeouts, max_workers,
+                         nodes[i // per_node]) for i in range(count)]
     times: list[dict[int, float]] = [{} for _ in members]
     victims = [threading.Event() for _ in members]
     threads = [threading.Thread(target=_member_thread, args=(m, go, stop, t, v, limit_s),
@@ -250,7 +255,10 @@ def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: fl
                        "plans": [(m.membership.member_id, m.topology.rank if m.topology else -1)
                                  for m in members]})
         elif command == "counts":
-            conn.send({"counts": dict(client.counts), "cpu": threads_cpu_s()})
+            counts: Counter[str] = Counter()
+            for client in clients:
+                counts.update(client.counts)
+            conn.send({"counts": dict(counts), "cpu": threads_cpu_s()})
         elif command == "victim":  # arg: member id; replies its lease
             lease = 0
             for member, victim in zip(members, victims):
@@ -310,12 +318,17 @@ def etcd_metrics(url: str) -> dict[str, float]:
     return dict(out)
 
 
+def cpu_between(start: dict[str, Any], end: dict[str, Any]) -> dict[str, float]:
+    """The member processes' CPU seconds by kind of thread between two snapshots."""
+    return {k: round(v - start["cpu"].get(k, 0), 2) for k, v in sorted(end["cpu"].items())}
+
+
 class Run:
     """One N: an etcd, the member processes, and the snapshots between phases."""
 
     def __init__(self, n: int, procs: int, limit_s: float, lease_ttl_s: float,
                  max_workers: int | None = None, coordinator_apart: bool = False,
-                 per_node: int = 1, idle_s: float = 0.0) -> None:
+                 per_node: int = 1, idle_s: float = 0.0, connections: int = 1) -> None:
         self.n, self.limit_s, self.per_node, self.idle_s = n, limit_s, per_node, idle_s
         self.etcd = EmbeddedEtcd(niceness=0, go_max_procs=None).start()
         self.admin = EtcdClient(self.etcd.url)
@@ -330,7 +343,7 @@ class Run:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, daemon=True,
                                args=(child, self.etcd.url, size, limit_s, lease_ttl_s, max_workers,
-                                     per_node))
+                                     per_node, min(connections, size)))
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -373,8 +386,7 @@ class Run:
                 "seconds": round(max(times) - started, 3) if finished else None,
                 "holding": sum(t is not None for t in times), "of": len(times),
                 "etcd_cpu_s": round(end["etcd_cpu_s"] - start["etcd_cpu_s"], 3),
-                "members_cpu_s": {k: round(v - start["cpu"].get(k, 0), 2)
-                                  for k, v in sorted(end["cpu"].items())},
+                "members_cpu_s": cpu_between(start, end),
                 "per_member": per}
 
     def measure(self) -> dict[str, Any]:
@@ -423,7 +435,8 @@ class Run:
                 "keepalive_batches_per_s": round(
                     (after["client"].get("keepalive_batches", 0)
                      - before["client"].get("keepalive_batches", 0)) / seconds, 2),
-                "etcd_cpu_s": round(after["etcd_cpu_s"] - before["etcd_cpu_s"], 3)}
+                "etcd_cpu_s": round(after["etcd_cpu_s"] - before["etcd_cpu_s"], 3),
+                "members_cpu_s": cpu_between(before, after)}
 
     def close(self) -> None:
         try:
@@ -462,16 +475,23 @@ def main() -> None:
     parser.add_argument("--idle", type=float, default=0.0, metavar="S",
                         help="after the death, count lease renewals for S seconds of nothing "
                              "happening (default 0: not measured)")
+    parser.add_argument("--connections", type=int, default=1, metavar="K",
+                        help="etcd clients per member process, the members spread over them "
+                             "(default 1: all of a process's members on one connection, whose "
+                             "one watch stream sends their watch creates one at a time; a "
+                             "real worker process has a connection of its own)")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if args.workers_per_node < 1:
         parser.error(f"--workers-per-node must be at least 1 (got {args.workers_per_node})")
+    if args.connections < 1:
+        parser.error(f"--connections must be at least 1 (got {args.connections})")
     results = []
     for n in (int(s) for s in args.sizes.split(",")):
         run = Run(n, min(args.procs, n), args.limit, args.lease_ttl,
                   n if args.declared_size else None, args.coordinator_apart,
-                  args.workers_per_node, args.idle)
+                  args.workers_per_node, args.idle, args.connections)
         try:
             result = run.measure()
         finally:
@@ -486,7 +506,7 @@ def main() -> None:
               "lease_ttl_s": args.lease_ttl or 3.0, "settle_s": 0.5,
               "max_workers": "N" if args.declared_size else None,
               "coordinator": "apart" if args.coordinator_apart else "packed",
-              "workers_per_node": args.workers_per_node,
+              "workers_per_node": args.workers_per_node, "connections": args.connections,
               "results": results}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
