@@ -226,8 +226,8 @@ def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: fl
     clients = [CountingClient(url, timeouts=timeouts) for _ in range(connections)]
     go, stop = threading.Event(), threading.Event()
     heartbeats = Path(tempfile.mkdtemp(prefix="bench-heartbeats-"))
-    nodes = [SimNode(clients[i % connections], timeouts, stop, heartbeats) if per_node > 1
-             else None for i in range(0, count, per_node)]
+    nodes = [SimNode(clients[node % connections], timeouts, stop, heartbeats) if per_node > 1
+             else None for node in range(-(-count // per_node))]
     members = [SimMember(clients[(i // per_node) % connections], timeouts, max_workers,
                          nodes[i // per_node]) for i in range(count)]
     times: list[dict[int, float]] = [{} for _ in members]

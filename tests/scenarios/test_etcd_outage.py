@@ -10,10 +10,16 @@ from tests.scenarios.test_elastic_recovery import EPOCHS, SAMPLES, check_outcome
 from tests.support.harness import Job
 
 OUTAGE_S = 60
+
+
+def train_args(step_ms: int, epochs: int = EPOCHS) -> list[str]:
+    return ["--epochs", str(epochs), "--samples", str(SAMPLES), "--batch", "8",
+            "--commit-every", "4", "--step-ms", str(step_ms)]
+
+
 # Long enough that training spans the outage: about 80 s of steps in a world of 3.
-LONG_ARGS = ["--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--batch", "8",
-             "--commit-every", "4", "--step-ms", "500"]
-SHORT_ARGS = LONG_ARGS[:-1] + ["100"]
+LONG_ARGS = train_args(500)
+SHORT_ARGS = train_args(100)
 ENV = {"ELASTIC_LEASE_TTL": "2"}
 
 
@@ -71,8 +77,7 @@ def test_survivors_of_a_worker_killed_while_etcd_is_down_re_form_once_it_returns
     # not the default 10 s, so that the outage they wait through is known sooner.
     # Two epochs: the outage comes at the start of the first, and the whole second is trained
     # in world 2 after it.
-    job = make_private_job(SHORT_ARGS[:1] + ["2"] + SHORT_ARGS[2:],
-                           {**ENV, "ELASTIC_ETCD_RETRY": "3"})
+    job = make_private_job(train_args(100, epochs=2), {**ENV, "ELASTIC_ETCD_RETRY": "3"})
     job.start_together(range(3))
     job.wait_until(lambda: training_in_world(job, 3), 60, "a world of 3 training")
     private_etcd.pause()

@@ -72,7 +72,7 @@ def test_survivors_of_a_killed_rank_close_their_round_without_the_settle_window(
     re-form at once."""
     who = f"r{victim_rank}"
     # The job's size declared: the first round closes once all 3 joined, not after the window
-    # (a re-formation's rule does not look at it while no unknown member joins).
+    # (a re-formation's rule looks at the declared size only when an unknown member joins).
     job = make_job(ARGS + ["--step-ms", "30"],
                    {"FAULTS": f"kill:{who}:20", "ELASTIC_LEASE_TTL": str(LEASE_TTL_S),
                     "ELASTIC_SETTLE": "3", "ELASTIC_MAX_WORKERS": "3"})
