@@ -2,7 +2,7 @@
 
 Usage: ``.venv/bin/python benchmarks/bench_membership.py [--sizes 10,100,300,1000] [--procs 4]
 [--declared-size] [--coordinator-apart] [--workers-per-node K] [--connections K] [--idle S]
-[--label after] [--limit 120] [--out benchmarks/results/membership-DATE.json]``.
+[--timeline] [--label after] [--limit 120] [--out benchmarks/results/membership-DATE.json]``.
 
 For each N, a fresh etcd is started on 127.0.0.1 (its own process, so that its CPU time and
 ``/metrics`` belong to that N alone), and ``--procs`` processes each run N / procs members as
@@ -44,6 +44,10 @@ Measured, per N:
   costs the ``--quota-backend-bytes`` of an etcd that does not compact);
 - with ``--idle S``: lease renewals per member and second over S seconds after the death, while
   nothing changes (what a job costs etcd when it only trains).
+- with ``--timeline``: when the first round's member keys, join requests, plan, seats and news
+  were written (10, 50 and 100 % of each kind), from the keys' revisions and etcd's revision
+  sampled every 10 ms by the parent (to within a sample, which comes later when etcd is slow to
+  answer), and when half of the members and the last held their seat.
 
 A phase that does not finish within ``--limit`` seconds is recorded as not finished, with the
 counts reached by then.
@@ -81,7 +85,7 @@ from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 from elastic.timeouts import Timeouts  # noqa: E402
 
 JOB = "bench-membership"
-_WRITES = ("put", "create", "replace", "delete", "lease grant", "lease revoke")
+_WRITES = ("put", "create", "replace", "register", "delete", "lease grant", "lease revoke")
 
 
 class CountingClient(EtcdClient):
@@ -318,6 +322,67 @@ def etcd_metrics(url: str) -> dict[str, float]:
     return dict(out)
 
 
+class RevisionClock:
+    """Samples etcd's revision against the wall clock from a thread of its own, so that the
+    revisions of keys read afterwards can be told as times: one read of an empty range every
+    ``every_s`` (a few hundred requests a phase, against the members' thousands)."""
+
+    def __init__(self, client: EtcdClient, every_s: float = 0.01) -> None:
+        self._client, self._every_s = client, every_s
+        self._stop = threading.Event()
+        self.samples: list[tuple[float, int]] = []
+        self._thread = threading.Thread(target=self._sample, name="bench-clock", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self._every_s):
+            _, revision = self._client.get_prefix("/bench-clock/")
+            self.samples.append((time.time(), revision))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def time_of(self, revision: int) -> float | None:
+        """When ``revision`` was first seen (None: never, while sampling)."""
+        return next((t for t, r in self.samples if r >= revision), None)
+
+
+def timeline(clock: RevisionClock, kvs: list[Any], started: float,
+             held: list[float]) -> dict[str, float | None]:
+    """The first round's milestones, in seconds after ``started``: when 10, 50 and 100 % of the
+    member keys, join requests and seats were written (to within the clock's step), the plan
+    and the news, and when half of the members and the last held their seat."""
+    keys = JobKeys(JOB)
+
+    def at(revision: int | None) -> float | None:
+        t = None if revision is None else clock.time_of(revision)
+        return None if t is None else round(t - started, 3)
+
+    def spread(name: str, revisions: list[int]) -> dict[str, float | None]:
+        revisions = sorted(revisions)
+        if not revisions:
+            return {}
+        return {f"{name}_{pct}%": at(revisions[max(0, -(-len(revisions) * pct // 100) - 1)])
+                for pct in (10, 50, 100)}
+
+    by_key = {kv.key: kv for kv in kvs}
+    out: dict[str, float | None] = {}
+    out.update(spread("registered", [kv.create_revision for kv in kvs
+                                     if kv.key.startswith(keys.members)]))
+    out.update(spread("joined", [kv.create_revision for kv in kvs
+                                 if kv.key.startswith(keys.joins(1))]))
+    plan = by_key.get(keys.plan(1))
+    out["plan"] = at(plan.create_revision if plan else None)
+    out.update(spread("seated", [kv.mod_revision for kv in kvs if kv.key.startswith(keys.seats)]))
+    news = by_key.get(keys.news)
+    out["news"] = at(news.mod_revision if news else None)
+    held = sorted(held)
+    out["held_50%"] = round(held[len(held) // 2] - started, 3)
+    out["held_100%"] = round(held[-1] - started, 3)
+    return out
+
+
 def cpu_between(start: dict[str, Any], end: dict[str, Any]) -> dict[str, float]:
     """The member processes' CPU seconds by kind of thread between two snapshots."""
     return {k: round(v - start["cpu"].get(k, 0), 2) for k, v in sorted(end["cpu"].items())}
@@ -328,8 +393,10 @@ class Run:
 
     def __init__(self, n: int, procs: int, limit_s: float, lease_ttl_s: float,
                  max_workers: int | None = None, coordinator_apart: bool = False,
-                 per_node: int = 1, idle_s: float = 0.0, connections: int = 1) -> None:
+                 per_node: int = 1, idle_s: float = 0.0, connections: int = 1,
+                 timeline: bool = False) -> None:
         self.n, self.limit_s, self.per_node, self.idle_s = n, limit_s, per_node, idle_s
+        self.timeline = timeline
         self.etcd = EmbeddedEtcd(niceness=0, go_max_procs=None).start()
         self.admin = EtcdClient(self.etcd.url)
         ctx = mp.get_context("spawn")
@@ -391,6 +458,7 @@ class Run:
 
     def measure(self) -> dict[str, Any]:
         before = self.snapshot()
+        clock = RevisionClock(self.admin) if self.timeline else None
         started = time.time()
         if self.coordinator_apart:  # the coordinator's registration first, then the others'
             self.ask("go", True, conns=self.conns[:1])
@@ -400,6 +468,12 @@ class Run:
         replies = self.ask("await", 1, timeout_s=self.limit_s + 60)
         after = self.snapshot()
         first = self.phase("first_round", before, after, started, replies, self.n)
+        if clock is not None:
+            clock.stop()
+            if first["finished"]:
+                kvs, _ = self.admin.get_prefix(JobKeys(JOB).prefix)
+                first["timeline"] = timeline(clock, kvs, started,
+                                             [t for reply in replies for t in reply["times"]])
         result = {"n": self.n, "phases": [first]}
         if not first["finished"]:
             return result
@@ -480,6 +554,9 @@ def main() -> None:
                              "(default 1: all of a process's members on one connection, whose "
                              "one watch stream sends their watch creates one at a time; a "
                              "real worker process has a connection of its own)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="record when the first round's member keys, joins, plan, seats and "
+                             "news were written, from etcd's revisions sampled every 10 ms")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
@@ -491,7 +568,7 @@ def main() -> None:
     for n in (int(s) for s in args.sizes.split(",")):
         run = Run(n, min(args.procs, n), args.limit, args.lease_ttl,
                   n if args.declared_size else None, args.coordinator_apart,
-                  args.workers_per_node, args.idle, args.connections)
+                  args.workers_per_node, args.idle, args.connections, args.timeline)
         try:
             result = run.measure()
         finally:

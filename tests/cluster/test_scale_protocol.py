@@ -442,14 +442,21 @@ def test_the_membership_benchmark_forms_thirty_members_and_reforms_them_after_a_
     out = tmp_path / "membership.json"
     ran = subprocess.run([sys.executable, str(repo / "benchmarks" / "bench_membership.py"),
                           "--sizes", "30", "--procs", "2", "--limit", "30", "--declared-size",
-                          "--out", str(out)], capture_output=True, text=True, timeout=90,
-                         check=False)
+                          "--timeline", "--out", str(out)], capture_output=True, text=True,
+                         timeout=90, check=False)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     phases = json.loads(out.read_text())["results"][0]["phases"]
     assert [(p["phase"], p["finished"], p["fenced"]) for p in phases] == [
         ("first_round", True, 0), ("one_death", True, 0)]
+    # A member's lease, registration and join are its writes; the coordinator's plan, seats
+    # and news add a tenth of one each, and its reads of the job about as much.
+    first = phases[0]["per_member"]
+    assert 3 <= first["client_write"] < 3.5 and first["client_read"] < 0.5, first
     death = phases[1]["per_member"]
     assert death["client_write"] <= 3 and death["etcd_watch_events"] <= 5, death
+    line = phases[0]["timeline"]
+    assert line["registered_100%"] <= line["plan"] and line["joined_100%"] <= line["plan"] \
+        <= line["seated_100%"] <= line["news"], line
 
 
 def test_the_keepalive_benchmark_renews_on_one_stream_and_its_anchor_on_one_per_renewal(
