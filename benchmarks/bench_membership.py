@@ -78,7 +78,7 @@ from elastic.cluster.etcd_client import EtcdClient  # noqa: E402
 from elastic.cluster.keys import JobKeys  # noqa: E402
 from elastic.cluster.lease_file import heartbeat  # noqa: E402
 from elastic.cluster.membership import EtcdMembership, NodeLease, drop_member  # noqa: E402
-from elastic.cluster.news import NewsMonitor  # noqa: E402
+from elastic.cluster.news import NewsMonitor, RoundNews  # noqa: E402
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology  # noqa: E402
 from elastic.errors import FencedError  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
@@ -348,11 +348,12 @@ class RevisionClock:
         return next((t for t, r in self.samples if r >= revision), None)
 
 
-def timeline(clock: RevisionClock, kvs: list[Any], started: float,
-             held: list[float]) -> dict[str, float | None]:
-    """The first round's milestones, in seconds after ``started``: when 10, 50 and 100 % of the
-    member keys, join requests and seats were written (to within the clock's step), the plan
-    and the news, and when half of the members and the last held their seat."""
+def timeline(clock: RevisionClock, kvs: list[Any], started: float, held: list[float],
+             n: int = 1, broken_at: float | None = None) -> dict[str, float | None]:
+    """Round ``n``'s milestones, in seconds after ``started``: when 10, 50 and 100 % of the
+    member keys (round 1 only), join requests and seats were written (to within the clock's
+    step), the plan and the news, and when half of the members and the last held their seat;
+    with ``broken_at``, when the news that round ``n - 1`` broke was heard."""
     keys = JobKeys(JOB)
 
     def at(revision: int | None) -> float | None:
@@ -367,20 +368,40 @@ def timeline(clock: RevisionClock, kvs: list[Any], started: float,
                 for pct in (10, 50, 100)}
 
     by_key = {kv.key: kv for kv in kvs}
+    plan = by_key.get(keys.plan(n))
     out: dict[str, float | None] = {}
-    out.update(spread("registered", [kv.create_revision for kv in kvs
-                                     if kv.key.startswith(keys.members)]))
+    if n == 1:
+        out.update(spread("registered", [kv.create_revision for kv in kvs
+                                         if kv.key.startswith(keys.members)]))
+    if broken_at is not None:
+        out["broken_news"] = round(broken_at - started, 3)
     out.update(spread("joined", [kv.create_revision for kv in kvs
-                                 if kv.key.startswith(keys.joins(1))]))
-    plan = by_key.get(keys.plan(1))
+                                 if kv.key.startswith(keys.joins(n))]))
     out["plan"] = at(plan.create_revision if plan else None)
-    out.update(spread("seated", [kv.mod_revision for kv in kvs if kv.key.startswith(keys.seats)]))
+    out.update(spread("seated", [kv.mod_revision for kv in kvs if kv.key.startswith(keys.seats)
+                                 and plan is not None and kv.mod_revision > plan.mod_revision]))
     news = by_key.get(keys.news)
     out["news"] = at(news.mod_revision if news else None)
     held = sorted(held)
     out["held_50%"] = round(held[len(held) // 2] - started, 3)
     out["held_100%"] = round(held[-1] - started, 3)
     return out
+
+
+class BrokenNews:
+    """When the parent first hears, by a watch of the news key, that a round broke."""
+
+    def __init__(self, client: EtcdClient) -> None:
+        self.at: float | None = None
+        self._cancel = client.watch_prefix(JobKeys(JOB).news, 0, self._on_events)
+
+    def _on_events(self, events: list[Any]) -> None:
+        if self.at is None and any(e.kind == "put" and RoundNews.from_json(e.value).broken
+                                   for e in events):
+            self.at = time.time()
+
+    def stop(self) -> None:
+        self._cancel()
 
 
 def cpu_between(start: dict[str, Any], end: dict[str, Any]) -> dict[str, float]:
@@ -481,6 +502,8 @@ class Run:
         victim = max(plans, key=plans.get)  # the member of the highest rank
         lease = max(self.ask("victim", victim))
         before = self.snapshot()
+        if self.timeline:
+            clock, broken = RevisionClock(self.admin), BrokenNews(self.admin)
         started = time.time()
         if self.per_node > 1:  # what its launcher does when it dies: the node's lease lives on
             drop_member(self.admin, JobKeys(JOB), victim, lease)
@@ -488,8 +511,16 @@ class Run:
             self.admin.revoke(lease)
         replies = self.ask("await", 2, timeout_s=self.limit_s + 60)
         after = self.snapshot()
-        result["phases"].append(self.phase("one_death", before, after, started, replies,
-                                           self.n - 1))
+        death = self.phase("one_death", before, after, started, replies, self.n - 1)
+        if self.timeline:
+            clock.stop()
+            broken.stop()
+            if death["finished"]:
+                kvs, _ = self.admin.get_prefix(JobKeys(JOB).prefix)
+                death["timeline"] = timeline(clock, kvs, started,
+                                             [t for reply in replies for t in reply["times"]],
+                                             2, broken.at)
+        result["phases"].append(death)
         if self.idle_s:
             result["idle"] = self.idle(self.n - 1)
         return result

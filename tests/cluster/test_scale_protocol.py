@@ -457,6 +457,9 @@ def test_the_membership_benchmark_forms_thirty_members_and_reforms_them_after_a_
     line = phases[0]["timeline"]
     assert line["registered_100%"] <= line["plan"] and line["joined_100%"] <= line["plan"] \
         <= line["seated_100%"] <= line["news"], line
+    line = phases[1]["timeline"]
+    assert line["broken_news"] is not None and line["joined_100%"] <= line["plan"] \
+        <= line["seated_100%"] <= line["news"], line
 
 
 def test_the_keepalive_benchmark_renews_on_one_stream_and_its_anchor_on_one_per_renewal(
