@@ -22,6 +22,14 @@ import grpc
 from elastic.errors import EtcdAccessError
 from elastic.settings import EtcdSecurity
 from elastic.timeouts import Timeouts
+
+
+class EtcdBusy(aetcd.ConnectionFailedError):
+    """etcd turned a request away as "too many requests": its applied writes lag its commits
+    by more than it allows. Back-pressure that passes, so it is retried as a lost connection
+    is (``busy`` tells it from etcd's other RESOURCE_EXHAUSTED answers, which are limits)."""
+
+
 # The errors of a connection that may work again: retried, and a watch re-opened.
 TRANSIENT = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, aetcd.InternalError)
 
@@ -155,6 +163,13 @@ def status_of(exc: BaseException) -> grpc.StatusCode | None:
     cause = exc.__cause__
     return cause.code() if isinstance(cause, grpc.aio.AioRpcError) else None
 
+
+
+def busy(exc: aetcd.ClientError) -> EtcdBusy | None:
+    """``exc`` as ``EtcdBusy`` when it is etcd's "too many requests" (None: another error)."""
+    if status_of(exc) == grpc.StatusCode.RESOURCE_EXHAUSTED and "too many requests" in str(exc):
+        return EtcdBusy(str(exc))
+    return None
 
 
 def refusal(exc: aetcd.ClientError, what: str, urls: str,

@@ -35,7 +35,8 @@ import grpc  # noqa: E402
 import tenacity  # noqa: E402
 
 from elastic.cluster.etcd_channel import (  # noqa: E402
-    TRANSIENT, Client, grpc_options, parse_endpoints, refusal, status_of, uses_tls)
+    TRANSIENT, Client, EtcdBusy, busy, grpc_options, parse_endpoints, refusal, status_of,
+    uses_tls)
 from elastic.cluster.etcd_keepalive import KeepAlives  # noqa: E402
 from elastic.cluster.etcd_txn import CompareAndSwap  # noqa: E402
 from elastic.cluster.etcd_values import KeyValue, WatchEvent, kv_of, utf8_keys  # noqa: E402
@@ -182,6 +183,11 @@ class EtcdClient(CompareAndSwap):
                 if len(self._endpoints) > 1:
                     await self._fail_over()
                 raise
+            except aetcd.ClientError as exc:
+                overloaded = busy(exc)
+                if overloaded is None:
+                    raise
+                raise overloaded from exc  # asked again, on the same endpoint
 
         def once() -> T:
             if self._closed:  # closed while retrying: its loop answers nobody now
@@ -223,6 +229,12 @@ class EtcdClient(CompareAndSwap):
                 f"etcd at {self.urls} kept refusing the auth token of user "
                 f"{self.security.user!r} for {what} ({exc}): check that authentication is "
                 "enabled as expected and that the user still exists.") from exc
+        except EtcdBusy as exc:
+            raise EtcdUnavailableError(
+                f"etcd at {self.urls} was too busy to take {what} for "
+                f"{retry_for.total_seconds():g} s ({exc}): its applied writes lag its commits. "
+                "Give etcd faster disks and more CPU, or spread the jobs over more etcd "
+                "clusters (README, \"How large a job one etcd carries\").") from exc
         except TRANSIENT as exc:
             raise EtcdUnavailableError(
                 f"etcd at {self.urls} did not answer {what} for "
