@@ -164,7 +164,6 @@ def status_of(exc: BaseException) -> grpc.StatusCode | None:
     return cause.code() if isinstance(cause, grpc.aio.AioRpcError) else None
 
 
-
 def busy(exc: aetcd.ClientError) -> EtcdBusy | None:
     """``exc`` as ``EtcdBusy`` when it is etcd's "too many requests" (None: another error)."""
     if status_of(exc) == grpc.StatusCode.RESOURCE_EXHAUSTED and "too many requests" in str(exc):

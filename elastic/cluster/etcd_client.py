@@ -194,6 +194,8 @@ class EtcdClient(CompareAndSwap):
                 raise EtcdUnavailableError(f"The etcd client for {self.urls} is closed.")
             try:
                 return self._submit(attempt())
+            except EtcdBusy:
+                raise  # it answered: nothing to probe
             except TRANSIENT:
                 self._check_tls()
                 raise
