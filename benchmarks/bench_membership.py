@@ -393,7 +393,8 @@ class BrokenNews:
 
     def __init__(self, client: EtcdClient) -> None:
         self.at: float | None = None
-        self._cancel = client.watch_prefix(JobKeys(JOB).news, 0, self._on_events)
+        _, revision = client.get_prefix(JobKeys(JOB).news)  # from here: a late create misses none
+        self._cancel = client.watch_prefix(JobKeys(JOB).news, revision + 1, self._on_events)
 
     def _on_events(self, events: list[Any]) -> None:
         if self.at is None and any(e.kind == "put" and RoundNews.from_json(e.value).broken
