@@ -44,10 +44,11 @@ Measured, per N:
   costs the ``--quota-backend-bytes`` of an etcd that does not compact);
 - with ``--idle S``: lease renewals per member and second over S seconds after the death, while
   nothing changes (what a job costs etcd when it only trains).
-- with ``--timeline``: when the first round's member keys, join requests, plan, seats and news
-  were written (10, 50 and 100 % of each kind), from the keys' revisions and etcd's revision
-  sampled every 10 ms by the parent (to within a sample, which comes later when etcd is slow to
-  answer), and when half of the members and the last held their seat.
+- with ``--timeline``, per phase: when the member keys (first round), join requests, plan,
+  seats and news were written (10, 50 and 100 % of each kind), from the keys' revisions and
+  etcd's revision sampled every 10 ms by the parent (to within a sample, which comes later when
+  etcd is slow to answer); when half of the members and the last held their seat; and, in a
+  death, when the parent heard the news that the round broke.
 
 A phase that does not finish within ``--limit`` seconds is recorded as not finished, with the
 counts reached by then.
@@ -491,11 +492,7 @@ class Run:
         after = self.snapshot()
         first = self.phase("first_round", before, after, started, replies, self.n)
         if clock is not None:
-            clock.stop()
-            if first["finished"]:
-                kvs, _ = self.admin.get_prefix(JobKeys(JOB).prefix)
-                first["timeline"] = timeline(clock, kvs, started,
-                                             [t for reply in replies for t in reply["times"]])
+            self.add_timeline(first, clock, started, replies, 1)
         result = {"n": self.n, "phases": [first]}
         if not first["finished"]:
             return result
@@ -514,17 +511,23 @@ class Run:
         after = self.snapshot()
         death = self.phase("one_death", before, after, started, replies, self.n - 1)
         if self.timeline:
-            clock.stop()
             broken.stop()
-            if death["finished"]:
-                kvs, _ = self.admin.get_prefix(JobKeys(JOB).prefix)
-                death["timeline"] = timeline(clock, kvs, started,
-                                             [t for reply in replies for t in reply["times"]],
-                                             2, broken.at)
+            self.add_timeline(death, clock, started, replies, 2, broken.at)
         result["phases"].append(death)
         if self.idle_s:
             result["idle"] = self.idle(self.n - 1)
         return result
+
+    def add_timeline(self, phase: dict[str, Any], clock: RevisionClock, started: float,
+                     replies: list[dict[str, Any]], n: int,
+                     broken_at: float | None = None) -> None:
+        """Stops ``clock`` and, if the phase finished, adds round ``n``'s ``timeline`` to it."""
+        clock.stop()
+        if phase["finished"]:
+            kvs, _ = self.admin.get_prefix(JobKeys(JOB).prefix)
+            phase["timeline"] = timeline(clock, kvs, started,
+                                         [t for reply in replies for t in reply["times"]],
+                                         n, broken_at)
 
     def idle(self, members: int) -> dict[str, Any]:
         """Lease renewals per member and second while nothing changes, over ``idle_s``."""
@@ -587,8 +590,9 @@ def main() -> None:
                              "one watch stream sends their watch creates one at a time; a "
                              "real worker process has a connection of its own)")
     parser.add_argument("--timeline", action="store_true",
-                        help="record when the first round's member keys, joins, plan, seats and "
-                             "news were written, from etcd's revisions sampled every 10 ms")
+                        help="record when each phase's member keys (first round), joins, plan, "
+                             "seats and news were written, from etcd's revisions sampled every "
+                             "10 ms, and when a death's news of the break was heard")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", default="")
     args = parser.parse_args()

@@ -12,8 +12,8 @@ from tests.support.harness import Job
 OUTAGE_S = 60
 
 
-def train_args(step_ms: int, epochs: int = EPOCHS) -> list[str]:
-    return ["--epochs", str(epochs), "--samples", str(SAMPLES), "--batch", "8",
+def train_args(step_ms: int) -> list[str]:
+    return ["--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--batch", "8",
             "--commit-every", "4", "--step-ms", str(step_ms)]
 
 
