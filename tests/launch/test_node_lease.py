@@ -86,8 +86,10 @@ def test_a_stopped_worker_under_a_node_lease_is_removed_after_a_ttl_and_rejoins_
                    "the other worker to go on alone", [run])
         assert f"worker pid={frozen} sent no heartbeat for " in run.text(), run.text()
     finally:
+        # Read before the signal: a continued worker can register again within milliseconds,
+        # and a stopped one cannot register at all.
+        continued_at = time.time()
         os.kill(frozen, signal.SIGCONT)
-    continued_at = time.time()
     wait_until(lambda: frozen in trained_in(log_dir, 2, continued_at), 60,
                "the continued worker to train in world 2 again", [run])
     client = EtcdClient(etcd.url)
