@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from tests.support.native_stacks import native_stacks
 from tests.support.polling import poll_until
 
 WORKER = Path(__file__).resolve().parent.parent / "workers" / "train.py"
@@ -155,11 +156,13 @@ class Job:
         return "\n".join(parts)
 
     def hang_report(self) -> str:
-        """Every live worker's and DataLoader worker's stacks, whole, after each log's tail."""
+        """Every live worker's and DataLoader worker's stacks, whole, after each log's tail;
+        then their native stacks (``native_stacks``: where a C call hangs)."""
         sizes = {index: path.stat().st_size for index in self.procs
                  if (path := self.out / f"worker-{index}.log").exists()}
         self.dump_stacks()
-        return self.tails(10, since=sizes)
+        live = [proc.pid for proc in self.procs.values() if proc.poll() is None]
+        return self.tails(10, since=sizes) + "\n" + native_stacks(live)
 
     def kill_all(self) -> None:
         """Kills every process this job started (and their process groups), by PID."""
