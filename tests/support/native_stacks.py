@@ -2,8 +2,9 @@
 
 ``faulthandler`` shows Python frames only: a thread stuck inside a C call (``os.fork()``, a lock
 of a library, a syscall) shows as the Python line that made the call. When ``gdb`` is on PATH,
-this attaches to each process for a moment, prints every thread's backtrace and detaches. It
-runs only once a test has already failed on a hang; it never signals or ends a process.
+this attaches to each process for a moment (ptrace stops it while the backtraces are read),
+prints every thread's backtrace and detaches. It runs only once a test has already failed on a
+hang, and it ends no process.
 """
 
 from __future__ import annotations
