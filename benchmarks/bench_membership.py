@@ -30,7 +30,8 @@ etcd client (one gRPC connection). No torch collectives are run.
 Measured, per N:
 
 - first round: from the moment every member is told to join to the moment the last one holds
-  the plan of round 1;
+  the plan of round 1 (its seat; the phase's counts go on until every member has heard the
+  round's news, which comes after the seats);
 - one death: the lease of one member (rank N-1) is revoked, as its launcher does after a
   SIGKILL; from the revoke to the moment the last survivor holds the next plan;
 - per member and per change (each phase above is one change): etcd requests and writes, and
@@ -75,11 +76,12 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from elastic.cluster.etcd_client import EtcdClient  # noqa: E402
+from elastic.cluster.etcd_client import EtcdClient, WatchEvent  # noqa: E402
 from elastic.cluster.keys import JobKeys  # noqa: E402
 from elastic.cluster.lease_file import heartbeat  # noqa: E402
 from elastic.cluster.membership import EtcdMembership, NodeLease, drop_member  # noqa: E402
-from elastic.cluster.news import NewsMonitor, RoundNews  # noqa: E402
+from elastic.cluster.news import NewsMonitor, RoundNews, read_news  # noqa: E402
+from elastic.cluster.records import SkippedRecords  # noqa: E402
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology  # noqa: E402
 from elastic.errors import FencedError  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
@@ -145,6 +147,9 @@ class SimNode:
         return NodeLease(self.lease, lambda member: None, lambda: heartbeat(path))
 
 
+PORT = 29500  # the master port every simulated member offers (no group is formed)
+
+
 class SimMember:
     """The etcd half of one worker (``Cluster`` without torch): membership, rendezvous and the
     change monitor, wired as ``Cluster._register`` and ``Cluster.form`` wire them."""
@@ -158,16 +163,25 @@ class SimMember:
                                          timeouts.keepalive, claim=keys.coordinator)
         self.registered = threading.Event()
         self.rendezvous = Rendezvous(client, self.membership,
-                                     RendezvousConfig(max_workers=max_workers, timeouts=timeouts))
+                                     RendezvousConfig(min_workers=max(1, (max_workers or 0) - 1),
+                                                      max_workers=max_workers, timeouts=timeouts))
         self.broken = threading.Event()
         self.monitor = NewsMonitor(keys, lambda reason: self.broken.set())
         self.membership.add_listener(self.monitor.on_events)
         self.topology: Topology | None = None
+        self.told = 0  # the newest round whose news this member heard
+        self.membership.add_listener(self._hear)
+
+    def _hear(self, events: list[WatchEvent]) -> None:
+        read = read_news(self.membership.keys, events, SkippedRecords())
+        if read is not None:
+            self.told = max(self.told, read[0].round)
 
     def register(self) -> None:
         if self.node is not None:
             self.membership.node_lease = self.node.share()
-        self.membership.register()
+        # As a worker's registration does (``Cluster``): it carries the first join request.
+        self.membership.register(self.rendezvous.first_join("start", 0, PORT))
         self.registered.set()
 
     def form(self, reason: str) -> Topology:
@@ -175,7 +189,7 @@ class SimMember:
         self.broken.clear()
         topology = None
         while topology is None:
-            topology = self.rendezvous.join(reason, 0, 29500)
+            topology = self.rendezvous.join(reason, 0, PORT)
             reason = "spare"
         self.monitor.arm(topology, self.client)
         self.topology = topology
@@ -259,6 +273,12 @@ def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: fl
                        "fenced": sum(0 in t for t in times),
                        "plans": [(m.membership.member_id, m.topology.rank if m.topology else -1)
                                  for m in members]})
+        elif command == "told":  # arg: the round whose news every member (but victims) heard
+            deadline = time.monotonic() + limit_s
+            while time.monotonic() < deadline and not all(
+                    m.told >= arg for m, v in zip(members, victims) if not v.is_set()):
+                stop.wait(0.05)  # as "await" does: the members themselves do not poll
+            conn.send(None)
         elif command == "counts":
             counts: Counter[str] = Counter()
             for client in clients:
@@ -489,6 +509,10 @@ class Run:
         else:
             self.ask("go")
         replies = self.ask("await", 1, timeout_s=self.limit_s + 60)
+        # A member holds its round by its seat, which comes before the round's news: the news
+        # is part of the first round's cost, not of the death's.
+        if all(t is not None for reply in replies for t in reply["times"]):
+            self.ask("told", 1, timeout_s=self.limit_s + 60)
         after = self.snapshot()
         first = self.phase("first_round", before, after, started, replies, self.n)
         if clock is not None:
@@ -571,9 +595,12 @@ def main() -> None:
                         help="the members' lease TTL in seconds (0: the default, 3 s; the "
                              "keepalive interval is a quarter of it)")
     parser.add_argument("--declared-size", action="store_true",
-                        help="each job declares its size (max_workers = N, as `elastic run "
-                             "--max-workers N`): the first round closes as soon as all N joined, "
-                             "without the settle window for further joiners")
+                        help="each job declares its size (max_workers = N and min_workers = "
+                             "N - 1, as `elastic run --min-workers N-1 --max-workers N`): the "
+                             "first round closes as soon as all N joined, without the settle "
+                             "window for further joiners, and never with fewer than N - 1 (etcd "
+                             "slow for a settle window while 1,000 register could otherwise "
+                             "close it with the few registered by then)")
     parser.add_argument("--coordinator-apart", action="store_true",
                         help="the coordinator is a member alone in a process of its own, "
                              "registered before the others (default: whichever member of the "
@@ -618,6 +645,7 @@ def main() -> None:
               "date": time.strftime("%Y-%m-%d"),
               "lease_ttl_s": args.lease_ttl or 3.0, "settle_s": 0.5,
               "max_workers": "N" if args.declared_size else None,
+              "min_workers": "N - 1" if args.declared_size else 1,
               "coordinator": "apart" if args.coordinator_apart else "packed",
               "workers_per_node": args.workers_per_node, "connections": args.connections,
               "results": results}

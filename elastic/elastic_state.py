@@ -335,7 +335,10 @@ class ElasticState:
         # Before registering: a SIGTERM that lands as this worker joins asks it to leave.
         restore_signals = self._install_signal_handlers()
         try:
-            self._cluster = Cluster(self._settings, events)
+            if not self._train.has_commit:
+                self._train.commit()  # the initial state is the first rollback point
+            # Its version known, the registration carries the first join request.
+            self._cluster = Cluster(self._settings, events, self._train.version)
         except BaseException:
             restore_signals()
             raise
@@ -355,8 +358,6 @@ class ElasticState:
             return result
 
         try:
-            if not self._train.has_commit:
-                self._train.commit()  # the initial state is the first rollback point
             outcome.initial_version = self._train.version
             result = loop.run(call)
         finally:

@@ -46,9 +46,12 @@ class Cluster:
     Args:
         settings: the worker's settings (etcd and job id must be set).
         events: where events are recorded.
+        version: the version of the worker's newest commit, when known: its registration
+            then carries its first join request (``Rendezvous.first_join``).
     """
 
-    def __init__(self, settings: WorkerSettings, events: EventLog) -> None:
+    def __init__(self, settings: WorkerSettings, events: EventLog,
+                 version: int | None = None) -> None:
         if not settings.etcd or not settings.job_id:
             raise ValueError(
                 "ElasticState.run() needs an etcd and a job id: launch with `elastic run`, or "
@@ -81,9 +84,10 @@ class Cluster:
         self.membership: EtcdMembership
         self.rendezvous: Rendezvous
         self.monitor: NewsMonitor
-        self._register()
+        self._port: int | None = None  # the port the registration's join request offers
+        self._register(version)
 
-    def _register(self) -> None:
+    def _register(self, version: int | None = None) -> None:
         timeouts = self.settings.timeouts
         lease_file = self.settings.lease_file
         self.membership = EtcdMembership(
@@ -95,7 +99,11 @@ class Cluster:
         self.monitor = NewsMonitor(self.keys, self._on_broken, self.skipped)
         self.membership.add_listener(self.monitor.on_events)
         self.membership.on_fenced(lambda: self._release_for_peers("this member was fenced"))
-        self.membership.register()
+        carry = None
+        if version is not None:
+            self._port = free_port()
+            carry = self.rendezvous.first_join("start", version, self._port, self._came_from())
+        self.membership.register(carry)
         self.events.bind(member=self.membership.member_id)
         self.events.emit("joined", lease_ttl_s=self.settings.timeouts.lease_ttl.total_seconds())
 
@@ -212,7 +220,8 @@ class Cluster:
                 reason = "start"
             with Stopwatch() as waited:
                 try:
-                    topology = self.rendezvous.join(reason, version, free_port(), cancelled,
+                    port, self._port = self._port or free_port(), None
+                    topology = self.rendezvous.join(reason, version, port, cancelled,
                                                     self._members_gone, self._came_from())
                 except FencedError as exc:
                     self.membership.fence(str(exc))  # a write found the lease gone

@@ -3,7 +3,8 @@
 A mixin of ``EtcdClient`` (``etcd_client``), kept apart so that each module stays one concept:
 the client owns the connection, its retries and plain reads and writes; this owns the writes
 that are conditional on what etcd holds (create if absent, replace if unchanged, delete if
-unchanged) and the member registration that also takes a lease-bound key if nobody holds it.
+unchanged) and the member registration that also takes a lease-bound key if nobody holds it
+(and may carry one more write of its own).
 """
 
 from __future__ import annotations
@@ -22,15 +23,27 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
+class Carried:
+    """A key that a registration writes in its own transaction, bound to the same lease, only
+    while the key ``unless`` does not exist (a worker's first join request, while the job has
+    no round yet)."""
+
+    key: str
+    value: str
+    unless: str
+
+
+@dataclass(frozen=True)
 class Registration:
     """What ``put_and_claim`` found: the revision of its write, whether it took the claimed
-    key, and every key under the prefix it read, as of that revision (the write included).
-    ``taken``: the key was another's, and nothing was written."""
+    key, whether it wrote the carried key, and every key under the prefix it read, as of that
+    revision (the write included). ``taken``: the key was another's, and nothing was written."""
 
     revision: int
     claimed: bool
     read: list[KeyValue]
     taken: bool = False
+    carried: bool = False
 
 
 class CompareAndSwap:
@@ -44,14 +57,17 @@ class CompareAndSwap:
         raise NotImplementedError
 
     def put_and_claim(self, key: str, value: bytes | str, lease: int,
-                      claim: tuple[str, str] | None, read: str) -> Registration:
+                      claim: tuple[str, str] | None, read: str,
+                      carry: Carried | None = None) -> Registration:
         """Creates ``key`` (bound to ``lease``) if no such key exists, takes ``claim`` = (key,
         value), bound to the same lease, if that key does not exist either, and reads every key
         under ``read``: one transaction, so that a member's registration, its bid to lead and
         its first look at the job's control keys cost one request. A ``key`` that exists is
         left as it is (``Registration.taken``), unless it holds this very write: retried
         safely, a retry after a lost reply finds its own key and the claimed key holding
-        ``claim``'s value (``claim`` lies under ``read``).
+        ``claim``'s value (``claim`` lies under ``read``). ``carry`` is written with the key
+        when its ``unless`` key does not exist (a retry that finds its own key reports it not
+        written, whether the lost attempt wrote it or not).
         """
         data = value.encode() if isinstance(value, str) else value
         raw_key, prefix = key.encode(), read.encode()
@@ -65,6 +81,10 @@ class CompareAndSwap:
                 writes.append(ops.txn(compare=[ops.create(claim[0].encode()) == 0],
                                       success=[ops.put(claim[0].encode(), claim[1].encode(),
                                                        lease=lease)], failure=[]))
+            if carry is not None:
+                writes.append(ops.txn(compare=[ops.create(carry.unless.encode()) == 0],
+                                      success=[ops.put(carry.key.encode(), carry.value.encode(),
+                                                       lease=lease)], failure=[]))
             return await c.transaction(compare=[ops.create(raw_key) == 0],
                                        success=[*writes, *reads], failure=reads)
 
@@ -77,7 +97,10 @@ class CompareAndSwap:
         claimed = claim is not None and (took or any(
             kv.key == claim[0] and kv.value == claim[1].encode() and kv.lease == lease
             for kv in found))
-        return Registration(revision=written.mod_revision, claimed=claimed, read=found)
+        carried = created and carry is not None \
+            and responses[1 + (claim is not None)].response_txn.succeeded
+        return Registration(revision=written.mod_revision, claimed=claimed, read=found,
+                            carried=carried)
 
     def delete_if(self, key: str, mod_revision: int) -> bool:
         """Deletes ``key`` only if its mod revision is still ``mod_revision``; returns whether

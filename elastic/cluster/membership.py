@@ -33,7 +33,7 @@ from datetime import timedelta
 
 from elastic.errors import EtcdAccessError, EtcdRecordError, EtcdUnavailableError, FencedError
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
-from elastic.cluster.etcd_txn import Registration
+from elastic.cluster.etcd_txn import Carried, Registration
 from elastic.cluster.lease_renewals import Outcome
 from elastic.cluster.keys import JobKeys
 
@@ -131,6 +131,7 @@ class EtcdMembership:
         self._claim = claim
         self.node_lease = node_lease  # None once registered under a lease of its own
         self.claimed = False
+        self.carried = False  # whether the registration wrote the key it was asked to carry
         self.fenced = threading.Event()
         self._stop = threading.Event()
         self._listeners: list[Listener] = []
@@ -150,30 +151,34 @@ class EtcdMembership:
         """Calls ``callback`` once if this member's lease is lost."""
         self._fence_listeners.append(callback)
 
-    def register(self) -> int:
+    def register(self, carry: Callable[[str], Carried] | None = None) -> int:
         """Grants the lease, writes the member key (taking the claimed key if it is free), hands
         the listeners the job's ``control/`` keys as they are then, and starts keepalive and
         watch: one request besides the lease's.
 
+        Args:
+            carry: the key to write in the same request, given the member id (a worker's
+                first join request); ``carried`` then says whether it was written.
+
         Returns:
             The etcd revision of the registration; the watch starts right after it.
         """
-        registered = None
-        if self.node_lease is not None:
-            self.lease = self.node_lease.lease
-            self.node_lease.on_member(self.member_id)
-            try:
-                registered = self._put_and_claim()
-            except FencedError:
-                log.warning("the node's lease %x is gone (its launcher ended?); %s registers "
-                            "under a lease of its own", self.node_lease.lease, self.member_id)
-                self.node_lease = None
-        if registered is None:
-            self.lease = self._client.grant(self.lease_ttl)
-            if self._on_lease is not None:
-                self._on_lease(self.lease)
-            registered = self._put_and_claim()
-        self.claimed = registered.claimed
+        # The seat watch opens first, from etcd's current revision: a seat is written only
+        # after the member's join request, which the registration may carry, so it never has
+        # to catch up from the past. A seat it still misses, the member reads when the news
+        # of its round comes.
+        watched = self.member_id
+        cancel_seat = self._client.watch_prefix(self.keys.seat(watched), 0, self._dispatch)
+        try:
+            registered = self._lease_and_member_key(carry)
+        except BaseException:
+            cancel_seat()
+            raise
+        if self.member_id != watched:  # the id drawn first was another member's
+            cancel_seat()
+            cancel_seat = self._client.watch_prefix(self.keys.seat(self.member_id), 0,
+                                                    self._dispatch)
+        self.claimed, self.carried = registered.claimed, registered.carried
         if self.node_lease is None:
             self._stop_renewals = self._client.renewals.add(self.lease, self.keepalive,
                                                             self._renewed)
@@ -181,13 +186,9 @@ class EtcdMembership:
         self._dispatch([WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease,
                                    kv.create_revision) for kv in registered.read])
         self._cancel_watches = [
-            self._client.watch_prefix(prefix, registered.revision + 1, self._dispatch)
-            for prefix in (self.keys.control, self.keys.member(self.member_id))]
-        # No seat is written before this member asks to join, so its watch starts at etcd's
-        # current revision (0): it is never among the watches that etcd must catch up from
-        # the past. A seat it still misses, the member reads when the news of its round comes.
-        self._cancel_watches.append(
-            self._client.watch_prefix(self.keys.seat(self.member_id), 0, self._dispatch))
+            *(self._client.watch_prefix(prefix, registered.revision + 1, self._dispatch)
+              for prefix in (self.keys.control, self.keys.member(self.member_id))),
+            cancel_seat]
         self.is_registered = True
         if self.node_lease is not None:
             self._keepalive = threading.Thread(target=self._heartbeat, name="elastic-heartbeat",
@@ -195,11 +196,28 @@ class EtcdMembership:
             self._keepalive.start()
         return registered.revision
 
-    def _put_and_claim(self) -> Registration:
+    def _lease_and_member_key(self, carry: Callable[[str], Carried] | None) -> Registration:
+        """Writes the member key under the node's lease, else under a lease granted now."""
+        if self.node_lease is not None:
+            self.lease = self.node_lease.lease
+            self.node_lease.on_member(self.member_id)
+            try:
+                return self._put_and_claim(carry)
+            except FencedError:
+                log.warning("the node's lease %x is gone (its launcher ended?); %s registers "
+                            "under a lease of its own", self.node_lease.lease, self.member_id)
+                self.node_lease = None
+        self.lease = self._client.grant(self.lease_ttl)
+        if self._on_lease is not None:
+            self._on_lease(self.lease)
+        return self._put_and_claim(carry)
+
+    def _put_and_claim(self, carry: Callable[[str], Carried] | None) -> Registration:
         """Writes the member key (see ``register``), under a new id while the one drawn is
         another member's (``_MAX_DRAWS`` at most: ids of one process never repeat)."""
         for _ in range(_MAX_DRAWS):
-            registered = self._put_and_claim_once()
+            registered = self._put_and_claim_once(
+                None if carry is None else carry(self.member_id))
             if not registered.taken:
                 return registered
             taken, self.member_id = self.member_id, new_member_id()
@@ -211,13 +229,13 @@ class EtcdMembership:
                               f"under {self.keys.members}: something other than this job's "
                               "workers writes there; stop it, or run with another job id.")
 
-    def _put_and_claim_once(self) -> Registration:
+    def _put_and_claim_once(self, carry: Carried | None) -> Registration:
         info = {"host": socket.gethostname(), "pid": os.getpid(), "addr": self.advertise_addr,
                 "lease": self.lease, "since": time.time()}
         return self._client.put_and_claim(
             self.keys.member(self.member_id), json.dumps(info), self.lease,
             None if self._claim is None else (self._claim, self.member_id),
-            read=self.keys.control)
+            read=self.keys.control, carry=carry)
 
     def _heartbeat(self) -> None:
         """Under the node's lease: tells the launcher this member is alive until ``leave()`` or

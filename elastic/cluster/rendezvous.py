@@ -8,7 +8,9 @@ closes the round once the rules allow (``verdict``) by one compare-and-swap that
 ``rounds/{n}/plan`` and moves ``round`` to ``n``: one plan per round. It then writes each member
 of the plan its seat, then the round's news (``control/news``). A member that the news of the
 round reaches without a seat of that round reads its seat, then the round's plan, once each:
-it asked too late, or the watch brought the news first. Waiting wakes on the watch and on the
+it asked too late, or the watch brought the news first. A worker's registration may carry its
+first join request (``first_join``), written with its member key while the job has no round.
+Waiting wakes on the watch and on the
 wake cap, never on a polling sleep; a waiting member reads no other member's records.
 """
 
@@ -27,6 +29,7 @@ from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership
 from elastic.cluster.etcd_client import KeyValue
+from elastic.cluster.etcd_txn import Carried
 from elastic.cluster.plan import CloseRule, JoinRequest, Plan, RendezvousConfig, assign_ranks
 from elastic.cluster import records
 from elastic.cluster.gone_reports import GoneReports
@@ -37,6 +40,8 @@ from elastic.cluster.records import RecordError, SkippedRecords
 from elastic.cluster.seat import Seat, seat_in
 
 log = logging.getLogger(__name__)
+
+FIRST_ROUND = 1  # a job's first round: the one a registration's join request asks for
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,8 @@ class Rendezvous:
         self._news: RoundNews | None = None  # the newest news seen (by watch or one read)
         self._seat: Seat | None = None  # this member's newest seat, as the watch brought it
         self._last_round = 0  # the last round this member was in
+        # The join request its registration may have carried: (round, stored form).
+        self._carried: tuple[int, str] | None = None
         membership.add_listener(self._on_events)
         # Listening before the registration: it hands over the ``control/`` keys as they were.
         self._hears_registration = not membership.is_registered
@@ -226,15 +233,14 @@ class Rendezvous:
                 went_on = self.read_plan(self._last_round + 1)
                 me = self._membership.member_id
                 self._check_not_cut(None if went_on is None else seat_in(went_on, me))
-            # A warm spare's joins never ask the running members to re-form.
-            request = JoinRequest(self._membership.member_id, version,
-                                  "spare" if self.standby else reason,
-                                  self._membership.advertise_addr, port, standby=self.standby,
-                                  from_round=came_from[0], from_world=came_from[1])
+            request = self._request(self._membership.member_id, reason, version, port,
+                                    came_from).to_json()
             reported: set[str] = set()  # before asking: a split is seen whole when all asked
             self._report_gone(n, gone(n), reported)
-            self._client.put(self._keys.join(n, self._membership.member_id), request.to_json(),
-                             lease=self._membership.lease)
+            carried, self._carried = self._carried, None
+            if carried != (n, request) or not self._membership.carried:
+                self._client.put(self._keys.join(n, self._membership.member_id), request,
+                                 lease=self._membership.lease)
             seat = self._wait_for_seat(n, started, cancelled, gone, reported)
             if seat is None:
                 log.info("round %d closed without %s (or was overtaken); asking for the next",
@@ -246,6 +252,26 @@ class Rendezvous:
             self.standby = False
             self._last_round = n
             return Topology.of(seat, self._membership.member_id, self._keys.store(n))
+
+    def _request(self, member_id: str, reason: str, version: int, port: int,
+                 came_from: tuple[int, int]) -> JoinRequest:
+        # A warm spare's joins never ask the running members to re-form.
+        return JoinRequest(member_id, version, "spare" if self.standby else reason,
+                           self._membership.advertise_addr, port, standby=self.standby,
+                           from_round=came_from[0], from_world=came_from[1])
+
+    def first_join(self, reason: str, version: int, port: int,
+                   came_from: tuple[int, int] = (0, 0)) -> Callable[[str], Carried]:
+        """The join request of round 1 for this member's registration to carry (given its
+        member id): written with the member key while the job has no round yet, so that a
+        job's first round costs each member one write fewer. ``join`` then writes it only if
+        the registration did not, or if it asks with other arguments or for another round."""
+        def carry(member_id: str) -> Carried:
+            request = self._request(member_id, reason, version, port, came_from).to_json()
+            self._carried = (FIRST_ROUND, request)
+            return Carried(self._keys.join(FIRST_ROUND, member_id), request, self._keys.round)
+
+        return carry
 
     def _newest_told(self) -> int:
         """The newest round this member knows closed: by its news, or by its seat (which the

@@ -21,6 +21,7 @@ import pytest
 
 from elastic.errors import EtcdAccessError, EtcdUnavailableError
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
+from elastic.cluster.etcd_txn import Carried
 from elastic.cluster.key_range import KeyRange
 from elastic.launch.job_config import JobConfig, claim
 from elastic.cluster.keys import JobKeys
@@ -205,6 +206,30 @@ def test_a_registration_sent_again_finds_its_own_write_and_another_finds_the_key
     finally:
         client.revoke(lease)
         client.revoke(other)
+
+
+def test_a_registration_carries_its_key_only_while_the_guard_key_is_absent(client):
+    lease = client.grant(timedelta(seconds=30))
+    try:
+        carry = Carried("/t/carry/rounds/1/join/a", "asks", "/t/carry/round")
+        first = client.put_and_claim("/t/carry/members/a", "info", lease, None, "/t/carry/c/",
+                                     carry)
+        assert first.carried
+        written = client.get(carry.key)
+        assert written is not None and written.value == b"asks" and written.lease == lease
+        assert written.mod_revision == first.revision  # one write, one revision
+        again = client.put_and_claim("/t/carry/members/a", "info", lease, None, "/t/carry/c/",
+                                     carry)
+        assert not again.taken and not again.carried  # a retry does not claim the write
+        client.put("/t/carry/round", "1")
+        guarded = client.put_and_claim("/t/carry/members/b", "info", lease, None,
+                                       "/t/carry/c/", Carried("/t/carry/rounds/1/join/b", "asks",
+                                                              "/t/carry/round"))
+        assert not guarded.carried and client.get("/t/carry/rounds/1/join/b") is None
+        assert client.get("/t/carry/members/b") is not None
+    finally:
+        client.revoke(lease)
+        client.delete_prefix("/t/carry/")
 
 
 def test_member_ids_made_in_one_process_do_not_repeat():

@@ -25,7 +25,7 @@ from elastic.cluster.membership import EtcdMembership, NodeLease, drop_member
 from elastic.cluster.news import NewsMonitor, RoundNews
 from elastic.cluster.records import RecordError
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
-from elastic.errors import RendezvousClosedError
+from elastic.errors import LeaveInterrupt, RendezvousClosedError
 from tests.support.polling import poll_until
 from tests.support.limited_etcd import MAX_TXN_OPS
 from elastic.timeouts import Timeouts
@@ -51,7 +51,8 @@ class Member:
         self.heard: Counter[str] = Counter()
         self.membership.add_listener(self._count)
         self.membership.add_listener(self.monitor.on_events)
-        self.membership.register()
+        # As ``Cluster`` registers: the registration carries the first join request.
+        self.membership.register(self.rendezvous.first_join("start", version, 29500))
 
     def _count(self, events: list[WatchEvent]) -> None:
         keys = self.membership.keys
@@ -240,16 +241,17 @@ def test_the_coordinator_weighs_a_first_round_once_every_registered_member_asked
         for m in members:
             m.leave()
 
-def test_a_first_round_costs_each_member_a_lease_a_registration_and_a_join_and_no_read(etcd):
+def test_a_first_round_costs_each_member_a_lease_and_a_registration_that_carries_its_join(etcd):
     counting = CountingClient(etcd.url)
     members: list[Member] = []
     try:
         members = [Member(counting, "scale-first") for _ in range(12)]
-        form_all(members, "start")
+        assert all(m.membership.carried for m in members)
+        assert {t.world_size for t in form_all(members, "start")} == {12}
         sent = [w for w in counting.sent if w != "lease keepalive"]
         assert sum(w == "lease grant" for w in sent) == len(members)
         assert sum(w.startswith("register ") for w in sent) == len(members)
-        assert sum(w.startswith("put ") and "/join/" in w for w in sent) == len(members)
+        assert [w for w in sent if w.startswith("put ") and "/join/" in w] == [], sent
         # Registering took the coordinator key (the first member) or saw who holds it, and
         # told each member the news: nobody reads the key or races to create it, and only the
         # coordinator reads the news (once, as it follows the round it closed).
@@ -264,6 +266,40 @@ def test_a_first_round_costs_each_member_a_lease_a_registration_and_a_join_and_n
         for m in members:
             m.leave()
         counting.close()
+
+
+def test_a_member_registering_once_the_job_has_a_round_carries_no_join_and_asks_by_a_write(
+        client):
+    keys = JobKeys("scale-late")
+    members = [Member(client, "scale-late") for _ in range(2)]
+    late = None
+    try:
+        form_all(members, "start")
+        late = Member(client, "scale-late")
+        assert not late.membership.carried
+        assert client.get(keys.join(1, late.id)) is None
+        left = threading.Event()
+        with ThreadPoolExecutor(1) as pool:  # a newcomer: round 2 waits for the others
+            asked = pool.submit(late.rendezvous.join, "start", 0, 29500, cancelled=left.is_set)
+            assert poll_until(lambda: client.get(keys.join(2, late.id)) is not None, WAIT_S)
+            left.set()
+            with pytest.raises(LeaveInterrupt):
+                asked.result(timeout=WAIT_S)
+    finally:
+        for m in [*members, *([late] if late else [])]:
+            m.leave()
+
+
+def test_a_first_join_asked_otherwise_than_the_registration_carried_is_written_again(client):
+    member = Member(client, "scale-carried-other", version=0)
+    try:
+        assert member.membership.carried
+        topology = member.rendezvous.join("start", 7, 29500)  # a commit since registering
+        assert topology is not None and topology.round == 1
+        plan = member.rendezvous.read_plan(1)
+        assert plan is not None and plan.versions == {member.id: 7}
+    finally:
+        member.leave()
 
 
 def test_the_newest_holder_is_rank_0_of_a_round_closed_by_the_coordinator(client):
@@ -448,10 +484,10 @@ def test_the_membership_benchmark_forms_thirty_members_and_reforms_them_after_a_
     phases = json.loads(out.read_text())["results"][0]["phases"]
     assert [(p["phase"], p["finished"], p["fenced"]) for p in phases] == [
         ("first_round", True, 0), ("one_death", True, 0)]
-    # A member's lease, registration and join are its writes; the coordinator's plan, seats
-    # and news add a tenth of one each, and its reads of the job about as much.
+    # A member's lease and its registration (which carries its join) are its writes; the
+    # coordinator's plan, seats and news add a tenth of one each, its reads about as much.
     first = phases[0]["per_member"]
-    assert 3 <= first["client_write"] < 3.5 and first["client_read"] < 0.5, first
+    assert 2 <= first["client_write"] < 2.5 and first["client_read"] < 0.5, first
     death = phases[1]["per_member"]
     assert death["client_write"] <= 3 and death["etcd_watch_events"] <= 5, death
     line = phases[0]["timeline"]
