@@ -10,8 +10,8 @@ of the plan its seat, then the round's news (``control/news``). A member that th
 round reaches without a seat of that round reads its seat, then the round's plan, once each:
 it asked too late, or the watch brought the news first. A worker's registration may carry its
 first join request (``first_join``), written with its member key while the job has no round.
-Waiting wakes on the watch and on the
-wake cap, never on a polling sleep; a waiting member reads no other member's records.
+Waiting wakes on the watch and on the wake cap, never on a polling sleep; a waiting member
+reads no other member's records.
 """
 
 from __future__ import annotations
