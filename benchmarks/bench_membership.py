@@ -69,6 +69,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -76,12 +77,11 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from elastic.cluster.etcd_client import EtcdClient, WatchEvent  # noqa: E402
+from elastic.cluster.etcd_client import EtcdClient  # noqa: E402
 from elastic.cluster.keys import JobKeys  # noqa: E402
 from elastic.cluster.lease_file import heartbeat  # noqa: E402
 from elastic.cluster.membership import EtcdMembership, NodeLease, drop_member  # noqa: E402
-from elastic.cluster.news import NewsMonitor, RoundNews, read_news  # noqa: E402
-from elastic.cluster.records import SkippedRecords  # noqa: E402
+from elastic.cluster.news import NewsMonitor, RoundNews  # noqa: E402
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology  # noqa: E402
 from elastic.errors import FencedError  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
@@ -169,13 +169,6 @@ class SimMember:
         self.monitor = NewsMonitor(keys, lambda reason: self.broken.set())
         self.membership.add_listener(self.monitor.on_events)
         self.topology: Topology | None = None
-        self.told = 0  # the newest round whose news this member heard
-        self.membership.add_listener(self._hear)
-
-    def _hear(self, events: list[WatchEvent]) -> None:
-        read = read_news(self.membership.keys, events, SkippedRecords())
-        if read is not None:
-            self.told = max(self.told, read[0].round)
 
     def register(self) -> None:
         if self.node is not None:
@@ -236,6 +229,14 @@ def threads_cpu_s() -> dict[str, float]:
     return dict(cpu)
 
 
+def wait_for(condition: Callable[[], bool], limit_s: float, stop: threading.Event) -> None:
+    """Until ``condition()`` holds, at most ``limit_s``: the parent's look at the member
+    threads' own records, every 50 ms (the members themselves do not poll)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and not condition():
+        stop.wait(0.05)
+
+
 def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: float,
                 max_workers: int | None, per_node: int = 1, connections: int = 1) -> None:
     """One process of members, driven by the parent over ``conn``; its members share
@@ -265,19 +266,16 @@ def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: fl
                     member.registered.wait(limit_s)
             conn.send(None)
         elif command == "await":  # arg: the round every member (but victims) must hold
-            deadline = time.monotonic() + limit_s
-            while time.monotonic() < deadline and not all(
-                    arg in t for t, v in zip(times, victims) if not v.is_set()):
-                stop.wait(0.05)  # polling the threads' own records; the members do not poll
+            wait_for(lambda: all(arg in t for t, v in zip(times, victims) if not v.is_set()),
+                     limit_s, stop)
             conn.send({"times": [t.get(arg) for t, v in zip(times, victims) if not v.is_set()],
                        "fenced": sum(0 in t for t in times),
                        "plans": [(m.membership.member_id, m.topology.rank if m.topology else -1)
                                  for m in members]})
         elif command == "told":  # arg: the round whose news every member (but victims) heard
-            deadline = time.monotonic() + limit_s
-            while time.monotonic() < deadline and not all(
-                    m.told >= arg for m, v in zip(members, victims) if not v.is_set()):
-                stop.wait(0.05)  # as "await" does: the members themselves do not poll
+            wait_for(lambda: all(m.monitor.told >= arg
+                                 for m, v in zip(members, victims) if not v.is_set()),
+                     limit_s, stop)
             conn.send(None)
         elif command == "counts":
             counts: Counter[str] = Counter()

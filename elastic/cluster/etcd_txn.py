@@ -81,7 +81,7 @@ class CompareAndSwap:
                 writes.append(ops.txn(compare=[ops.create(claim[0].encode()) == 0],
                                       success=[ops.put(claim[0].encode(), claim[1].encode(),
                                                        lease=lease)], failure=[]))
-            if carry is not None:
+            if carry is not None:  # its answer follows the member key's and the claim's
                 writes.append(ops.txn(compare=[ops.create(carry.unless.encode()) == 0],
                                       success=[ops.put(carry.key.encode(), carry.value.encode(),
                                                        lease=lease)], failure=[]))
@@ -98,7 +98,7 @@ class CompareAndSwap:
             kv.key == claim[0] and kv.value == claim[1].encode() and kv.lease == lease
             for kv in found))
         carried = created and carry is not None \
-            and responses[1 + (claim is not None)].response_txn.succeeded
+            and responses[2 if claim is not None else 1].response_txn.succeeded
         return Registration(revision=written.mod_revision, claimed=claimed, read=found,
                             carried=carried)
 

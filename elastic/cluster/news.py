@@ -125,6 +125,12 @@ class NewsMonitor:
         if kv is not None:
             self.on_events([WatchEvent("put", kv.key, kv.value, kv.mod_revision)])
 
+    @property
+    def told(self) -> int:
+        """The round of the newest news the watch brought (0: none yet)."""
+        with self._lock:
+            return 0 if self._latest is None else self._latest.round
+
     def if_armed(self, action: Callable[[], None]) -> None:
         """Runs ``action`` if a formed round is tracked (not while forming, nor once finished),
         under the lock that ``disarm`` takes: it runs before a re-formation starts, or not at

@@ -112,8 +112,8 @@ class Rendezvous:
         self._news: RoundNews | None = None  # the newest news seen (by watch or one read)
         self._seat: Seat | None = None  # this member's newest seat, as the watch brought it
         self._last_round = 0  # the last round this member was in
-        # The join request its registration may have carried: (round, stored form).
-        self._carried: tuple[int, str] | None = None
+        # The join request of round 1 that its registration was asked to carry (stored form).
+        self._carried: str | None = None
         membership.add_listener(self._on_events)
         # Listening before the registration: it hands over the ``control/`` keys as they were.
         self._hears_registration = not membership.is_registered
@@ -238,7 +238,7 @@ class Rendezvous:
             reported: set[str] = set()  # before asking: a split is seen whole when all asked
             self._report_gone(n, gone(n), reported)
             carried, self._carried = self._carried, None
-            if carried != (n, request) or not self._membership.carried:
+            if n != FIRST_ROUND or carried != request or not self._membership.carried:
                 self._client.put(self._keys.join(n, self._membership.member_id), request,
                                  lease=self._membership.lease)
             seat = self._wait_for_seat(n, started, cancelled, gone, reported)
@@ -268,7 +268,7 @@ class Rendezvous:
         the registration did not, or if it asks with other arguments or for another round."""
         def carry(member_id: str) -> Carried:
             request = self._request(member_id, reason, version, port, came_from).to_json()
-            self._carried = (FIRST_ROUND, request)
+            self._carried = request
             return Carried(self._keys.join(FIRST_ROUND, member_id), request, self._keys.round)
 
         return carry
