@@ -412,6 +412,7 @@ class BrokenNews:
 
     def __init__(self, client: EtcdClient) -> None:
         self.at: float | None = None
+        self._heard = threading.Event()
         _, revision = client.get_prefix(JobKeys(JOB).news)  # from here: a late create misses none
         self._cancel = client.watch_prefix(JobKeys(JOB).news, revision + 1, self._on_events)
 
@@ -419,8 +420,12 @@ class BrokenNews:
         if self.at is None and any(e.kind == "put" and RoundNews.from_json(e.value).broken
                                    for e in events):
             self.at = time.time()
+            self._heard.set()
 
-    def stop(self) -> None:
+    def stop(self, limit_s: float) -> None:
+        """Stops watching once the news of the break was heard (at most ``limit_s``): a small
+        job can re-form before this watch, which etcd may still be catching up, brings it."""
+        self._heard.wait(limit_s)
         self._cancel()
 
 
@@ -533,7 +538,7 @@ class Run:
         after = self.snapshot()
         death = self.phase("one_death", before, after, started, replies, self.n - 1)
         if self.timeline:
-            broken.stop()
+            broken.stop(self.limit_s)
             self.add_timeline(death, clock, started, replies, 2, broken.at)
         result["phases"].append(death)
         if self.idle_s:
