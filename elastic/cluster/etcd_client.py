@@ -42,7 +42,7 @@ from elastic.cluster.etcd_txn import CompareAndSwap  # noqa: E402
 from elastic.cluster.etcd_values import KeyValue, WatchEvent, kv_of, utf8_keys  # noqa: E402
 from elastic.cluster.key_range import KeyRange  # noqa: E402
 from elastic.cluster.lease_renewals import LeaseRenewals  # noqa: E402
-from elastic.cluster.etcd_watch import Watches, within  # noqa: E402
+from elastic.cluster.etcd_watch import Stop, Watches, within  # noqa: E402
 from elastic.cluster.etcd_tls import channel_credentials, plaintext_problem, tls_problem  # noqa: E402
 from elastic.errors import EtcdAccessError, EtcdUnavailableError, FencedError  # noqa: E402
 from elastic.settings import EtcdSecurity  # noqa: E402
@@ -445,7 +445,7 @@ class EtcdClient(CompareAndSwap):
         ``callback`` and ``on_open`` (called each time etcd has created the watch) run on the
         client's loop thread and must not block. Returns a function that cancels the watch.
         """
-        stopped = asyncio.Event()
+        stopped = Stop()
         task = asyncio.run_coroutine_threadsafe(
             self._watches.forever(keys, start_revision, callback, stopped, on_open), self._loop)
 

@@ -5,7 +5,8 @@ create naming its own id, so creates do not wait for each other. A create that i
 within the RPC timeout (etcd is frozen, or the connection is half dead) drops the whole
 connection: every watch on it is re-opened, from the last revision it saw, on a fresh one. A
 watch that re-opens on an etcd whose revision went back (it lost its data) starts from that
-etcd's beginning.
+etcd's beginning. An open watch costs the loop one task (its ``forever``): its ``Stop`` and a
+dropped connection end it directly, with nothing else waiting on it.
 
 Used by ``etcd_client`` (which sets gRPC's environment before anything imports it).
 """
@@ -47,11 +48,10 @@ class Watches:
         self._fail_over = fail_over
         self._timeouts = timeouts
         self._stream: WatchStream | None = None
-        self._dropped = asyncio.Event()  # set when the connection of the open watches went
 
     async def forever(self, keys: KeyRange, revision: int,
                       callback: Callable[[list[WatchEvent]], None],
-                      stopped: asyncio.Event,
+                      stopped: Stop,
                       on_open: Callable[[], None] | None = None) -> None:
         """Delivers events until ``stopped``; never ends on its own: a broken watch is
         re-opened from the last revision seen, a key that is not UTF-8 is skipped, and a
@@ -65,10 +65,10 @@ class Watches:
         while not stopped.is_set():
             try:
                 opens += 1
-                watch, dropped, revision = await self._open(keys, revision, opens > 1)
+                watch, revision = await self._open(keys, revision, opens > 1)
                 if on_open is not None:
                     on_open()
-                stopper = asyncio.ensure_future(_cancel_when(watch, stopped, dropped))
+                stopped.hold(watch)
                 try:
                     while True:
                         events = await watch.next()
@@ -76,7 +76,7 @@ class Watches:
                         backoff_s = first_s
                         deliver(events, callback)
                 finally:
-                    stopper.cancel()
+                    stopped.hold(None)
             except WatchRefused as exc:
                 if stopped.is_set():
                     return
@@ -104,20 +104,20 @@ class Watches:
                 backoff_s = min(max_s, backoff_s * 2)
 
     async def _open(self, keys: KeyRange, revision: int,
-                    reopened: bool) -> tuple[Watch, asyncio.Event, int]:
-        """Creates one watch; with it, the event set when its connection is dropped, and the
-        revision it starts from (``revision``, unless etcd lost its data: ``_start``; etcd's
-        next when that is 0, so that a watch re-opened after a break misses nothing).
+                    reopened: bool) -> tuple[Watch, int]:
+        """Creates one watch; returns it and the revision it starts from (``revision``, unless
+        etcd lost its data: ``_start``; etcd's next when that is 0, so that a watch re-opened
+        after a break misses nothing).
 
         Raises:
-            aetcd.ConnectionTimeoutError: not created within the RPC timeout (the connection
-                is dropped: its late answer must reach no other create).
+            aetcd.ConnectionTimeoutError: not created within the RPC timeout. The connection
+                is dropped, and with it every watch on it (each re-opens on the next): its late
+                answer must reach no other create.
         """
         timeout_s = self._timeouts.etcd_rpc.total_seconds()
         client = await self._connected()
         if reopened:
             revision = await self._start(client, keys, revision)
-        dropped = self._dropped
         stream = self._stream
         if stream is None or stream.client is not client or stream.broken:
             if stream is not None:
@@ -126,14 +126,15 @@ class Watches:
         try:
             watch = await stream.create(keys, revision, timeout_s)
         except asyncio.TimeoutError:
-            if self._dropped is dropped:  # the first create to give up drops the connection
-                self._dropped = asyncio.Event()
-                dropped.set()
+            if not stream.broken:  # the first create to give up drops the connection
+                # Its other watches re-open on the next connection, as after a cancel: only
+                # the create that gave up counts as the endpoint's failure (``_fail_over``).
+                stream.close(aetcd.ClientError("the connection was dropped"))
                 await self._drop(client)
             raise aetcd.ConnectionTimeoutError(
                 f"the watch on {keys} was not created within {timeout_s:g} s; "
                 "reconnecting") from None
-        return watch, dropped, watch.start_revision  # re-opened from there if nothing came
+        return watch, watch.start_revision  # re-opened from there if nothing came
 
     async def _start(self, client: aetcd.Client, keys: KeyRange, revision: int) -> int:
         """Where a watch re-opens: ``revision``, or 1 when etcd's own revision went back below
@@ -178,13 +179,27 @@ def _quiet(task: asyncio.Future) -> None:
         task.exception()
 
 
-async def _cancel_when(watch: Watch, *events: asyncio.Event) -> None:
-    """Cancels ``watch`` once any of ``events`` is set (it was stopped, or its connection
-    dropped: then it is re-opened on the next)."""
-    waits = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
-    watch.cancel()
+class Stop:
+    """Ends one ``Watches.forever``: ``set`` (on the loop thread) ends the watch it holds open
+    at once, so that no task per watch has to wait for it."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self._watch: Watch | None = None
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+    def set(self) -> None:
+        self._event.set()
+        if self._watch is not None:
+            self._watch.cancel()
+
+    def hold(self, watch: Watch | None) -> None:
+        """The watch ``set`` ends (None: none open); one that opened after ``set`` ends now."""
+        self._watch = watch
+        if watch is not None and self.is_set():
+            watch.cancel()

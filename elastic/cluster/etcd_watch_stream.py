@@ -96,10 +96,10 @@ class WatchStream:
             self._requests.put_nowait(aetcd.rpc.WatchRequest(
                 cancel_request=aetcd.rpc.WatchCancelRequest(watch_id=watch_id)))
 
-    def close(self) -> None:
-        """Ends the call; every watch on it fails as transient."""
+    def close(self, error: aetcd.ClientError | None = None) -> None:
+        """Ends the call; every watch on it fails with ``error`` (default: as transient)."""
         self._call.cancel()
-        self._fail(aetcd.ConnectionFailedError("the watch stream was closed"))
+        self._fail(error or aetcd.ConnectionFailedError("the watch stream was closed"))
 
     async def _write(self) -> Any:
         while (request := await self._requests.get()) is not None:

@@ -302,31 +302,44 @@ def test_watches_created_while_etcd_is_frozen_each_get_their_own_events(private_
     (aetcd hands a create's answer to whichever create waits when it arrives; ours name their
     watch ids)."""
     client = EtcdClient(private_etcd.url, retry_for=timedelta(seconds=30))
-    heard = _Heard(["/t/b/", "/t/c/"])
-    gave_up = _LogSeen("watch on /t/b/* broke")
+    heard = _Heard(["/t/c/", "/t/b/"])
+    try:
+        _, revision = client.get_prefix("/t/")  # connected before etcd freezes
+        # b's and c's creates go out together; b's gives up first and drops the connection
+        cancels = _while_frozen_a_create_gives_up(private_etcd, "/t/b/", lambda: [
+            client.watch_prefix(p, revision + 1, heard.listener(p)) for p in heard.got])
+        _each_hears_its_own(client, heard, cancels)
+    finally:
+        client.close()
+
+
+def _while_frozen_a_create_gives_up(etcd, prefix: str, open_watches):  # noqa: ANN001, ANN202
+    """Freezes ``etcd``, opens watches (``open_watches``, which returns their cancels) and
+    thaws it once the create of the watch on ``prefix`` gave up (its log says so)."""
+    gave_up = _LogSeen(f"watch on {prefix}* broke")
     watch_log = logging.getLogger("elastic.cluster")
     level = watch_log.level
     watch_log.setLevel(logging.DEBUG)
     watch_log.addHandler(gave_up)
+    etcd.pause()
     try:
-        _, revision = client.get_prefix("/t/")  # connected before etcd freezes
-        private_etcd.pause()
-        try:
-            # b's and c's creates go out together; b's gives up first and drops the connection
-            cancels = [client.watch_prefix(p, revision + 1, heard.listener(p)) for p in heard.got]
-            assert gave_up.wait(30), "b's watch create never gave up while etcd was frozen"
-        finally:
-            private_etcd.resume()
-        client.put("/t/c/x", "1")
-        client.put("/t/b/x", "2")
-        heard.wait_for_all(20)
-        assert heard.got == {"/t/b/": ["/t/b/x"], "/t/c/": ["/t/c/x"]}
-        for cancel in cancels:
-            cancel()
+        cancels = open_watches()
+        assert gave_up.wait(30), f"the create of the watch on {prefix} never gave up"
+        return cancels
     finally:
+        etcd.resume()
         watch_log.removeHandler(gave_up)
         watch_log.setLevel(level)
-        client.close()
+
+
+def _each_hears_its_own(client: EtcdClient, heard: "_Heard", cancels) -> None:  # noqa: ANN001
+    """Writes a key under each prefix ``heard`` follows: each watch hears its own, and only it."""
+    for prefix in heard.got:
+        client.put(f"{prefix}x", "1")
+    heard.wait_for_all(20)
+    assert heard.got == {p: [f"{p}x"] for p in heard.got}
+    for cancel in cancels:
+        cancel()
 
 
 class _LogSeen(logging.Handler):
@@ -693,6 +706,47 @@ def test_watches_opened_together_do_not_wait_for_each_others_answers(etcd):
                 cancel()
         finally:
             client.close()
+
+
+def test_an_open_watch_costs_the_clients_loop_one_task_and_a_cancel_ends_it(client):
+    """A thousand members' watches in one process are three thousand: each used to keep three
+    more tasks waiting to cancel it."""
+    count = 50
+    _, revision = client.get_prefix("/t/tasks/")
+    before = len(asyncio.run_coroutine_threadsafe(_tasks(), client._loop).result(10))
+    opened = threading.Semaphore(0)
+    cancels = [client.watch_range(KeyRange.prefix(f"/t/tasks/{i}/"), revision + 1,
+                                  lambda events: None, opened.release) for i in range(count)]
+    assert all(opened.acquire(timeout=20) for _ in range(count))
+    during = len(asyncio.run_coroutine_threadsafe(_tasks(), client._loop).result(10))
+    for cancel in cancels:
+        cancel()
+    after = len(asyncio.run_coroutine_threadsafe(_tasks(), client._loop).result(10))
+    # One each, and the shared stream's own few (its reader, gRPC's writer).
+    assert during - before <= count + 5, (before, during)
+    assert during - after >= count, (during, after)  # every watch's task ended
+
+
+async def _tasks() -> set[asyncio.Task]:
+    return asyncio.all_tasks()
+
+
+def test_an_open_watch_moves_to_the_next_connection_when_another_watchs_create_gives_up(
+        private_etcd):
+    client = EtcdClient(private_etcd.url, retry_for=timedelta(seconds=30))
+    heard = _Heard(["/t/open/", "/t/late/"])
+    try:
+        opened = threading.Event()
+        _, revision = client.get_prefix("/t/")
+        cancels = [client.watch_range(KeyRange.prefix("/t/open/"), revision + 1,
+                                      heard.listener("/t/open/"), opened.set)]
+        assert opened.wait(20)
+        # The late watch's create gives up, and drops the connection under the open watch.
+        cancels += _while_frozen_a_create_gives_up(private_etcd, "/t/late/", lambda: [
+            client.watch_prefix("/t/late/", revision + 1, heard.listener("/t/late/"))])
+        _each_hears_its_own(client, heard, cancels)
+    finally:
+        client.close()
 
 
 class _Heard:
