@@ -269,7 +269,10 @@ def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: fl
             wait_for(lambda: all(arg in t for t, v in zip(times, victims) if not v.is_set()),
                      limit_s, stop)
             conn.send({"times": [t.get(arg) for t, v in zip(times, victims) if not v.is_set()],
-                       "fenced": sum(0 in t for t in times),
+                       # Its thread raised, or it was fenced while it waited for news
+                       # (the victim of a death is fenced by design: not counted).
+                       "fenced": sum(0 in t or (m.membership.fenced.is_set() and not v.is_set())
+                                     for t, m, v in zip(times, members, victims)),
                        "plans": [(m.membership.member_id, m.topology.rank if m.topology else -1)
                                  for m in members]})
         elif command == "told":  # arg: the round whose news every member (but victims) heard
