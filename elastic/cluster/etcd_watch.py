@@ -66,10 +66,10 @@ class Watches:
             try:
                 opens += 1
                 watch, revision = await self._open(keys, revision, opens > 1)
-                if on_open is not None:
-                    on_open()
                 stopped.hold(watch)
                 try:
+                    if on_open is not None:
+                        on_open()
                     while True:
                         events = await watch.next()
                         revision = events[-1].kv.mod_revision + 1
@@ -77,6 +77,7 @@ class Watches:
                         deliver(events, callback)
                 finally:
                     stopped.hold(None)
+                    watch.cancel()  # left some other way than by its end: none stays open
             except WatchRefused as exc:
                 if stopped.is_set():
                     return
@@ -120,8 +121,8 @@ class Watches:
             revision = await self._start(client, keys, revision)
         stream = self._stream
         if stream is None or stream.client is not client or stream.broken:
-            if stream is not None:
-                stream.close()
+            if stream is not None:  # its connection was replaced: not a failure of the new one
+                stream.close(aetcd.ClientError("its connection was replaced"))
             stream = self._stream = WatchStream(client)
         try:
             watch = await stream.create(keys, revision, timeout_s)

@@ -58,7 +58,8 @@ class WatchStream:
         Raises:
             asyncio.TimeoutError: etcd did not answer within ``timeout_s`` (the create is
                 cancelled; an answer that still comes is dropped).
-            aetcd.ClientError: the stream broke, or etcd refused the watch.
+            aetcd.ClientError: the stream broke (or was closed: another create gave up), or
+                etcd refused the watch.
         """
         watch_id = next(self._ids)
         created: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -87,11 +88,13 @@ class WatchStream:
         return Watch(self, watch_id, queue, start_revision or revision + 1)
 
     def cancel(self, watch_id: int) -> None:
-        """Ends watch ``watch_id``: etcd is asked to cancel it, and its reader is told."""
+        """Ends watch ``watch_id``: etcd is asked to cancel it, and its reader is told. A
+        watch that ended already (cancelled, ended by etcd, or its stream broke) is left."""
         self._created.pop(watch_id, None)
         queue = self._queues.pop(watch_id, None)
-        if queue is not None:
-            queue.put_nowait(aetcd.ClientError("the watch was cancelled"))
+        if queue is None:
+            return
+        queue.put_nowait(aetcd.ClientError("the watch was cancelled"))
         if not self.broken:
             self._requests.put_nowait(aetcd.rpc.WatchRequest(
                 cancel_request=aetcd.rpc.WatchCancelRequest(watch_id=watch_id)))

@@ -302,7 +302,7 @@ def test_watches_created_while_etcd_is_frozen_each_get_their_own_events(private_
     (aetcd hands a create's answer to whichever create waits when it arrives; ours name their
     watch ids)."""
     client = EtcdClient(private_etcd.url, retry_for=timedelta(seconds=30))
-    heard = _Heard(["/t/c/", "/t/b/"])
+    heard = _Heard(["/t/b/", "/t/c/"])
     try:
         _, revision = client.get_prefix("/t/")  # connected before etcd freezes
         # b's and c's creates go out together; b's gives up first and drops the connection
@@ -315,7 +315,8 @@ def test_watches_created_while_etcd_is_frozen_each_get_their_own_events(private_
 
 def _while_frozen_a_create_gives_up(etcd, prefix: str, open_watches):  # noqa: ANN001, ANN202
     """Freezes ``etcd``, opens watches (``open_watches``, which returns their cancels) and
-    thaws it once the create of the watch on ``prefix`` gave up (its log says so)."""
+    thaws it once the watch on ``prefix`` broke, as its log says: its create gave up, or another
+    create on its connection did."""
     gave_up = _LogSeen(f"watch on {prefix}* broke")
     watch_log = logging.getLogger("elastic.cluster")
     level = watch_log.level
@@ -719,8 +720,11 @@ def test_an_open_watch_costs_the_clients_loop_one_task_and_a_cancel_ends_it(clie
                                   lambda events: None, opened.release) for i in range(count)]
     assert all(opened.acquire(timeout=20) for _ in range(count))
     during = len(asyncio.run_coroutine_threadsafe(_tasks(), client._loop).result(10))
+    started = time.monotonic()
     for cancel in cancels:
         cancel()
+    # A cancel whose watch did not end would wait out the shutdown time, then force it.
+    assert time.monotonic() - started < client._shutdown_s
     after = len(asyncio.run_coroutine_threadsafe(_tasks(), client._loop).result(10))
     # One each, and the shared stream's own few (its reader, gRPC's writer).
     assert during - before <= count + 5, (before, during)
