@@ -10,6 +10,8 @@ password, no permission) into ``EtcdAccessError`` sentences with the fix. With
 
 from __future__ import annotations
 
+import asyncio
+
 from datetime import timedelta
 from urllib.parse import urlsplit
 
@@ -32,6 +34,15 @@ class EtcdBusy(aetcd.ConnectionFailedError):
 
 # The errors of a connection that may work again: retried, and a watch re-opened.
 TRANSIENT = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, aetcd.InternalError)
+
+
+def cancelled_by_caller() -> bool:
+    """Whether the running task was cancelled from outside (its caller gave up), rather than
+    by a gRPC call of its own that was cancelled because another request closed the connection
+    under it. Python 3.10 cannot tell: then, from outside."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling is None or cancelling() > 0
 
 
 def grpc_options(timeouts: Timeouts) -> dict[str, int]:

@@ -35,7 +35,8 @@ import grpc  # noqa: E402
 import tenacity  # noqa: E402
 
 from elastic.cluster.etcd_channel import (  # noqa: E402
-    TRANSIENT, Client, EtcdBusy, busy, grpc_options, parse_endpoints, refusal, status_of,
+    TRANSIENT, Client, EtcdBusy, busy, cancelled_by_caller, grpc_options, parse_endpoints,
+    refusal, status_of,
     uses_tls)
 from elastic.cluster.etcd_keepalive import KeepAlives  # noqa: E402
 from elastic.cluster.etcd_txn import CompareAndSwap  # noqa: E402
@@ -109,7 +110,7 @@ class EtcdClient(CompareAndSwap):
         self.renewals = LeaseRenewals(self.refresh_many)  # periodic renewals, on one thread
         self._watches = Watches(self._connected, self._drop,
                                 self._fail_over if len(self._endpoints) > 1 else None,
-                                self.timeouts)
+                                self._where, self.timeouts)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _submit(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -160,8 +161,17 @@ class EtcdClient(CompareAndSwap):
         except (asyncio.TimeoutError, aetcd.ClientError) as exc:
             log.debug("closing a dropped etcd connection: %r", exc)
 
-    async def _fail_over(self) -> None:
-        """Drops the current connection and moves to the next endpoint."""
+    def _where(self) -> int:
+        """Which endpoint requests go to now (its index, counting every move): a request
+        notes it as it starts, and hands it to ``_fail_over`` if it fails."""
+        return self._endpoint_index
+
+    async def _fail_over(self, seen: int) -> None:
+        """Drops the current connection and moves to the next endpoint, unless the client
+        moved since ``seen`` (``_where`` as the failed request started): requests that fail
+        together on one endpoint move the client once, not once each."""
+        if self._endpoint_index != seen:
+            return
         self._endpoint_index += 1
         await self._reconnect()
 
@@ -174,14 +184,23 @@ class EtcdClient(CompareAndSwap):
             raise EtcdUnavailableError(f"The etcd client for {self.urls} is closed.")
 
         async def attempt() -> T:
+            seen = self._where()
             try:
-                return await op(await self._connected())
+                try:
+                    return await op(await self._connected())
+                except asyncio.CancelledError:
+                    if cancelled_by_caller():
+                        raise
+                    # gRPC cancels the calls of a connection that another request closed (it
+                    # failed over, or authenticates again): this one is asked again.
+                    raise aetcd.ConnectionFailedError(
+                        "the connection was closed under the request") from None
             except aetcd.exceptions.UnauthenticatedError:
                 await self._reconnect()  # the token expired: authenticate again
                 raise
             except TRANSIENT:
                 if len(self._endpoints) > 1:
-                    await self._fail_over()
+                    await self._fail_over(seen)
                 raise
             except aetcd.ClientError as exc:
                 overloaded = busy(exc)

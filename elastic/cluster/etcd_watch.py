@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import aetcd
 
-from elastic.cluster.etcd_channel import TRANSIENT
+from elastic.cluster.etcd_channel import TRANSIENT, cancelled_by_caller
 from elastic.cluster.etcd_values import WatchEvent, deliver
 from elastic.cluster.etcd_watch_stream import Watch, WatchRefused, WatchStream
 from elastic.cluster.key_range import KeyRange
@@ -36,16 +36,20 @@ class Watches:
     Args:
         connected: the client's current connection (connecting on first use).
         drop: forgets a connection (the next ``connected()`` makes a fresh one) and closes it.
-        fail_over: moves to the next endpoint after a transient error (None: one endpoint).
+        fail_over: moves to the next endpoint after a transient error (None: one endpoint),
+            unless the client moved since the endpoint ``where`` told as the attempt started.
+        where: the endpoint requests go to now.
         timeouts: the RPC timeout (one create) and the pauses between re-opens.
     """
 
     def __init__(self, connected: Callable[[], Awaitable[aetcd.Client]],
                  drop: Callable[[aetcd.Client], Awaitable[None]],
-                 fail_over: Callable[[], Awaitable[None]] | None, timeouts: Timeouts) -> None:
+                 fail_over: Callable[[int], Awaitable[None]] | None,
+                 where: Callable[[], int], timeouts: Timeouts) -> None:
         self._connected = connected
         self._drop = drop
         self._fail_over = fail_over
+        self._where = where
         self._timeouts = timeouts
         self._stream: WatchStream | None = None
 
@@ -63,6 +67,7 @@ class Watches:
         opens = 0
         refused = False  # told the user once
         while not stopped.is_set():
+            seen = self._where()  # the endpoint this attempt (open, then events) is on
             try:
                 opens += 1
                 watch, revision = await self._open(keys, revision, opens > 1)
@@ -93,7 +98,14 @@ class Watches:
                 if isinstance(exc, aetcd.RevisionCompactedError):
                     revision = exc.compacted_revision
                 if isinstance(exc, TRANSIENT) and self._fail_over is not None:
-                    await self._fail_over()
+                    await self._fail_over(seen)
+            except asyncio.CancelledError:
+                if cancelled_by_caller():
+                    raise
+                if stopped.is_set():
+                    return
+                log.debug("watch on %s: its connection was closed under it; re-watching from "
+                          "revision %d", keys, revision)
             except Exception as exc:  # noqa: BLE001 (the watch must outlive any surprise)
                 if stopped.is_set():
                     return

@@ -23,6 +23,7 @@ from elastic.errors import EtcdAccessError, EtcdUnavailableError
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.etcd_txn import Carried
 from elastic.cluster.key_range import KeyRange
+from elastic.launch.embedded_etcd import EmbeddedEtcd
 from elastic.launch.job_config import JobConfig, claim
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership, new_member_id
@@ -311,6 +312,33 @@ def test_watches_created_while_etcd_is_frozen_each_get_their_own_events(private_
         _each_hears_its_own(client, heard, cancels)
     finally:
         client.close()
+
+
+def test_requests_that_fail_together_on_a_frozen_endpoint_move_to_the_next_one_once(private_etcd):
+    """Each request that failed used to move the client on by one endpoint: four at once on a
+    frozen one of two moved it four times, back to the frozen one."""
+    other = EmbeddedEtcd().start()
+    client = EtcdClient(f"{private_etcd.url},{other.url}", retry_for=timedelta(seconds=60))
+    try:
+        client.get("/t/any")  # connected to the first
+        opened = [threading.Event() for _ in range(3)]
+        cancels = [client.watch_range(KeyRange.prefix(f"/t/frozen/{i}/"), 0, lambda events: None,
+                                      made.set) for i, made in enumerate(opened)]
+        assert all(made.wait(20) for made in opened)
+        private_etcd.pause()
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                got = list(pool.map(lambda i: client.get(f"/t/after/{i}"), range(4),
+                                    timeout=60))
+        finally:
+            private_etcd.resume()
+        assert got == [None] * 4
+        assert client._endpoint_index == 1, client._endpoint_index
+        for cancel in cancels:
+            cancel()
+    finally:
+        client.close()
+        other.stop()
 
 
 def _while_frozen_a_create_gives_up(etcd, prefix: str, open_watches):  # noqa: ANN001, ANN202
