@@ -186,15 +186,15 @@ class EtcdClient(CompareAndSwap):
         async def attempt() -> T:
             seen = self._where()
             try:
-                try:
-                    return await op(await self._connected())
-                except asyncio.CancelledError:
-                    if cancelled_by_caller():
-                        raise
-                    # gRPC cancels the calls of a connection that another request closed (it
-                    # failed over, or authenticates again): this one is asked again.
-                    raise aetcd.ConnectionFailedError(
-                        "the connection was closed under the request") from None
+                return await op(await self._connected())
+            except asyncio.CancelledError:
+                if cancelled_by_caller():
+                    raise
+                # gRPC cancels the calls of a connection that another request closed (it
+                # failed over, or authenticates again): this one is asked again, and moves
+                # nothing (raised here, it skips the fail-over below).
+                raise aetcd.ConnectionFailedError(
+                    "the connection was closed under the request") from None
             except aetcd.exceptions.UnauthenticatedError:
                 await self._reconnect()  # the token expired: authenticate again
                 raise

@@ -318,27 +318,33 @@ def test_requests_that_fail_together_on_a_frozen_endpoint_move_to_the_next_one_o
     """Each request that failed used to move the client on by one endpoint: four at once on a
     frozen one of two moved it four times, back to the frozen one."""
     other = EmbeddedEtcd().start()
-    client = EtcdClient(f"{private_etcd.url},{other.url}", retry_for=timedelta(seconds=60))
+    try:
+        _fail_over_once_from_a_frozen_endpoint(private_etcd, other)
+    finally:
+        other.stop()
+
+
+def _fail_over_once_from_a_frozen_endpoint(frozen: EmbeddedEtcd, other: EmbeddedEtcd) -> None:
+    client = EtcdClient(f"{frozen.url},{other.url}", retry_for=timedelta(seconds=60))
     try:
         client.get("/t/any")  # connected to the first
         opened = [threading.Event() for _ in range(3)]
         cancels = [client.watch_range(KeyRange.prefix(f"/t/frozen/{i}/"), 0, lambda events: None,
                                       made.set) for i, made in enumerate(opened)]
         assert all(made.wait(20) for made in opened)
-        private_etcd.pause()
+        frozen.pause()
         try:
             with ThreadPoolExecutor(4) as pool:
                 got = list(pool.map(lambda i: client.get(f"/t/after/{i}"), range(4),
                                     timeout=60))
         finally:
-            private_etcd.resume()
+            frozen.resume()
         assert got == [None] * 4
         assert client._endpoint_index == 1, client._endpoint_index
         for cancel in cancels:
             cancel()
     finally:
         client.close()
-        other.stop()
 
 
 def _while_frozen_a_create_gives_up(etcd, prefix: str, open_watches):  # noqa: ANN001, ANN202
