@@ -11,7 +11,6 @@ password, no permission) into ``EtcdAccessError`` sentences with the fix. With
 from __future__ import annotations
 
 import asyncio
-
 from datetime import timedelta
 from urllib.parse import urlsplit
 

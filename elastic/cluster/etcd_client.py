@@ -36,8 +36,7 @@ import tenacity  # noqa: E402
 
 from elastic.cluster.etcd_channel import (  # noqa: E402
     TRANSIENT, Client, EtcdBusy, busy, cancelled_by_caller, grpc_options, parse_endpoints,
-    refusal, status_of,
-    uses_tls)
+    refusal, status_of, uses_tls)
 from elastic.cluster.etcd_keepalive import KeepAlives  # noqa: E402
 from elastic.cluster.etcd_txn import CompareAndSwap  # noqa: E402
 from elastic.cluster.etcd_values import KeyValue, WatchEvent, kv_of, utf8_keys  # noqa: E402
