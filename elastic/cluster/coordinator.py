@@ -16,9 +16,9 @@ in memory (O(1) work per event), and:
   writes what it finds into ``control/news``: pending, broken, done, finished.
 
 So each change costs the leader O(N) and every other member O(1): they watch only
-``control/``, their own member key and their own seat. A leader taking over reads the job once
-and acts on what it finds (a round closed but not yet told, a member of the round gone, joins
-already waiting).
+``control/`` and their own seat. A member whose key is deleted loses its seat too, which fences
+it (``membership.py``). A leader taking over reads the job once and acts on what it finds (a
+round closed but not yet told, a member of the round gone, joins already waiting).
 It never runs collectives and never raises into the training: its etcd errors are logged and
 retried at the next wake.
 """
@@ -85,6 +85,8 @@ class Coordinator:
         # The live members that have not asked to join the next round yet (kept by the watch):
         # while one is left, the next round cannot close (``_cannot_close_yet``).
         self._unasked: set[str] = set()
+        # Members whose key was deleted: their seats go too (a member's seat is its fence line).
+        self._unseat: set[str] = set()
         self._news = RoundNews(0)
         self._news_revision = 0
         self._told = True  # the news of the tracked round is written (its members are seated)
@@ -217,6 +219,7 @@ class Coordinator:
             self.is_leading = True
             self._members, self._joins, self._dones, self._gones = {}, {}, {}, {}
             self._plans, self._plan_members, self._unasked = {}, frozenset(), set()
+            self._unseat = set()
             self._rejoin_since = None
             self._round, self._latest, self._plan, self._monitor = 0, 0, None, None
             self._closed = 0
@@ -262,6 +265,7 @@ class Coordinator:
                 else:
                     self._members.pop(member, None)
                     self._unasked.discard(member)
+                    self._unseat.add(member)
             elif e.key == keys.round and e.kind == "put":
                 self._round_revision = e.revision
                 self._latest = records.round_number(e.key, e.value)
@@ -309,11 +313,23 @@ class Coordinator:
 
     # -- one step ------------------------------------------------------------------------------
     def _step(self) -> None:
-        """Catches up with the newest round, tells its news, and closes the next round when
-        the rules allow."""
+        """Catches up with the newest round, tells its news, closes the next round when the
+        rules allow, and then fences the members whose key went."""
         self._follow_round()
         self._tell()
         self._close_next()
+        self._fence_gone()
+
+    def _fence_gone(self) -> None:
+        """Deletes the seat of each member whose key was deleted: a no-op where its lease
+        ended or ``drop_member`` removed it (each deletes the seat too), the member's fence
+        where the key was deleted by other means (``membership.py``)."""
+        with self._changed:
+            gone = sorted(self._unseat)
+        for member in gone:
+            self._client.delete(self._keys.seat(member))
+            with self._changed:
+                self._unseat.discard(member)
 
     def _follow_round(self) -> None:
         """Arms the round tracker when the ``round`` counter moved past the round it tracks."""

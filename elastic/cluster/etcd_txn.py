@@ -58,12 +58,13 @@ class CompareAndSwap:
 
     def put_and_claim(self, key: str, value: bytes | str, lease: int,
                       claim: tuple[str, str] | None, read: str,
-                      carry: Carried | None = None) -> Registration:
+                      carry: Carried | None = None, beside: str | None = None) -> Registration:
         """Creates ``key`` (bound to ``lease``) if no such key exists, takes ``claim`` = (key,
         value), bound to the same lease, if that key does not exist either, and reads every key
         under ``read``: one transaction, so that a member's registration, its bid to lead and
-        its first look at the job's control keys cost one request. A ``key`` that exists is
-        left as it is (``Registration.taken``), unless it holds this very write: retried
+        its first look at the job's control keys cost one request. ``beside`` is written empty
+        with ``key``, bound to the same lease (a member's seat, ``seat.py``). A ``key`` that
+        exists is left as it is (``Registration.taken``), unless it holds this very write: retried
         safely, a retry after a lost reply finds its own key and the claimed key holding
         ``claim``'s value (``claim`` lies under ``read``). ``carry`` is written with the key
         when its ``unless`` key does not exist (a retry that finds its own key reports it not
@@ -77,6 +78,8 @@ class CompareAndSwap:
             reads = [ops.get(raw_key),  # the write itself: its revision
                      ops.get(prefix, aetcd.utils.prefix_range_end(prefix))]
             writes = [ops.put(raw_key, data, lease=lease)]
+            if beside is not None:
+                writes.append(ops.put(beside.encode(), b"", lease=lease))
             if claim is not None:
                 writes.append(ops.txn(compare=[ops.create(claim[0].encode()) == 0],
                                       success=[ops.put(claim[0].encode(), claim[1].encode(),
@@ -93,12 +96,13 @@ class CompareAndSwap:
         found = utf8_keys([kv for _, kv in responses[-1]])
         if not created and (written.lease != lease or written.value != data):
             return Registration(revision=0, claimed=False, read=found, taken=True)
-        took = created and claim is not None and responses[1].response_txn.succeeded
+        first = 1 if beside is None else 2  # the answer to the first conditional write
+        took = created and claim is not None and responses[first].response_txn.succeeded
         claimed = claim is not None and (took or any(
             kv.key == claim[0] and kv.value == claim[1].encode() and kv.lease == lease
             for kv in found))
         carried = created and carry is not None \
-            and responses[2 if claim is not None else 1].response_txn.succeeded
+            and responses[first + (claim is not None)].response_txn.succeeded
         return Registration(revision=written.mod_revision, claimed=claimed, read=found,
                             carried=carried)
 

@@ -20,9 +20,11 @@ Layout under ``/elastic/{job_id}/``:
   rounds (``coordinator.py``); created by compare-and-swap, taken over when its lease ends.
 - ``control/news``: what the coordinator tells every member about the newest round (``news.py``).
 - ``assigned/{member}``: bound to the member's lease, its seat in the newest round it is named
-  in (``seat.py``): written by the coordinator after the round's plan, before its news.
-  Members watch only ``control/``, their own member key and their own seat, so a change costs
-  each of them O(1) (the coordinator's watch, after ``control/``, does not hold the seats).
+  in (``seat.py``): written empty by the member's registration, with its member key, then by
+  the coordinator after each round's plan, before its news. It goes whenever the member key
+  goes, and its deletion fences the member. Members watch only ``control/`` and their own
+  seat, so a change costs each of them O(1) (the coordinator's watch, after ``control/``, does
+  not hold the seats).
 
 The launchers of a job (``elastic run``) register under a sibling job, ``{job_id}.launchers``
 (``JobKeys.launchers``), with the same layout: its ``members/`` are the live launchers and its

@@ -1,12 +1,14 @@
 """One worker's membership in a job: an etcd lease kept alive, and a job watch.
 
 Owns the member key (bound to the lease), its lease's renewals (on the client's renewal thread,
-``lease_renewals``, shared with the process's other members), and the member's watches: the
-job's ``control/`` keys (the coordinator and its news), its own member key and its own seat
-(``seat.py``), fanned out to listeners. It never watches other members' records: a change
-costs each member O(1) events. A member whose lease is gone, or whose member key was deleted,
-is *fenced*: ``fenced`` is set, listeners hear of it, and this identity is never used again (a
-new ``EtcdMembership`` registers as a new member). No torch here.
+``lease_renewals``, shared with the process's other members), and the member's two watches: the
+job's ``control/`` keys (the coordinator and its news) and its own seat (``seat.py``), fanned
+out to listeners. It never watches other members' records: a change costs each member O(1)
+events. The registration writes the seat empty, beside the member key and under the same lease,
+so the seat goes whenever the member key goes: with the lease, by ``drop_member``, or by the
+coordinator when the member key was deleted by other means. A member whose lease is gone, or
+whose seat was deleted, is *fenced*: ``fenced`` is set, listeners hear of it, and this identity
+is never used again (a new ``EtcdMembership`` registers as a new member). No torch here.
 
 A member may instead share its node's lease (``NodeLease``: ``elastic run --node-lease``), which
 its launcher keeps alive for every worker of the node: it then grants nothing and renews
@@ -61,10 +63,10 @@ class NodeLease:
 
 def drop_member(client: EtcdClient, keys: JobKeys, member_id: str, lease: int) -> bool:
     """Deletes member ``member_id``'s key if it is still bound to ``lease`` (and then its
-    seat), and the coordinator key if that member holds it under the same lease: what the end
-    of the member's own lease would delete, for a member that shares ``lease`` with others
-    (``NodeLease``). The deletes of the member and coordinator keys are conditional on the
-    revision read, so a key re-written since is left alone.
+    seat, which fences the member), and the coordinator key if that member holds it under the
+    same lease: what the end of the member's own lease would delete, for a member that shares
+    ``lease`` with others (``NodeLease``). The deletes of the member and coordinator keys are
+    conditional on the revision read, so a key re-written since is left alone.
 
     Returns:
         Whether the member key was deleted now.
@@ -126,7 +128,7 @@ class EtcdMembership:
         self.lease_ttl = lease_ttl
         self.keepalive = keepalive
         self.lease = 0
-        self.is_registered = False  # set once the lease, member key and watch exist
+        self.is_registered = False  # set once the lease, member key, seat and watch exist
         self._on_lease = on_lease
         self._claim = claim
         self.node_lease = node_lease  # None once registered under a lease of its own
@@ -152,9 +154,9 @@ class EtcdMembership:
         self._fence_listeners.append(callback)
 
     def register(self, carry: Callable[[str], Carried] | None = None) -> int:
-        """Grants the lease, writes the member key (taking the claimed key if it is free), hands
-        the listeners the job's ``control/`` keys as they are then, and starts keepalive and
-        watch: one request besides the lease's.
+        """Grants the lease, writes the member key and its empty seat (taking the claimed key if
+        it is free), hands the listeners the job's ``control/`` keys as they are then, and starts
+        keepalive and watch: one request besides the lease's.
 
         Args:
             carry: the key to write in the same request, given the member id (a worker's
@@ -165,8 +167,11 @@ class EtcdMembership:
         """
         # The seat watch opens first, from etcd's current revision: a seat is written only
         # after the member's join request, which the registration may carry, so it never has
-        # to catch up from the past. A seat it still misses, the member reads when the news
-        # of its round comes.
+        # to catch up from the past (a watch that does is etcd's slow path: it is caught up
+        # in batches, and the registration's watch of ``control/`` is one already). A seat it
+        # still misses, the member reads when the news of its round comes; a seat deleted
+        # before its watch opened, it finds gone then (``Rendezvous``), or its renewal finds
+        # the lease gone.
         watched = self.member_id
         cancel_seat = self._client.watch_prefix(self.keys.seat(watched), 0, self._dispatch)
         try:
@@ -186,8 +191,8 @@ class EtcdMembership:
         self._dispatch([WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease,
                                    kv.create_revision) for kv in registered.read])
         self._cancel_watches = [
-            *(self._client.watch_prefix(prefix, registered.revision + 1, self._dispatch)
-              for prefix in (self.keys.control, self.keys.member(self.member_id))),
+            self._client.watch_prefix(self.keys.control, registered.revision + 1,
+                                      self._dispatch),
             cancel_seat]
         self.is_registered = True
         if self.node_lease is not None:
@@ -235,11 +240,11 @@ class EtcdMembership:
         return self._client.put_and_claim(
             self.keys.member(self.member_id), json.dumps(info), self.lease,
             None if self._claim is None else (self._claim, self.member_id),
-            read=self.keys.control, carry=carry)
+            read=self.keys.control, carry=carry, beside=self.keys.seat(self.member_id))
 
     def _heartbeat(self) -> None:
         """Under the node's lease: tells the launcher this member is alive until ``leave()`` or
-        fencing (the deletion of its member key, which its watch brings)."""
+        fencing (the deletion of its seat, which its watch brings)."""
         assert self.node_lease is not None
         interval_s = self.keepalive.total_seconds()
         while not self.fenced.is_set():
@@ -254,9 +259,9 @@ class EtcdMembership:
 
     def _dispatch(self, events: list[WatchEvent]) -> None:
         if not self.fenced.is_set() and any(
-                e.kind == "delete" and e.key == self.keys.member(self.member_id) for e in events):
+                e.kind == "delete" and e.key == self.keys.seat(self.member_id) for e in events):
             if not self._stop.is_set():
-                self.fence("its member key was deleted")
+                self.fence("its member key and seat were deleted")
         for listener in self._listeners:
             listener(events)
 

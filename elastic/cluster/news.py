@@ -5,7 +5,7 @@ writes one small record, ``control/news``: the newest round, whether a change is
 (someone asks to join), whether it is broken (a member of it is gone, or reported a failure),
 whether a member of it returned from the training function (``done``: the job is over for a
 joiner), and whether every member of it has returned or gone (``finished``). Each member watches
-only that record (and its own member key), so a change costs each member a few watch events and
+only that record (and its own seat), so a change costs each member a few watch events and
 reads, whatever the size of the job.
 
 This module owns the record's format and ``NewsMonitor``, the member's side: ``pending`` and

@@ -37,7 +37,7 @@ from elastic.cluster.verdict import CloseVerdict
 from elastic.cluster.coordinator import Coordinator
 from elastic.cluster.news import RoundNews, read_news
 from elastic.cluster.records import RecordError, SkippedRecords
-from elastic.cluster.seat import Seat, seat_in
+from elastic.cluster.seat import UNSEATED, Seat, seat_in
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class Rendezvous:
         """This member's newest seat among ``events`` (None: none, or malformed)."""
         key = self._keys.seat(self._membership.member_id)
         for event in reversed(events):
-            if event.key == key and event.kind == "put":
+            if event.key == key and event.kind == "put" and event.value != UNSEATED:
                 return self._skipped.read(key, event.revision,
                                           lambda e=event: Seat.from_json(e.value))
         return None
@@ -392,11 +392,19 @@ class Rendezvous:
 
     def _seat_of(self, n: int) -> Seat | None:
         """This member's seat in round ``n``, read: its seat key, else the round's plan (None:
-        the plan does not name it, or is gone)."""
+        the plan does not name it, or is gone).
+
+        Raises:
+            FencedError: the seat key is gone: it went with the member key, before the seat's
+                watch opened (this member is fenced now).
+        """
         me = self._membership.member_id
         kv = self._client.get(self._keys.seat(me))
-        seat = None if kv is None else self._skipped.read(kv.key, kv.mod_revision,
-                                                         lambda: Seat.from_json(kv.value))
+        if kv is None and self._membership.is_registered and not self._membership.has_left:
+            self._membership.fence("its seat is gone (found while reading it)")
+            self._membership.check_not_fenced()
+        seat = None if kv is None or kv.value == UNSEATED else self._skipped.read(
+            kv.key, kv.mod_revision, lambda: Seat.from_json(kv.value))
         if seat is not None and seat.round == n:
             return seat
         plan = self.read_plan(n)

@@ -9,7 +9,11 @@ rank: rank 0 is the one member that talks to all the others.
 
 A member left out of a round that has closed (it asked too late, or it is a spare or cut off)
 learns it from its seat, or, when it has none of that round, from the round's plan, read once.
-This module owns the record's format and how a plan becomes seats. No I/O.
+
+The seat key exists from the member's registration on, written empty (``UNSEATED``) beside its
+member key and bound to the same lease; its deletion fences the member (``membership.py``), so
+one watch tells a member both its seat and its end. This module owns the record's format and how
+a plan becomes seats. No I/O.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from elastic.cluster import records
 from elastic.cluster.plan import Plan
 from elastic.cluster.records import MAX_ROUND, RecordError
 
+UNSEATED = b""  # a registered member's seat before the first round that names it
 PLACES = frozenset({"rank", "spare", "cut"})
 _FIELDS = {"round": True, "place": True, "rank": False, "world_size": False,
            "master_addr": False, "master_port": False, "rank0": False, "lineage": False,

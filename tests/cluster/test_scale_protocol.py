@@ -392,14 +392,19 @@ def test_a_malformed_news_record_is_refused(raw):
 
 
 class HearingClient(EtcdClient):
-    """An etcd client that keeps the (key, revision) of every event its watches deliver."""
+    """An etcd client that keeps the (key, revision) of every event its watches deliver, and
+    the (first key, start revision) of every watch it opens."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.heard: list[tuple[str, int]] = []
+        self.opened: list[tuple[str, int]] = []
         self._heard_lock = threading.Lock()
 
     def watch_range(self, keys, start_revision, callback, on_open=None):
+        with self._heard_lock:
+            self.opened.append((keys.start, start_revision))
+
         def heard(events):
             with self._heard_lock:
                 self.heard.extend((e.key, e.revision) for e in events)
@@ -442,6 +447,52 @@ def test_no_event_reaches_a_member_twice_and_a_death_costs_five_events_per_membe
             m.leave()
         for c in clients:
             c.close()
+
+
+def test_a_member_watches_the_control_keys_and_its_seat_and_the_seat_from_etcds_next_revision(
+        etcd):
+    """Two watches per member: a watch that starts in the past is etcd's slow path (caught up
+    in batches, from its history), so only ``control/`` starts at the registration; the seat,
+    written with the member key, carries its end too."""
+    client = HearingClient(etcd.url)
+    keys = JobKeys("scale-two-watches")
+    members: list[Member] = []
+    try:
+        members = [Member(client, "scale-two-watches") for _ in range(4)]
+        form_all(members, "start")
+        with client._heard_lock:  # noqa: SLF001
+            opened = Counter(start for start, _ in client.opened)
+            seats = sorted(start for start, revision in client.opened if revision == 0)
+        assert opened[keys.control] == len(members), client.opened
+        assert seats == sorted(keys.seat(m.id) for m in members), client.opened
+        assert sum(opened.values()) == 2 * len(members) + 1, "and the coordinator's watch"
+        victim = next(m for m in members if not m.membership.claimed)
+        client.revoke(victim.membership.lease)
+        assert victim.membership.fenced.wait(WAIT_S)
+    finally:
+        for m in members:
+            m.leave()
+        client.close()
+
+
+def test_a_member_whose_key_is_deleted_by_hand_is_fenced_and_the_others_form_without_it(
+        client):
+    keys = JobKeys("scale-key-deleted")
+    members = [Member(client, "scale-key-deleted") for _ in range(4)]
+    try:
+        form_all(members, "start")
+        victim = next(m for m in members if not m.membership.claimed)
+        assert client.delete(keys.member(victim.id))  # its lease lives on
+        assert victim.membership.fenced.wait(WAIT_S), "the coordinator deletes its seat"
+        assert client.get(keys.seat(victim.id)) is None
+        assert client.refresh(victim.membership.lease) > 0
+        survivors = [m for m in members if m is not victim]
+        assert all(m.broken.wait(WAIT_S) for m in survivors)
+        second = form_all(survivors, "failure")
+        assert {t.round for t in second} == {2} and {t.world_size for t in second} == {3}
+    finally:
+        for m in members:
+            m.leave()
 
 
 def test_a_coordinator_whose_key_is_deleted_under_it_steps_down_and_one_member_leads_again(
