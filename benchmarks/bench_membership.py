@@ -238,16 +238,17 @@ def wait_for(condition: Callable[[], bool], limit_s: float, stop: threading.Even
 
 
 def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: float,
-                max_workers: int | None, per_node: int = 1, connections: int = 1) -> None:
+                max_workers: int | None, per_node: int = 1, connections: int = 1,
+                heartbeats: str = "") -> None:
     """One process of members, driven by the parent over ``conn``; its members share
-    ``connections`` etcd clients (a node's members share its node's)."""
+    ``connections`` etcd clients (a node's members share its node's, and write their heartbeats
+    under ``heartbeats``, a directory the parent owns)."""
     timeouts = Timeouts.from_env({}, lease_ttl=timedelta(seconds=lease_ttl_s)) if lease_ttl_s \
         else Timeouts()
     clients = [CountingClient(url, timeouts=timeouts) for _ in range(connections)]
     go, stop = threading.Event(), threading.Event()
-    heartbeats = Path(tempfile.mkdtemp(prefix="bench-heartbeats-"))
-    nodes = [SimNode(clients[node % connections], timeouts, stop, heartbeats) if per_node > 1
-             else None for node in range(-(-count // per_node))]
+    nodes = [SimNode(clients[node % connections], timeouts, stop, Path(heartbeats))
+             if per_node > 1 else None for node in range(-(-count // per_node))]
     members = [SimMember(clients[(i // per_node) % connections], timeouts, max_workers,
                          nodes[i // per_node]) for i in range(count)]
     times: list[dict[int, float]] = [{} for _ in members]
@@ -298,7 +299,6 @@ def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: fl
                 member.broken.set()
             for thread in threads:
                 thread.join(timeout=5)
-            shutil.rmtree(heartbeats, ignore_errors=True)
             conn.send(None)
             return
 
@@ -446,6 +446,8 @@ class Run:
                  timeline: bool = False) -> None:
         self.n, self.limit_s, self.per_node, self.idle_s = n, limit_s, per_node, idle_s
         self.timeline = timeline
+        # Removed by ``close`` once the member processes are gone, however they ended.
+        self.heartbeats = tempfile.mkdtemp(prefix="bench-heartbeats-") if per_node > 1 else ""
         self.etcd = EmbeddedEtcd(niceness=0, go_max_procs=None).start()
         self.admin = EtcdClient(self.etcd.url)
         ctx = mp.get_context("spawn")
@@ -459,7 +461,7 @@ class Run:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, daemon=True,
                                args=(child, self.etcd.url, size, limit_s, lease_ttl_s, max_workers,
-                                     per_node, min(connections, size)))
+                                     per_node, min(connections, size), self.heartbeats))
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -589,6 +591,8 @@ class Run:
                 proc.join(timeout=10)
         self.admin.close()
         self.etcd.stop()
+        if self.heartbeats:
+            shutil.rmtree(self.heartbeats, ignore_errors=True)
 
 
 def main() -> None:
