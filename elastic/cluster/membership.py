@@ -165,24 +165,7 @@ class EtcdMembership:
         Returns:
             The etcd revision of the registration; the watch starts right after it.
         """
-        # The seat watch opens first, from etcd's current revision: a seat is written only
-        # after the member's join request, which the registration may carry, so it never has
-        # to catch up from the past (a watch that does is etcd's slow path: it is caught up
-        # in batches, and the registration's watch of ``control/`` is one already). A seat it
-        # still misses, the member reads when the news of its round comes; a seat deleted
-        # before its watch opened, it finds gone then (``Rendezvous``), or its renewal finds
-        # the lease gone.
-        watched = self.member_id
-        cancel_seat = self._client.watch_prefix(self.keys.seat(watched), 0, self._dispatch)
-        try:
-            registered = self._lease_and_member_key(carry)
-        except BaseException:
-            cancel_seat()
-            raise
-        if self.member_id != watched:  # the id drawn first was another member's
-            cancel_seat()
-            cancel_seat = self._client.watch_prefix(self.keys.seat(self.member_id), 0,
-                                                    self._dispatch)
+        registered = self._lease_and_member_key(carry)
         self.claimed, self.carried = registered.claimed, registered.carried
         if self.node_lease is None:
             self._stop_renewals = self._client.renewals.add(self.lease, self.keepalive,
@@ -190,10 +173,18 @@ class EtcdMembership:
         # As puts, before the watch can deliver anything newer (as ``follow_prefix`` does).
         self._dispatch([WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease,
                                    kv.create_revision) for kv in registered.read])
+        # The seat's watch starts from etcd's next revision, not the registration's: a watch
+        # that starts in the past is etcd's slow path (caught up apart from the others, in
+        # batches; the ``control/`` watch is one), and it would bring the empty seat written
+        # with the member key. It is created first, to be open before the news of the
+        # member's round can come. A seat is written only once the round of the member's join
+        # request closed: one the watch still misses, the member reads when the news of its
+        # round comes; a seat deleted before the watch opened, it finds gone then
+        # (``Rendezvous._seat_of``), or its renewals find the lease gone.
         self._cancel_watches = [
+            self._client.watch_prefix(self.keys.seat(self.member_id), 0, self._dispatch),
             self._client.watch_prefix(self.keys.control, registered.revision + 1,
-                                      self._dispatch),
-            cancel_seat]
+                                      self._dispatch)]
         self.is_registered = True
         if self.node_lease is not None:
             self._keepalive = threading.Thread(target=self._heartbeat, name="elastic-heartbeat",
