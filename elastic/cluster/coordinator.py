@@ -321,15 +321,16 @@ class Coordinator:
         self._fence_gone()
 
     def _fence_gone(self) -> None:
-        """Deletes the seat of each member whose key was deleted: a no-op where its lease
-        ended or ``drop_member`` removed it (each deletes the seat too), the member's fence
-        where the key was deleted by other means (``membership.py``)."""
+        """Deletes the seat of each member whose key was deleted, in one request: a no-op
+        where its lease ended or ``drop_member`` removed it (each deletes the seat too), the
+        member's fence where the key was deleted by other means (``membership.py``)."""
         with self._changed:
             gone = sorted(self._unseat)
-        for member in gone:
-            self._client.delete(self._keys.seat(member))
-            with self._changed:
-                self._unseat.discard(member)
+        if not gone:
+            return
+        self._client.delete_many([self._keys.seat(member) for member in gone])
+        with self._changed:
+            self._unseat.difference_update(gone)
 
     def _follow_round(self) -> None:
         """Arms the round tracker when the ``round`` counter moved past the round it tracks."""

@@ -21,8 +21,10 @@ Layout under ``/elastic/{job_id}/``:
 - ``control/news``: what the coordinator tells every member about the newest round (``news.py``).
 - ``assigned/{member}``: bound to the member's lease, its seat in the newest round it is named
   in (``seat.py``): written empty by the member's registration, with its member key, then by
-  the coordinator after each round's plan, before its news. It goes whenever the member key
-  goes, and its deletion fences the member. Members watch only ``control/`` and their own
+  the coordinator after each round's plan, before its news. It goes with the member's lease,
+  by ``drop_member``, and by the coordinator when a member key is deleted otherwise; its
+  deletion fences the member (a member that a round left out also checks its member key: one
+  deleted while no coordinator watched). Members watch only ``control/`` and their own
   seat, so a change costs each of them O(1) (the coordinator's watch, after ``control/``, does
   not hold the seats).
 

@@ -5,8 +5,9 @@ Owns the member key (bound to the lease), its lease's renewals (on the client's 
 job's ``control/`` keys (the coordinator and its news) and its own seat (``seat.py``), fanned
 out to listeners. It never watches other members' records: a change costs each member O(1)
 events. The registration writes the seat empty, beside the member key and under the same lease,
-so the seat goes whenever the member key goes: with the lease, by ``drop_member``, or by the
-coordinator when the member key was deleted by other means. A member whose lease is gone, or
+so the seat goes with the member key: with the lease, by ``drop_member``, or by the
+coordinator when the member key was deleted by other means (a member that a round left out
+also reads its member key, ``Rendezvous._seat_of``). A member whose lease is gone, or
 whose seat was deleted, is *fenced*: ``fenced`` is set, listeners hear of it, and this identity
 is never used again (a new ``EtcdMembership`` registers as a new member). No torch here.
 
@@ -14,9 +15,9 @@ A member may instead share its node's lease (``NodeLease``: ``elastic run --node
 its launcher keeps alive for every worker of the node: it then grants nothing and renews
 nothing, and a thread of its own only tells the launcher that it is alive (a heartbeat). What
 the end of its own lease would have done, the launcher does (``drop_member``): when the worker
-dies, or sends no heartbeat for a lease TTL, it deletes the member key and the coordinator key
-if this member held it; every record the member wrote under the shared lease (join requests,
-reports) is honoured only while its member key is there.
+dies, or sends no heartbeat for a lease TTL, it deletes the member key, its seat and the
+coordinator key if this member held it; every record the member wrote under the shared lease
+(join requests, reports) is honoured only while its member key is there.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def drop_member(client: EtcdClient, keys: JobKeys, member_id: str, lease: int) -
     kv = client.get(keys.member(member_id))
     if kv is not None and kv.lease == lease:
         dropped = client.delete_if(kv.key, kv.mod_revision)
-    if dropped:
+    if dropped or kv is None:  # gone already: by an earlier attempt, whose seat delete failed
         client.delete(keys.seat(member_id))
     held = client.get(keys.coordinator)
     if held is not None and held.lease == lease and held.value == member_id.encode():
@@ -145,8 +146,8 @@ class EtcdMembership:
         self._cancel_watches: list[Callable[[], None]] = []
 
     def add_listener(self, listener: Listener) -> None:
-        """Calls ``listener`` with every change of the job's ``control/`` keys, of this
-        member's own key and of its seat (on the etcd thread)."""
+        """Calls ``listener`` with every change of the job's ``control/`` keys and of this
+        member's seat (on the etcd thread)."""
         self._listeners.append(listener)
 
     def on_fenced(self, callback: Callable[[], None]) -> None:
@@ -163,7 +164,8 @@ class EtcdMembership:
                 first join request); ``carried`` then says whether it was written.
 
         Returns:
-            The etcd revision of the registration; the watch starts right after it.
+            The etcd revision of the registration; the ``control/`` watch starts right after
+            it.
         """
         registered = self._lease_and_member_key(carry)
         self.claimed, self.carried = registered.claimed, registered.carried
@@ -200,8 +202,12 @@ class EtcdMembership:
             try:
                 return self._put_and_claim(carry)
             except FencedError:
+                # Under a new id: a lost reply may have registered the old one before the
+                # lease ended, and its deletion fences that id (the coordinator's ``_unseat``).
+                taken, self.member_id = self.member_id, new_member_id()
                 log.warning("the node's lease %x is gone (its launcher ended?); %s registers "
-                            "under a lease of its own", self.node_lease.lease, self.member_id)
+                            "as %s under a lease of its own", self.node_lease.lease, taken,
+                            self.member_id)
                 self.node_lease = None
         self.lease = self._client.grant(self.lease_ttl)
         if self._on_lease is not None:
@@ -252,7 +258,7 @@ class EtcdMembership:
         if not self.fenced.is_set() and any(
                 e.kind == "delete" and e.key == self.keys.seat(self.member_id) for e in events):
             if not self._stop.is_set():
-                self.fence("its member key and seat were deleted")
+                self.fence("its seat was deleted (with its member key, or its lease)")
         for listener in self._listeners:
             listener(events)
 

@@ -395,20 +395,34 @@ class Rendezvous:
         the plan does not name it, or is gone).
 
         Raises:
-            FencedError: the seat key is gone: it went with the member key, before the seat's
-                watch opened (this member is fenced now).
+            FencedError: this member's seat or, when the round went on without it, its member
+                key is gone (deleted before the seat's watch opened, or while no coordinator
+                watched): it is fenced now.
         """
         me = self._membership.member_id
         kv = self._client.get(self._keys.seat(me))
-        if kv is None and self._membership.is_registered and not self._membership.has_left:
-            self._membership.fence("its seat is gone (found while reading it)")
-            self._membership.check_not_fenced()
+        if kv is None:
+            self._fence_if_registered("its seat is gone (found while reading it)")
         seat = None if kv is None or kv.value == UNSEATED else self._skipped.read(
             kv.key, kv.mod_revision, lambda: Seat.from_json(kv.value))
         if seat is not None and seat.round == n:
             return seat
         plan = self.read_plan(n)
-        return None if plan is None else seat_in(plan, me)
+        mine = None if plan is None else seat_in(plan, me)
+        if mine is None and self._client.get(self._keys.member(me)) is None:
+            self._fence_if_registered("its member key is gone (found as a round closed "
+                                      "without it)")
+        return mine
+
+    def _fence_if_registered(self, why: str) -> None:
+        """Fences this member for ``why`` unless it has not registered yet or has left.
+
+        Raises:
+            FencedError: it was fenced (now or before).
+        """
+        if self._membership.is_registered and not self._membership.has_left:
+            self._membership.fence(why)
+            self._membership.check_not_fenced()
 
     def finish(self, topology: Topology, timeout: timedelta) -> None:
         """Records that this member returned from the training function, then waits until every

@@ -233,6 +233,30 @@ def test_a_registration_carries_its_key_only_while_the_guard_key_is_absent(clien
         client.delete_prefix("/t/carry/")
 
 
+def test_a_registration_writes_the_key_beside_it_empty_and_still_tells_its_claim_and_carry(
+        client):
+    lease = client.grant(timedelta(seconds=30))
+    try:
+        carry = Carried("/t/beside/rounds/1/join/a", "asks", "/t/beside/round")
+        claim = ("/t/beside/c/lead", "a")
+        first = client.put_and_claim("/t/beside/members/a", "info", lease, claim, "/t/beside/c/",
+                                     carry, beside="/t/beside/assigned/a")
+        assert (first.taken, first.claimed, first.carried) == (False, True, True)
+        seat = client.get("/t/beside/assigned/a")
+        assert seat is not None and seat.value == b"" and seat.lease == lease
+        assert seat.mod_revision == first.revision
+        client.put("/t/beside/round", "1")  # the second registration carries nothing
+        second = client.put_and_claim("/t/beside/members/b", "info", lease,
+                                      ("/t/beside/c/lead", "b"), "/t/beside/c/", Carried("/t/beside/rounds/1/join/b",
+                                                              "asks", "/t/beside/round"),
+                                      beside="/t/beside/assigned/b")
+        assert (second.taken, second.claimed, second.carried) == (False, False, False)
+        assert client.get("/t/beside/assigned/b").value == b""
+    finally:
+        client.revoke(lease)
+        client.delete_prefix("/t/beside/")
+
+
 def test_member_ids_made_in_one_process_do_not_repeat():
     made = {new_member_id() for _ in range(100_000)}
     assert len(made) == 100_000

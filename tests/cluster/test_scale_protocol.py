@@ -25,7 +25,7 @@ from elastic.cluster.membership import EtcdMembership, NodeLease, drop_member
 from elastic.cluster.news import NewsMonitor, RoundNews
 from elastic.cluster.records import RecordError
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
-from elastic.errors import LeaveInterrupt, RendezvousClosedError
+from elastic.errors import FencedError, LeaveInterrupt, RendezvousClosedError
 from tests.support.polling import poll_until
 from tests.support.limited_etcd import MAX_TXN_OPS
 from elastic.timeouts import Timeouts
@@ -499,6 +499,32 @@ def test_a_member_whose_key_is_deleted_by_hand_is_fenced_and_the_others_form_wit
             m.leave()
 
 
+def test_a_member_whose_key_is_deleted_while_no_coordinator_watches_is_fenced_when_left_out(
+        client):
+    """The coordinator deletes the seat of a member whose key it saw deleted; one deleted while
+    none leads keeps its seat, and finds its key gone when a round closes without it."""
+    keys = JobKeys("scale-key-unwatched")
+    members = [Member(client, "scale-key-unwatched") for _ in range(3)]
+    try:
+        form_all(members, "start")
+        leader = next(m for m in members if m.membership.claimed)
+        victim, survivor = [m for m in members if m is not leader]
+        leader.rendezvous.stop()  # its coordinator stops watching
+        assert client.delete(keys.member(victim.id))
+        leader.membership.leave()  # then the coordinator key goes with its lease
+        assert all(m.broken.wait(WAIT_S) for m in (victim, survivor))
+        with ThreadPoolExecutor(2) as pool:
+            left_out = pool.submit(victim.form, "failure")
+            second = survivor.form("failure")
+            with pytest.raises(FencedError):
+                left_out.result(timeout=WAIT_S)
+        assert (second.round, second.world_size) == (2, 1)
+        assert victim.membership.fenced.is_set()
+    finally:
+        for m in members:
+            m.leave()
+
+
 def test_a_coordinator_whose_key_is_deleted_under_it_steps_down_and_one_member_leads_again(
         client):
     keys = JobKeys("scale-key-lost")
@@ -540,9 +566,12 @@ def test_the_membership_benchmark_forms_thirty_members_and_reforms_them_after_a_
     assert [(p["phase"], p["finished"], p["fenced"]) for p in phases] == [
         ("first_round", True, 0), ("one_death", True, 0)]
     # A member's lease and its registration (which carries its join) are its writes; the
-    # coordinator's plan, seats and news add a tenth of one each, its reads about as much.
+    # coordinator's plan, seats and news add a tenth of one each, its reads about as much. A
+    # member reads its seat once if its seat's watch, opened after it registered, opened after
+    # the seat was written (the last to register, on a busy machine: up to 0.9 per member
+    # here); never more, and never the plan.
     first = phases[0]["per_member"]
-    assert 2 <= first["client_write"] < 2.5 and first["client_read"] < 0.5, first
+    assert 2 <= first["client_write"] < 2.5 and first["client_read"] < 1.5, first
     death = phases[1]["per_member"]
     assert death["client_write"] <= 3 and death["etcd_watch_events"] <= 5, death
     line = phases[0]["timeline"]
