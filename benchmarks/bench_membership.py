@@ -247,6 +247,7 @@ def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: fl
         else Timeouts()
     clients = [CountingClient(url, timeouts=timeouts) for _ in range(connections)]
     go, stop = threading.Event(), threading.Event()
+    assert heartbeats or per_node == 1, "members sharing a node's lease need a heartbeat folder"
     nodes = [SimNode(clients[node % connections], timeouts, stop, Path(heartbeats))
              if per_node > 1 else None for node in range(-(-count // per_node))]
     members = [SimMember(clients[(i // per_node) % connections], timeouts, max_workers,
@@ -446,22 +447,38 @@ class Run:
                  timeline: bool = False) -> None:
         self.n, self.limit_s, self.per_node, self.idle_s = n, limit_s, per_node, idle_s
         self.timeline = timeline
-        # Removed by ``close`` once the member processes are gone, however they ended.
-        self.heartbeats = tempfile.mkdtemp(prefix="bench-heartbeats-") if per_node > 1 else ""
-        self.etcd = EmbeddedEtcd(niceness=0, go_max_procs=None).start()
-        self.admin = EtcdClient(self.etcd.url)
-        ctx = mp.get_context("spawn")
         self.coordinator_apart = coordinator_apart and n > 1
-        rest = n - 1 if self.coordinator_apart else n
+        self.conns: list[Any] = []
+        self.procs: list[Any] = []
+        self.heartbeats = ""
+        self.etcd = EmbeddedEtcd(niceness=0, go_max_procs=None).start()
+        try:
+            self.admin = EtcdClient(self.etcd.url)
+        except BaseException:
+            self.etcd.stop()
+            raise
+        try:
+            self._start(procs, limit_s, lease_ttl_s, max_workers, connections)
+        except BaseException:  # what started so far, stopped (``close``), then the error
+            self.close()
+            raise
+
+    def _start(self, procs: int, limit_s: float, lease_ttl_s: float, max_workers: int | None,
+               connections: int) -> None:
+        """Starts the member processes and waits until each is ready (``heartbeats`` is removed
+        by ``close`` once they are gone, however they ended)."""
+        if self.per_node > 1:
+            self.heartbeats = tempfile.mkdtemp(prefix="bench-heartbeats-")
+        ctx = mp.get_context("spawn")
+        rest = self.n - 1 if self.coordinator_apart else self.n
         sizes = [rest // procs + (1 if i < rest % procs else 0) for i in range(procs)]
         if self.coordinator_apart:
             sizes.insert(0, 1)
-        self.conns, self.procs = [], []
         for size in (s for s in sizes if s):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, daemon=True,
                                args=(child, self.etcd.url, size, limit_s, lease_ttl_s, max_workers,
-                                     per_node, min(connections, size), self.heartbeats))
+                                     self.per_node, min(connections, size), self.heartbeats))
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
