@@ -319,21 +319,13 @@ class EtcdClient(CompareAndSwap):
         async def write_batch(c: aetcd.Client, batch: list[tuple[bytes, bytes, int]]
                               ) -> list[tuple[bytes, bytes, int]]:
             """Writes ``batch`` in one transaction; returns it whole if a lease was gone."""
-            try:
-                gone = await lease_gone(c.transaction(compare=[], failure=[], success=[
-                    c.transactions.put(k, v, lease=lease) for k, v, lease in batch]))
-            except aetcd.ClientError as exc:
-                if not _too_many_ops(exc) or len(batch) == 1:
-                    raise
-                half = (len(batch) + 1) // 2
-                self._fit_txn(half, exc)
-                halves = await asyncio.gather(write_batch(c, batch[:half]),
-                                              write_batch(c, batch[half:]))
-                return [e for part in halves for e in part]
+            gone = await lease_gone(c.transaction(compare=[], failure=[], success=[
+                c.transactions.put(k, v, lease=lease) for k, v, lease in batch]))
             return batch if gone else []
 
         async def write_all(c: aetcd.Client) -> list[str]:
-            refused = await asyncio.gather(*(write_batch(c, b) for b in batches))
+            refused = await asyncio.gather(*(self._in_halves(c, b, write_batch)
+                                             for b in batches))
             # A batch holding a key whose lease is gone wrote nothing: its keys one by one.
             alone = [e for part in refused for e in part]
             gone = await asyncio.gather(*(lease_gone(c.put(k, v, lease=lease))
@@ -348,23 +340,34 @@ class EtcdClient(CompareAndSwap):
         encoded = [k.encode() for k in keys]
         size = self._txn_puts
 
-        async def delete_batch(c: aetcd.Client, batch: list[bytes]) -> None:
-            try:
-                await c.transaction(compare=[], failure=[],
-                                    success=[c.transactions.delete(k) for k in batch])
-            except aetcd.ClientError as exc:
-                if not _too_many_ops(exc) or len(batch) == 1:
-                    raise
-                half = (len(batch) + 1) // 2
-                self._fit_txn(half, exc)
-                await asyncio.gather(delete_batch(c, batch[:half]), delete_batch(c, batch[half:]))
+        async def delete_batch(c: aetcd.Client, batch: list[bytes]) -> list[bytes]:
+            await c.transaction(compare=[], failure=[],
+                                success=[c.transactions.delete(k) for k in batch])
+            return []
 
         async def delete_all(c: aetcd.Client) -> None:
-            await asyncio.gather(*(delete_batch(c, encoded[i:i + size])
+            await asyncio.gather(*(self._in_halves(c, encoded[i:i + size], delete_batch)
                                    for i in range(0, len(encoded), size)))
 
         if keys:
             self._call(delete_all, f"delete {len(keys)} keys")
+
+    async def _in_halves(self, c: aetcd.Client, batch: list[Any],
+                         send: Callable[[aetcd.Client, list[Any]], Coroutine[Any, Any, list[Any]]]
+                         ) -> list[Any]:
+        """``send(c, batch)``, one transaction; an etcd that takes fewer operations per
+        transaction (``--max-txn-ops``) gets each half instead, and that size from then on.
+        Returns what the sends returned, joined."""
+        try:
+            return await send(c, batch)
+        except aetcd.ClientError as exc:
+            if not _too_many_ops(exc) or len(batch) == 1:
+                raise
+            half = (len(batch) + 1) // 2
+            self._fit_txn(half, exc)
+            halves = await asyncio.gather(self._in_halves(c, batch[:half], send),
+                                          self._in_halves(c, batch[half:], send))
+            return [e for part in halves for e in part]
 
     def _fit_txn(self, size: int, exc: aetcd.ClientError) -> None:
         """Puts at most ``size`` keys in each transaction from now on (on the loop thread)."""
