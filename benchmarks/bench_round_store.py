@@ -34,13 +34,14 @@ from elastic.cluster.round_store import RoundStore  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 WAIT = timedelta(seconds=60)
+ATTEMPT = timedelta(seconds=1)
 
 
 def form(client: CountingClient, world: int, job: str) -> dict:
     keys = JobKeys(job)
 
     def rank_main(rank: int) -> float:
-        store = RoundStore(client, keys.store_address(1), rank, "127.0.0.1", WAIT)
+        store = RoundStore(client, keys.store_address(1), rank, "127.0.0.1", WAIT, ATTEMPT)
         store.connect()
         options = dist.ProcessGroupGloo._Options()
         options._timeout = WAIT

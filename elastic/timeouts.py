@@ -161,7 +161,8 @@ class Timeouts:
     # -- pacing of waits no event reaches ----------------------------------------------------
     wake: timedelta = _entry(1)
     """Default 1 s (``ELASTIC_WAKE``): the longest a wait sleeps before it looks again at a
-    condition no event reaches (a rendezvous deadline, a child's exit, the end of a job); also
+    condition no event reaches (a rendezvous deadline, a child's exit, the end of a job, an abort
+    of a connection to a round's store); also
     the timeout of one health request to an embedded etcd."""
     poll: timedelta = _entry(0.05)
     """Default 0.05 s (``ELASTIC_POLL``): the pause between two health requests to a starting

@@ -9,7 +9,8 @@ read once (by watch) by every other rank. A stale worker of an old round cannot 
 store: its address is published only under the new round's keys, once it listens.
 
 This module owns that store and its life: ``connect`` (host or join), ``abort`` (any thread:
-every blocked and later wait fails at once, so a group still forming is released), ``close``;
+every blocked and later wait fails at once, a connection attempt within ``attempt``, so a group
+still forming is released), ``close``;
 and ``reach``, a probe that a round's rank 0 can be reached from this machine. It must not
 decide when to abort (``RoundLinks`` does).
 """
@@ -63,16 +64,19 @@ class RoundStore(dist.Store):
         rank: this worker's rank in the round (0 hosts).
         advertise_addr: the address rank 0 binds and publishes.
         timeout: how long ``connect``, ``get`` and ``wait`` block.
+        attempt: the longest one attempt to connect to rank 0's store lasts: an ``abort`` ends
+            the connect once the attempt under way is over.
     """
 
     def __init__(self, client: EtcdClient, address_key: str, rank: int, advertise_addr: str,
-                 timeout: timedelta) -> None:
+                 timeout: timedelta, attempt: timedelta) -> None:
         super().__init__()
         self._client = client
         self._key = address_key
         self._rank = rank
         self._advertise_addr = advertise_addr
         self._timeout = timeout
+        self._attempt = attempt
         self._inner: dist.TCPStore | None = None
         self._aborted: str | None = None
         self._changed = threading.Condition()
@@ -92,9 +96,29 @@ class RoundStore(dist.Store):
         if self._rank == 0:
             self._host()
         else:
-            addr, port = self._await_address()
-            self._inner = dist.TCPStore(addr, port, None, False, timeout=self._timeout,
-                                        wait_for_workers=False)
+            self._join(*self._await_address())
+
+    def _join(self, addr: str, port: int) -> None:
+        """Connects to rank 0's store in attempts of at most ``attempt`` each: torch's client
+        retries a refused or reset connection inside its constructor, which nothing can
+        interrupt, until its timeout. A rank 0 that died after publishing would otherwise hold
+        this rank there for the whole timeout, past the round's release."""
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        failure = "no attempt made"
+        while (left := deadline - time.monotonic()) > 0:
+            self._check_aborted()
+            try:
+                store = dist.TCPStore(addr, port, None, False,
+                                      timeout=min(self._attempt, timedelta(seconds=left)),
+                                      wait_for_workers=False)
+            except RuntimeError as exc:  # torch's DistNetworkError and DistStoreError
+                failure = str(exc)
+                continue
+            store.set_timeout(self._timeout)
+            self._inner = store
+            return
+        raise RuntimeError(f"rank 0's store at {addr}:{port} did not answer within "
+                           f"{self._timeout.total_seconds():.1f} s ({failure})")
 
     def _host(self) -> None:
         listener = socket.socket(socket.AF_INET6 if ":" in self._advertise_addr

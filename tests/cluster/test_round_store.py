@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +20,7 @@ from elastic.cluster.round_store import RoundStore
 
 pytestmark = pytest.mark.timeout(120)
 WAIT = timedelta(seconds=30)
+ATTEMPT = timedelta(seconds=1)
 
 
 def gloo_group(store: dist.Store, rank: int, world: int) -> dist.ProcessGroup:
@@ -32,7 +35,7 @@ def test_sixteen_ranks_form_a_real_gloo_group_with_one_etcd_key_for_the_round(cl
     keys, world = JobKeys("round-store-16"), 16
 
     def rank_main(rank: int) -> float:
-        store = RoundStore(client, keys.store_address(1), rank, "127.0.0.1", WAIT)
+        store = RoundStore(client, keys.store_address(1), rank, "127.0.0.1", WAIT, ATTEMPT)
         store.connect()
         group = gloo_group(store, rank, world)
         tensor = torch.tensor([float(rank)])
@@ -48,9 +51,8 @@ def test_sixteen_ranks_form_a_real_gloo_group_with_one_etcd_key_for_the_round(cl
     assert published["addr"] == "127.0.0.1", "rank 0 must publish (and bind) its advertise address"
 
 
-def test_an_abort_releases_a_rank_waiting_for_rank_0_at_once(client):
-    store = RoundStore(client, JobKeys("round-store-abort").store_address(1), 1, "127.0.0.1",
-                       WAIT)
+def connect_until_aborted(store: RoundStore) -> tuple[threading.Thread, threading.Event]:
+    """Starts ``store.connect()`` on a thread; the event is set once it failed on the abort."""
     failed = threading.Event()
 
     def connect() -> None:
@@ -62,15 +64,43 @@ def test_an_abort_releases_a_rank_waiting_for_rank_0_at_once(client):
 
     waiter = threading.Thread(target=connect, daemon=True)
     waiter.start()
+    return waiter, failed
+
+
+def test_an_abort_releases_a_rank_waiting_for_rank_0_at_once(client):
+    store = RoundStore(client, JobKeys("round-store-abort").store_address(1), 1, "127.0.0.1",
+                       WAIT, ATTEMPT)
+    waiter, failed = connect_until_aborted(store)
     store.abort("rank 0 died")
     assert failed.wait(10)
     waiter.join(10)
 
 
+def test_an_abort_releases_a_rank_whose_rank_0_died_while_it_connected_to_its_store(client):
+    """Rank 0 published its store, then died: its socket resets every connection. torch's
+    client retries until the store's timeout, inside its constructor; an abort must end that."""
+    key = JobKeys("round-store-dead-host").store_address(1)
+    dead = socket.create_server(("127.0.0.1", 0))
+    dead.settimeout(10)
+    client.put(key, json.dumps({"addr": "127.0.0.1", "port": dead.getsockname()[1]}))
+    store = RoundStore(client, key, 1, "127.0.0.1", WAIT, ATTEMPT)
+    waiter, failed = connect_until_aborted(store)
+    try:
+        reached, _ = dead.accept()  # the rank has read the address and is connecting
+        reached.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        reached.close()  # a reset, as from a process that died
+        dead.close()  # later attempts are refused
+        store.abort("rank 0 died")
+        assert failed.wait(10), "the connect went on retrying after the abort (30 s)"
+    finally:
+        dead.close()
+        waiter.join(WAIT.total_seconds() + 5)
+
+
 def test_a_malformed_store_address_is_an_error_naming_the_key(client):
     key = JobKeys("round-store-hostile").store_address(1)
     client.put(key, b'{"addr": "127.0.0.1; rm -rf /", "port": 1}')
-    store = RoundStore(client, key, 1, "127.0.0.1", WAIT)
+    store = RoundStore(client, key, 1, "127.0.0.1", WAIT, ATTEMPT)
     with pytest.raises(RuntimeError, match="malformed"):
         store.connect()
 
@@ -99,9 +129,9 @@ def test_an_address_published_between_a_ranks_read_and_its_watch_reaches_it_with
     try:
         for n in range(1, 11):
             key = JobKeys("round-store-gap").store_address(n)
-            host = RoundStore(client, key, 0, "127.0.0.1", WAIT)
+            host = RoundStore(client, key, 0, "127.0.0.1", WAIT, ATTEMPT)
             client.before_watch = host.connect
-            joiner = RoundStore(client, key, 1, "127.0.0.1", WAIT)
+            joiner = RoundStore(client, key, 1, "127.0.0.1", WAIT, ATTEMPT)
             started = time.monotonic()
             joiner.connect()
             waits.append(round(time.monotonic() - started, 3))

@@ -13,6 +13,7 @@ from collections import Counter
 
 import pytest
 
+from tests.support.cli import WORKERS
 from tests.support.harness import Job
 
 SAMPLES = 480
@@ -145,6 +146,22 @@ def test_workers_waiting_for_a_frozen_peer_inside_the_commit_agreement_are_relea
     for i in range(3):
         assert job.wait_exit(i) == 0
     check_outcome(job, [0, 2])
+
+
+def test_a_rank_0_killed_as_it_publishes_its_store_is_replaced_with_no_restart_in_place(make_job):
+    job = make_job(ARGS, {"DIE_HOSTING_ROUND": "1"}, script=WORKERS / "dies_hosting.py")
+    job.start_together(range(3))
+    job.wait_until(lambda: any(p.poll() is not None for p in job.procs.values()), 60,
+                   "round 1's rank 0 to die")
+    victim = next(i for i, p in job.procs.items() if p.poll() is not None)
+    assert job.wait_exit(victim) == -signal.SIGKILL
+    survivors = [i for i in job.procs if i != victim]
+    assert all(job.wait_exit(i) == 0 for i in survivors)
+    check_outcome(job, survivors)
+    events = job.events()
+    stuck = [e for e in events if e["event"] == "restarting_in_place"]
+    assert not stuck, f"a survivor stayed connecting to the dead rank 0's store: {stuck}"
+    assert {e["world_size"] for e in events if e["event"] == "resumed"} == {2}
 
 
 def test_too_few_workers_end_in_a_rendezvous_timeout_that_names_the_counts(make_job):
