@@ -665,17 +665,47 @@ def test_a_worker_leaving_under_its_nodes_lease_removes_its_own_keys_and_no_othe
         client.revoke(node.lease)
 
 
-def test_a_worker_whose_nodes_lease_is_gone_registers_under_a_lease_of_its_own(client):
+def test_a_worker_whose_nodes_lease_is_gone_registers_under_a_lease_of_its_own_and_a_new_id(
+        client):
+    """Under a new id: a lost reply may have registered the id it drew first under the node's
+    lease, and that registration's end deletes the seat of that id."""
+    keys = JobKeys("scale-node-gone")
     node = Node(client)
     client.revoke(node.lease)  # its launcher ended before the worker registered
-    member = Member(client, "scale-node-gone", node_lease=node.share())
+    reported: list[str] = []
+    member = Member(client, "scale-node-gone",
+                    node_lease=NodeLease(node.lease, reported.append, lambda: None))
     try:
-        kv = client.get(JobKeys("scale-node-gone").member(member.id))
+        kv = client.get(keys.member(member.id))
         assert kv is not None and kv.lease not in (0, node.lease)
         assert member.membership.node_lease is None
+        assert reported and member.id not in reported, "it registered again under its first id"
+        assert client.get(keys.member(reported[0])) is None
         assert member.form("start").world_size == 1
     finally:
         member.leave()
+
+
+def test_a_drop_that_finds_the_member_key_gone_still_deletes_its_seat_and_fences_it(client):
+    """An earlier ``drop_member`` deleted the key, and its seat delete was lost (etcd went away
+    between the two): the launcher's next try must delete the seat, the member's fence, even
+    while no coordinator watches (which would delete it too)."""
+    keys = JobKeys("scale-drop-again")
+    node = Node(client)
+    members = [Member(client, "scale-drop-again", node_lease=node.share()) for _ in range(3)]
+    try:
+        form_all(members, "start")
+        leader = next(m for m in members if m.membership.claimed)
+        victim = next(m for m in members if m is not leader)
+        leader.rendezvous.stop()  # its coordinator stops watching
+        assert client.delete(keys.member(victim.id))  # the earlier try's first delete
+        assert not drop_member(client, keys, victim.id, node.lease), "the key was gone already"
+        assert client.get(keys.seat(victim.id)) is None
+        assert victim.membership.fenced.wait(WAIT_S), "the member was not fenced"
+    finally:
+        for m in members:
+            m.leave()
+        client.revoke(node.lease)
 
 
 def test_a_heartbeat_that_cannot_reach_its_launchers_file_stops_in_one_warning(
