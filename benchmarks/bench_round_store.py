@@ -35,13 +35,14 @@ from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 WAIT = timedelta(seconds=60)
 ATTEMPT = timedelta(seconds=1)
+PAUSE = timedelta(seconds=0.05)
 
 
 def form(client: CountingClient, world: int, job: str) -> dict:
     keys = JobKeys(job)
 
     def rank_main(rank: int) -> float:
-        store = RoundStore(client, keys.store_address(1), rank, "127.0.0.1", WAIT, ATTEMPT)
+        store = RoundStore(client, keys.store_address(1), rank, "127.0.0.1", WAIT, ATTEMPT, PAUSE)
         store.connect()
         options = dist.ProcessGroupGloo._Options()
         options._timeout = WAIT

@@ -161,12 +161,13 @@ class Timeouts:
     # -- pacing of waits no event reaches ----------------------------------------------------
     wake: timedelta = _entry(1)
     """Default 1 s (``ELASTIC_WAKE``): the longest a wait sleeps before it looks again at a
-    condition no event reaches (a rendezvous deadline, a child's exit, the end of a job, an abort
-    of a connection to a round's store); also
+    condition no event reaches (a rendezvous deadline, a child's exit, the end of a job); the
+    longest one attempt to connect to a round's store waits for it to accept; also
     the timeout of one health request to an embedded etcd."""
     poll: timedelta = _entry(0.05)
     """Default 0.05 s (``ELASTIC_POLL``): the pause between two health requests to a starting
-    embedded etcd (another process, with nothing to wait on)."""
+    embedded etcd (another process, with nothing to wait on), and between two probes of a
+    round's store that refused (the round's release ends that pause)."""
 
     #: The fields ``elastic run`` takes as flags (in seconds), with their help.
     FLAGS = MappingProxyType({

@@ -199,7 +199,8 @@ class Cluster:
         with Stopwatch() as formed:
             store = RoundStore(self.client, self.keys.store_address(topology.round),
                                topology.rank, self.settings.advertise_addr,
-                               self.settings.timeouts.store, self.settings.timeouts.wake)
+                               self.settings.timeouts.store, self.settings.timeouts.wake,
+                               self.settings.timeouts.poll)
             timeouts = self.settings.timeouts
             self.links.open(store, AgreementChannel(topology.rank, topology.world_size,
                                                     self.group.timeout, timeouts.peer,

@@ -1,11 +1,11 @@
 """TCP ports: choosing a free one on an address of this machine (loopback by default), and
-asking whether another machine answers on one."""
+asking whether another machine answers on one, or accepts on one."""
 
 from __future__ import annotations
 
 import socket
 
-__all__ = ["answers", "free_port"]
+__all__ = ["accepts", "answers", "free_port"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -29,5 +29,15 @@ def answers(host: str, port: int, timeout: float) -> bool:
             return True
     except ConnectionRefusedError:
         return True
+    except OSError:
+        return False
+
+
+def accepts(host: str, port: int, timeout: float) -> bool:
+    """Whether something listening on ``host``:``port`` accepts a connection within
+    ``timeout`` seconds (the connection is closed at once)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
     except OSError:
         return False

@@ -9,8 +9,7 @@ read once (by watch) by every other rank. A stale worker of an old round cannot 
 store: its address is published only under the new round's keys, once it listens.
 
 This module owns that store and its life: ``connect`` (host or join), ``abort`` (any thread:
-every blocked and later wait fails at once, a connection attempt within ``attempt``, so a group
-still forming is released), ``close``;
+every blocked and later wait fails at once, so a group still forming is released), ``close``;
 and ``reach``, a probe that a round's rank 0 can be reached from this machine. It must not
 decide when to abort (``RoundLinks`` does).
 """
@@ -28,7 +27,7 @@ import torch.distributed as dist
 
 from elastic.cluster import records
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
-from elastic.cluster.ports import answers
+from elastic.cluster.ports import accepts, answers
 from elastic.cluster.records import RecordError
 
 _ADDRESS_FIELDS = {"addr": True, "port": True}
@@ -64,12 +63,13 @@ class RoundStore(dist.Store):
         rank: this worker's rank in the round (0 hosts).
         advertise_addr: the address rank 0 binds and publishes.
         timeout: how long ``connect``, ``get`` and ``wait`` block.
-        attempt: the longest one attempt to connect to rank 0's store lasts: an ``abort`` ends
-            the connect once the attempt under way is over.
+        attempt: how long one attempt to connect to rank 0's store may wait for it to accept.
+        pause: how long to wait before probing again a store that refused (the round's abort
+            ends the wait).
     """
 
     def __init__(self, client: EtcdClient, address_key: str, rank: int, advertise_addr: str,
-                 timeout: timedelta, attempt: timedelta) -> None:
+                 timeout: timedelta, attempt: timedelta, pause: timedelta) -> None:
         super().__init__()
         self._client = client
         self._key = address_key
@@ -77,6 +77,7 @@ class RoundStore(dist.Store):
         self._advertise_addr = advertise_addr
         self._timeout = timeout
         self._attempt = attempt
+        self._pause = pause
         self._inner: dist.TCPStore | None = None
         self._aborted: str | None = None
         self._changed = threading.Condition()
@@ -99,17 +100,24 @@ class RoundStore(dist.Store):
             self._join(*self._await_address())
 
     def _join(self, addr: str, port: int) -> None:
-        """Connects to rank 0's store in attempts of at most ``attempt`` each: torch's client
-        retries a refused or reset connection inside its constructor, which nothing can
-        interrupt, until its timeout. A rank 0 that died after publishing would otherwise hold
-        this rank there for the whole timeout, past the round's release."""
+        """Connects to rank 0's store once a probe finds it accepting, in attempts of at most
+        ``attempt`` each. torch's client retries a refused or reset connection inside its
+        constructor, which nothing can interrupt, until its timeout (pausing longer and longer
+        between tries): a rank 0 that died after publishing would hold this rank there past the
+        round's release. A probe that is refused pauses ``pause`` on the round's abort
+        instead, so an abort ends the wait at once."""
         deadline = time.monotonic() + self._timeout.total_seconds()
-        failure = "no attempt made"
+        failure = "nothing accepted the connection"
         while (left := deadline - time.monotonic()) > 0:
             self._check_aborted()
+            attempt = min(self._attempt, timedelta(seconds=left))
+            if not accepts(addr, port, attempt.total_seconds()):
+                with self._changed:
+                    if self._aborted is None:
+                        self._changed.wait(min(self._pause, attempt).total_seconds())
+                continue
             try:
-                store = dist.TCPStore(addr, port, None, False,
-                                      timeout=min(self._attempt, timedelta(seconds=left)),
+                store = dist.TCPStore(addr, port, None, False, timeout=attempt,
                                       wait_for_workers=False)
             except RuntimeError as exc:  # torch's DistNetworkError and DistStoreError
                 failure = str(exc)

@@ -16,11 +16,13 @@ import torch.distributed as dist
 
 from elastic.cluster.etcd_client import EtcdClient
 from elastic.cluster.keys import JobKeys
+from elastic.cluster import round_store
 from elastic.cluster.round_store import RoundStore
 
 pytestmark = pytest.mark.timeout(120)
 WAIT = timedelta(seconds=30)
 ATTEMPT = timedelta(seconds=1)
+PAUSE = timedelta(seconds=0.05)
 
 
 def gloo_group(store: dist.Store, rank: int, world: int) -> dist.ProcessGroup:
@@ -35,7 +37,8 @@ def test_sixteen_ranks_form_a_real_gloo_group_with_one_etcd_key_for_the_round(cl
     keys, world = JobKeys("round-store-16"), 16
 
     def rank_main(rank: int) -> float:
-        store = RoundStore(client, keys.store_address(1), rank, "127.0.0.1", WAIT, ATTEMPT)
+        store = RoundStore(client, keys.store_address(1), rank, "127.0.0.1", WAIT, ATTEMPT,
+                           PAUSE)
         store.connect()
         group = gloo_group(store, rank, world)
         tensor = torch.tensor([float(rank)])
@@ -69,7 +72,7 @@ def connect_until_aborted(store: RoundStore) -> tuple[threading.Thread, threadin
 
 def test_an_abort_releases_a_rank_waiting_for_rank_0_at_once(client):
     store = RoundStore(client, JobKeys("round-store-abort").store_address(1), 1, "127.0.0.1",
-                       WAIT, ATTEMPT)
+                       WAIT, ATTEMPT, PAUSE)
     waiter, failed = connect_until_aborted(store)
     store.abort("rank 0 died")
     assert failed.wait(10)
@@ -83,7 +86,7 @@ def test_an_abort_releases_a_rank_whose_rank_0_died_while_it_connected_to_its_st
     dead = socket.create_server(("127.0.0.1", 0))
     dead.settimeout(10)
     client.put(key, json.dumps({"addr": "127.0.0.1", "port": dead.getsockname()[1]}))
-    store = RoundStore(client, key, 1, "127.0.0.1", WAIT, ATTEMPT)
+    store = RoundStore(client, key, 1, "127.0.0.1", WAIT, ATTEMPT, PAUSE)
     waiter, failed = connect_until_aborted(store)
     try:
         reached, _ = dead.accept()  # the rank has read the address and is connecting
@@ -97,10 +100,37 @@ def test_an_abort_releases_a_rank_whose_rank_0_died_while_it_connected_to_its_st
         waiter.join(WAIT.total_seconds() + 5)
 
 
+def test_a_rank_whose_rank_0_refuses_pauses_on_the_round_so_an_abort_ends_its_wait_at_once(
+        client, monkeypatch):
+    """torch's client retries a refused connection for as long as it is given, pausing longer
+    and longer in between: given the store's whole timeout for one attempt, only the probe that
+    pauses on the round lets an abort end the wait."""
+    key = JobKeys("round-store-refused").store_address(1)
+    with socket.socket() as closed:  # bound, never listening: every connection is refused
+        closed.bind(("127.0.0.1", 0))
+        client.put(key, json.dumps({"addr": "127.0.0.1", "port": closed.getsockname()[1]}))
+        probes, accepts = threading.Semaphore(0), round_store.accepts
+
+        def probe(*args: object) -> bool:
+            probes.release()
+            return accepts(*args)
+
+        monkeypatch.setattr(round_store, "accepts", probe)
+        store = RoundStore(client, key, 1, "127.0.0.1", WAIT, WAIT, PAUSE)
+        waiter, failed = connect_until_aborted(store)
+        try:
+            assert probes.acquire(timeout=10) and probes.acquire(timeout=10), "it never probed"
+            store.abort("rank 0 died")
+            assert failed.wait(10), "the connect went on after the abort"
+        finally:
+            store.abort("the test ended")
+            waiter.join(WAIT.total_seconds() + 5)
+
+
 def test_a_malformed_store_address_is_an_error_naming_the_key(client):
     key = JobKeys("round-store-hostile").store_address(1)
     client.put(key, b'{"addr": "127.0.0.1; rm -rf /", "port": 1}')
-    store = RoundStore(client, key, 1, "127.0.0.1", WAIT, ATTEMPT)
+    store = RoundStore(client, key, 1, "127.0.0.1", WAIT, ATTEMPT, PAUSE)
     with pytest.raises(RuntimeError, match="malformed"):
         store.connect()
 
@@ -129,9 +159,9 @@ def test_an_address_published_between_a_ranks_read_and_its_watch_reaches_it_with
     try:
         for n in range(1, 11):
             key = JobKeys("round-store-gap").store_address(n)
-            host = RoundStore(client, key, 0, "127.0.0.1", WAIT, ATTEMPT)
+            host = RoundStore(client, key, 0, "127.0.0.1", WAIT, ATTEMPT, PAUSE)
             client.before_watch = host.connect
-            joiner = RoundStore(client, key, 1, "127.0.0.1", WAIT, ATTEMPT)
+            joiner = RoundStore(client, key, 1, "127.0.0.1", WAIT, ATTEMPT, PAUSE)
             started = time.monotonic()
             joiner.connect()
             waits.append(round(time.monotonic() - started, 3))
