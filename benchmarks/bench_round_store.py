@@ -30,19 +30,18 @@ sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.bench_membership import CountingClient  # noqa: E402
 from elastic.cluster.keys import JobKeys  # noqa: E402
-from elastic.cluster.round_store import RoundStore  # noqa: E402
+from elastic.cluster.round_store import RoundStore, StoreTimes  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 WAIT = timedelta(seconds=60)
-ATTEMPT = timedelta(seconds=1)
-PAUSE = timedelta(seconds=0.05)
+TIMES = StoreTimes(WAIT, timedelta(seconds=1), timedelta(seconds=0.05))
 
 
 def form(client: CountingClient, world: int, job: str) -> dict:
     keys = JobKeys(job)
 
     def rank_main(rank: int) -> float:
-        store = RoundStore(client, keys.store_address(1), rank, "127.0.0.1", WAIT, ATTEMPT, PAUSE)
+        store = RoundStore(client, keys.store_address(1), rank, "127.0.0.1", TIMES)
         store.connect()
         options = dist.ProcessGroupGloo._Options()
         options._timeout = WAIT

@@ -89,8 +89,8 @@ class Timeouts:
     """Default 20 s (``ELASTIC_FORM_TIMEOUT``, ``--form-timeout``): forming a round's process
     group and agreement channel; a member dying while the others connect costs this much."""
     store: timedelta = _entry(60, "ELASTIC_STORE_TIMEOUT")
-    """Default 60 s (``ELASTIC_STORE_TIMEOUT``): each wait for a key of the round's
-    etcd-backed store."""
+    """Default 60 s (``ELASTIC_STORE_TIMEOUT``): connecting to the round's store (hosted by its
+    rank 0, its address in etcd), and each wait for one of its keys."""
     collective: timedelta = _entry(1800, "ELASTIC_COLLECTIVE_TIMEOUT")
     """Default 1800 s (``ELASTIC_COLLECTIVE_TIMEOUT``, ``--collective-timeout``): any collective
     of the formed group, and an agreement exchange; a backstop behind the failure detectors."""

@@ -34,7 +34,7 @@ from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
 from elastic.cluster.release_watchdog import ReleaseWatchdog
 from elastic.cluster.restart_in_place import restart_in_place
 from elastic.cluster.round_links import RoundLinks
-from elastic.cluster.round_store import RoundStore, reach
+from elastic.cluster.round_store import RoundStore, StoreTimes, reach
 from elastic.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -197,11 +197,10 @@ class Cluster:
                          world_size=topology.world_size)
         self.events.emit("round_formed", reason=reason, rendezvous_s=waited)
         with Stopwatch() as formed:
+            timeouts = self.settings.timeouts
             store = RoundStore(self.client, self.keys.store_address(topology.round),
                                topology.rank, self.settings.advertise_addr,
-                               self.settings.timeouts.store, self.settings.timeouts.wake,
-                               self.settings.timeouts.poll)
-            timeouts = self.settings.timeouts
+                               StoreTimes(timeouts.store, timeouts.wake, timeouts.poll))
             self.links.open(store, AgreementChannel(topology.rank, topology.world_size,
                                                     self.group.timeout, timeouts.peer,
                                                     timeouts.peer_probe))

@@ -21,6 +21,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -31,6 +33,7 @@ from elastic.cluster.ports import accepts, answers
 from elastic.cluster.records import RecordError
 
 _ADDRESS_FIELDS = {"addr": True, "port": True}
+T = TypeVar("T")
 
 
 def reach(client: EtcdClient, address_key: str, timeout: timedelta) -> None:
@@ -54,6 +57,23 @@ def reach(client: EtcdClient, address_key: str, timeout: timedelta) -> None:
         raise OSError(f"{address[0]}:{address[1]} does not answer within {timeout}")
 
 
+@dataclass(frozen=True)
+class StoreTimes:
+    """How long a round's store waits.
+
+    Args:
+        wait: how long ``connect``, ``get`` and ``wait`` block.
+        attempt: how long one probe of rank 0's store, and one try of torch's client to connect
+            to it, may take.
+        pause: how long to wait before probing again a store that refused (the round's abort
+            ends the wait).
+    """
+
+    wait: timedelta
+    attempt: timedelta
+    pause: timedelta
+
+
 class RoundStore(dist.Store):
     """A ``dist.Store`` over the round's TCPStore; rank 0 hosts it.
 
@@ -62,22 +82,17 @@ class RoundStore(dist.Store):
         address_key: the etcd key of the store's address in this round.
         rank: this worker's rank in the round (0 hosts).
         advertise_addr: the address rank 0 binds and publishes.
-        timeout: how long ``connect``, ``get`` and ``wait`` block.
-        attempt: how long one attempt to connect to rank 0's store may wait for it to accept.
-        pause: how long to wait before probing again a store that refused (the round's abort
-            ends the wait).
+        times: how long it waits for what (``StoreTimes``).
     """
 
     def __init__(self, client: EtcdClient, address_key: str, rank: int, advertise_addr: str,
-                 timeout: timedelta, attempt: timedelta, pause: timedelta) -> None:
+                 times: StoreTimes) -> None:
         super().__init__()
         self._client = client
         self._key = address_key
         self._rank = rank
         self._advertise_addr = advertise_addr
-        self._timeout = timeout
-        self._attempt = attempt
-        self._pause = pause
+        self._times = times
         self._inner: dist.TCPStore | None = None
         self._aborted: str | None = None
         self._changed = threading.Condition()
@@ -100,33 +115,75 @@ class RoundStore(dist.Store):
             self._join(*self._await_address())
 
     def _join(self, addr: str, port: int) -> None:
-        """Connects to rank 0's store once a probe finds it accepting, in attempts of at most
-        ``attempt`` each. torch's client retries a refused or reset connection inside its
-        constructor, which nothing can interrupt, until its timeout (pausing longer and longer
-        between tries): a rank 0 that died after publishing would hold this rank there past the
-        round's release. A probe that is refused pauses ``pause`` on the round's abort
-        instead, so an abort ends the wait at once."""
-        deadline = time.monotonic() + self._timeout.total_seconds()
+        """Connects to rank 0's store once a probe finds it accepting; a probe that is refused
+        pauses ``pause`` on the round's condition, which an abort ends at once.
+
+        torch's client cannot be interrupted: it retries a refused or reset connection inside
+        its constructor, pausing longer and longer, and it waits without a bound for the answer
+        of a rank 0 that accepts but never answers (frozen, or hung). So the constructor runs on
+        a helper thread (``_abortable``), which an abort or the deadline leaves behind.
+        """
+        deadline = time.monotonic() + self._times.wait.total_seconds()
         failure = "nothing accepted the connection"
         while (left := deadline - time.monotonic()) > 0:
             self._check_aborted()
-            attempt = min(self._attempt, timedelta(seconds=left))
+            attempt = min(self._times.attempt, timedelta(seconds=left))
             if not accepts(addr, port, attempt.total_seconds()):
-                with self._changed:
-                    if self._aborted is None:
-                        self._changed.wait(min(self._pause, attempt).total_seconds())
+                self._pause_unless_aborted(min(self._times.pause, attempt))
                 continue
             try:
-                store = dist.TCPStore(addr, port, None, False, timeout=attempt,
-                                      wait_for_workers=False)
-            except RuntimeError as exc:  # torch's DistNetworkError and DistStoreError
-                failure = str(exc)
+                built = self._abortable(
+                    lambda attempt=attempt: dist.TCPStore(addr, port, None, False,
+                                                          timeout=attempt,
+                                                          wait_for_workers=False),
+                    "elastic-store-connect", deadline,
+                    f"{addr}:{port} accepted the connection but never answered")
+            except RuntimeError as exc:  # torch's DistNetworkError and DistStoreError, or
+                failure = str(exc)  # aborted (raised again at the top) or late (the loop ends)
                 continue
-            store.set_timeout(self._timeout)
-            self._inner = store
+            built.set_timeout(self._times.wait)
+            self._inner = built
+            self._check_aborted()
             return
         raise RuntimeError(f"rank 0's store at {addr}:{port} did not answer within "
-                           f"{self._timeout.total_seconds():.1f} s ({failure})")
+                           f"{self._times.wait.total_seconds():.1f} s ({failure})")
+
+    def _pause_unless_aborted(self, pause: timedelta) -> None:
+        with self._changed:
+            if self._aborted is None:
+                self._changed.wait(pause.total_seconds())
+
+    def _abortable(self, call: Callable[[], T], name: str, deadline: float, late: str) -> T:
+        """``call()``, a blocking call into torch's store (which has no abort of its own), on a
+        helper thread named ``name``, while this thread waits on the condition that ``abort``
+        notifies; an abort or the ``deadline`` leaves the helper behind, to end on its own.
+
+        Raises:
+            RuntimeError: aborted; ``late`` once ``deadline`` passed; or ``call``'s own error.
+        """
+        outcome: list[tuple[T | None, RuntimeError | None]] = []
+
+        def run() -> None:
+            try:
+                done: tuple[T | None, RuntimeError | None] = (call(), None)
+            except RuntimeError as exc:  # torch's timeout and connection errors
+                done = (None, exc)
+            with self._changed:
+                outcome.append(done)
+                self._changed.notify_all()
+
+        threading.Thread(target=run, name=name, daemon=True).start()
+        with self._changed:
+            while not outcome:
+                self._check_aborted()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(late)
+                self._changed.wait(left)
+        value, error = outcome[0]
+        if error is not None:
+            raise error
+        return value  # type: ignore[return-value]
 
     def _host(self) -> None:
         listener = socket.socket(socket.AF_INET6 if ":" in self._advertise_addr
@@ -137,7 +194,7 @@ class RoundStore(dist.Store):
             port = listener.getsockname()[1]
             # The store takes the socket over (and closes it): bound to one address only.
             self._inner = dist.TCPStore(self._advertise_addr, port, None, True,
-                                        timeout=self._timeout, wait_for_workers=False,
+                                        timeout=self._times.wait, wait_for_workers=False,
                                         master_listen_fd=listener.detach())
         finally:
             listener.close()
@@ -149,7 +206,7 @@ class RoundStore(dist.Store):
         the watch's creation would reach the watch only at etcd's next resync, 100 ms)."""
         self._cancel_watch = self._client.follow_prefix(self._key, self._on_events,
                                                         self._on_open)
-        limit = self._timeout.total_seconds()
+        limit = self._times.wait.total_seconds()
         deadline = time.monotonic() + limit
         read_at = 0  # the watch's creations that a read followed
         try:
@@ -182,7 +239,8 @@ class RoundStore(dist.Store):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RuntimeError(f"rank 0 did not publish the round's store at "
-                                       f"{self._key} within {self._timeout.total_seconds():.1f} s")
+                                       f"{self._key} within "
+                                       f"{self._times.wait.total_seconds():.1f} s")
                 self._changed.wait(left)
             return self._published
 
@@ -250,30 +308,10 @@ class RoundStore(dist.Store):
         store = self._store()
         if store.check(keys):
             return
-        limit = timeout or self._timeout
-        outcome: list[BaseException | None] = []
-
-        def blocked() -> None:
-            try:
-                store.wait(keys, limit)
-                error = None
-            except RuntimeError as exc:  # torch's timeout and connection errors
-                error = exc
-            with self._changed:
-                outcome.append(error)
-                self._changed.notify_all()
-
-        threading.Thread(target=blocked, name="elastic-store-wait", daemon=True).start()
-        deadline = time.monotonic() + limit.total_seconds() + 1
-        with self._changed:
-            while not outcome:
-                self._check_aborted()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RuntimeError(f"timed out after {limit} waiting for store keys {keys}")
-                self._changed.wait(left)
-        if outcome[0] is not None:
-            raise outcome[0]
+        limit = timeout or self._times.wait
+        self._abortable(lambda: store.wait(keys, limit), "elastic-store-wait",
+                        time.monotonic() + limit.total_seconds() + 1,
+                        f"timed out after {limit} waiting for store keys {keys}")
 
     def delete_key(self, key: str) -> bool:
         return self._store().delete_key(key)
@@ -282,6 +320,6 @@ class RoundStore(dist.Store):
         return self._store().num_keys()
 
     def set_timeout(self, timeout: timedelta) -> None:
-        self._timeout = timeout
+        self._times = replace(self._times, wait=timeout)
         if self._inner is not None:
             self._inner.set_timeout(timeout)

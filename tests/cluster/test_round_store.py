@@ -17,12 +17,11 @@ import torch.distributed as dist
 from elastic.cluster.etcd_client import EtcdClient
 from elastic.cluster.keys import JobKeys
 from elastic.cluster import round_store
-from elastic.cluster.round_store import RoundStore
+from elastic.cluster.round_store import RoundStore, StoreTimes
 
 pytestmark = pytest.mark.timeout(120)
 WAIT = timedelta(seconds=30)
-ATTEMPT = timedelta(seconds=1)
-PAUSE = timedelta(seconds=0.05)
+TIMES = StoreTimes(WAIT, timedelta(seconds=1), timedelta(seconds=0.05))
 
 
 def gloo_group(store: dist.Store, rank: int, world: int) -> dist.ProcessGroup:
@@ -37,8 +36,7 @@ def test_sixteen_ranks_form_a_real_gloo_group_with_one_etcd_key_for_the_round(cl
     keys, world = JobKeys("round-store-16"), 16
 
     def rank_main(rank: int) -> float:
-        store = RoundStore(client, keys.store_address(1), rank, "127.0.0.1", WAIT, ATTEMPT,
-                           PAUSE)
+        store = RoundStore(client, keys.store_address(1), rank, "127.0.0.1", TIMES)
         store.connect()
         group = gloo_group(store, rank, world)
         tensor = torch.tensor([float(rank)])
@@ -72,32 +70,38 @@ def connect_until_aborted(store: RoundStore) -> tuple[threading.Thread, threadin
 
 def test_an_abort_releases_a_rank_waiting_for_rank_0_at_once(client):
     store = RoundStore(client, JobKeys("round-store-abort").store_address(1), 1, "127.0.0.1",
-                       WAIT, ATTEMPT, PAUSE)
+                       TIMES)
     waiter, failed = connect_until_aborted(store)
     store.abort("rank 0 died")
     assert failed.wait(10)
     waiter.join(10)
 
 
-def test_an_abort_releases_a_rank_whose_rank_0_died_while_it_connected_to_its_store(client):
-    """Rank 0 published its store, then died: its socket resets every connection. torch's
-    client retries until the store's timeout, inside its constructor; an abort must end that."""
-    key = JobKeys("round-store-dead-host").store_address(1)
-    dead = socket.create_server(("127.0.0.1", 0))
-    dead.settimeout(10)
-    client.put(key, json.dumps({"addr": "127.0.0.1", "port": dead.getsockname()[1]}))
-    store = RoundStore(client, key, 1, "127.0.0.1", WAIT, ATTEMPT, PAUSE)
-    waiter, failed = connect_until_aborted(store)
-    try:
-        reached, _ = dead.accept()  # the rank has read the address and is connecting
-        reached.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        reached.close()  # a reset, as from a process that died
-        dead.close()  # later attempts are refused
-        store.abort("rank 0 died")
-        assert failed.wait(10), "the connect went on retrying after the abort (30 s)"
-    finally:
-        dead.close()
-        waiter.join(WAIT.total_seconds() + 5)
+def test_an_abort_releases_a_rank_whose_rank_0_froze_while_it_connected_to_its_store(
+        client, monkeypatch):
+    """Rank 0 published its store, then froze: its kernel still accepts connections, and
+    nothing answers them. torch's client waits for that answer without a bound, inside its
+    constructor; an abort must end the rank's wait all the same."""
+    key = JobKeys("round-store-frozen-host").store_address(1)
+    with socket.create_server(("127.0.0.1", 0)) as frozen:  # listens, never accepts
+        client.put(key, json.dumps({"addr": "127.0.0.1", "port": frozen.getsockname()[1]}))
+        connecting, accepts = threading.Event(), round_store.accepts
+
+        def probe(*args: object) -> bool:
+            accepted = accepts(*args)
+            connecting.set()
+            return accepted
+
+        monkeypatch.setattr(round_store, "accepts", probe)
+        store = RoundStore(client, key, 1, "127.0.0.1", TIMES)
+        waiter, failed = connect_until_aborted(store)
+        try:
+            assert connecting.wait(10), "the rank never probed rank 0's store"
+            store.abort("rank 0 died")
+            assert failed.wait(10), "the connect went on after the abort"
+        finally:
+            store.abort("the test ended")
+            waiter.join(WAIT.total_seconds() + 5)
 
 
 def test_a_rank_whose_rank_0_refuses_pauses_on_the_round_so_an_abort_ends_its_wait_at_once(
@@ -116,10 +120,11 @@ def test_a_rank_whose_rank_0_refuses_pauses_on_the_round_so_an_abort_ends_its_wa
             return accepts(*args)
 
         monkeypatch.setattr(round_store, "accepts", probe)
-        store = RoundStore(client, key, 1, "127.0.0.1", WAIT, WAIT, PAUSE)
+        store = RoundStore(client, key, 1, "127.0.0.1", StoreTimes(WAIT, WAIT, TIMES.pause))
         waiter, failed = connect_until_aborted(store)
         try:
-            assert probes.acquire(timeout=10) and probes.acquire(timeout=10), "it never probed"
+            probed = [probes.acquire(timeout=10) for _ in range(2)]
+            assert all(probed), "it never probed twice"
             store.abort("rank 0 died")
             assert failed.wait(10), "the connect went on after the abort"
         finally:
@@ -130,7 +135,7 @@ def test_a_rank_whose_rank_0_refuses_pauses_on_the_round_so_an_abort_ends_its_wa
 def test_a_malformed_store_address_is_an_error_naming_the_key(client):
     key = JobKeys("round-store-hostile").store_address(1)
     client.put(key, b'{"addr": "127.0.0.1; rm -rf /", "port": 1}')
-    store = RoundStore(client, key, 1, "127.0.0.1", WAIT, ATTEMPT, PAUSE)
+    store = RoundStore(client, key, 1, "127.0.0.1", TIMES)
     with pytest.raises(RuntimeError, match="malformed"):
         store.connect()
 
@@ -159,9 +164,9 @@ def test_an_address_published_between_a_ranks_read_and_its_watch_reaches_it_with
     try:
         for n in range(1, 11):
             key = JobKeys("round-store-gap").store_address(n)
-            host = RoundStore(client, key, 0, "127.0.0.1", WAIT, ATTEMPT, PAUSE)
+            host = RoundStore(client, key, 0, "127.0.0.1", TIMES)
             client.before_watch = host.connect
-            joiner = RoundStore(client, key, 1, "127.0.0.1", WAIT, ATTEMPT, PAUSE)
+            joiner = RoundStore(client, key, 1, "127.0.0.1", TIMES)
             started = time.monotonic()
             joiner.connect()
             waits.append(round(time.monotonic() - started, 3))
