@@ -24,20 +24,22 @@ def answers(host: str, port: int, timeout: float) -> bool:
     """Whether the machine at ``host`` answers a connection to ``port`` within ``timeout``
     seconds: accepted, or refused by its kernel (nothing listens there; the machine is
     reachable all the same). No answer, or no route, is False."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
+    return _connect(host, port, timeout) in ("accepted", "refused")
 
 
 def accepts(host: str, port: int, timeout: float) -> bool:
     """Whether something listening on ``host``:``port`` accepts a connection within
     ``timeout`` seconds (the connection is closed at once)."""
+    return _connect(host, port, timeout) == "accepted"
+
+
+def _connect(host: str, port: int, timeout: float) -> str:
+    """Connects and hangs up: "accepted", "refused" (by the kernel), or "silent" (no answer,
+    or no route)."""
     try:
         with socket.create_connection((host, port), timeout=timeout):
-            return True
+            return "accepted"
+    except ConnectionRefusedError:
+        return "refused"
     except OSError:
-        return False
+        return "silent"

@@ -21,9 +21,9 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import TypeVar
 
 import torch.distributed as dist
 

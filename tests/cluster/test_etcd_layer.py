@@ -246,10 +246,10 @@ def test_a_registration_writes_the_key_beside_it_empty_and_still_tells_its_claim
         assert seat is not None and seat.value == b"" and seat.lease == lease
         assert seat.mod_revision == first.revision
         client.put("/t/beside/round", "1")  # the second registration carries nothing
-        second = client.put_and_claim("/t/beside/members/b", "info", lease,
-                                      ("/t/beside/c/lead", "b"), "/t/beside/c/", Carried("/t/beside/rounds/1/join/b",
-                                                              "asks", "/t/beside/round"),
-                                      beside="/t/beside/assigned/b")
+        second = client.put_and_claim(
+            "/t/beside/members/b", "info", lease, ("/t/beside/c/lead", "b"), "/t/beside/c/",
+            Carried("/t/beside/rounds/1/join/b", "asks", "/t/beside/round"),
+            beside="/t/beside/assigned/b")
         assert (second.taken, second.claimed, second.carried) == (False, False, False)
         assert client.get("/t/beside/assigned/b").value == b""
     finally:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import socket
-import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +67,19 @@ def connect_until_aborted(store: RoundStore) -> tuple[threading.Thread, threadin
     return waiter, failed
 
 
+def counted_probes(monkeypatch: pytest.MonkeyPatch) -> threading.Semaphore:
+    """Released once after each probe the round store makes of rank 0's store."""
+    probes, accepts = threading.Semaphore(0), round_store.accepts
+
+    def probe(*args: object) -> bool:
+        accepted = accepts(*args)
+        probes.release()
+        return accepted
+
+    monkeypatch.setattr(round_store, "accepts", probe)
+    return probes
+
+
 def test_an_abort_releases_a_rank_waiting_for_rank_0_at_once(client):
     store = RoundStore(client, JobKeys("round-store-abort").store_address(1), 1, "127.0.0.1",
                        TIMES)
@@ -85,18 +97,11 @@ def test_an_abort_releases_a_rank_whose_rank_0_froze_while_it_connected_to_its_s
     key = JobKeys("round-store-frozen-host").store_address(1)
     with socket.create_server(("127.0.0.1", 0)) as frozen:  # listens, never accepts
         client.put(key, json.dumps({"addr": "127.0.0.1", "port": frozen.getsockname()[1]}))
-        connecting, accepts = threading.Event(), round_store.accepts
-
-        def probe(*args: object) -> bool:
-            accepted = accepts(*args)
-            connecting.set()
-            return accepted
-
-        monkeypatch.setattr(round_store, "accepts", probe)
+        probes = counted_probes(monkeypatch)
         store = RoundStore(client, key, 1, "127.0.0.1", TIMES)
         waiter, failed = connect_until_aborted(store)
         try:
-            assert connecting.wait(10), "the rank never probed rank 0's store"
+            assert probes.acquire(timeout=10), "the rank never probed rank 0's store"
             store.abort("rank 0 died")
             assert failed.wait(10), "the connect went on after the abort"
         finally:
@@ -113,13 +118,7 @@ def test_a_rank_whose_rank_0_refuses_pauses_on_the_round_so_an_abort_ends_its_wa
     with socket.socket() as closed:  # bound, never listening: every connection is refused
         closed.bind(("127.0.0.1", 0))
         client.put(key, json.dumps({"addr": "127.0.0.1", "port": closed.getsockname()[1]}))
-        probes, accepts = threading.Semaphore(0), round_store.accepts
-
-        def probe(*args: object) -> bool:
-            probes.release()
-            return accepts(*args)
-
-        monkeypatch.setattr(round_store, "accepts", probe)
+        probes = counted_probes(monkeypatch)
         store = RoundStore(client, key, 1, "127.0.0.1", StoreTimes(WAIT, WAIT, TIMES.pause))
         waiter, failed = connect_until_aborted(store)
         try:
