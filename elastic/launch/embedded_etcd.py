@@ -233,6 +233,7 @@ class EmbeddedEtcd:
         self._spawn(self._binary, self._peer_port)
         if not self._wait_healthy():
             raise EtcdUnavailableError(f"etcd did not come back on {self.url}; see {self.log_path}.")
+        self._died = False  # back and healthy: the exit before is no reason to keep the log
 
     def pause(self) -> None:
         """Freezes the server (SIGSTOP), to test an unreachable etcd."""

@@ -668,6 +668,33 @@ def test_embedded_etcd_options_out_of_range_are_refused_with_the_range():
         EmbeddedEtcd(go_max_procs=0)
 
 
+def _killed_embedded_etcd(tmp_path: Path, monkeypatch, restart: bool) -> None:  # noqa: ANN001
+    """Starts an embedded etcd whose directory is under ``tmp_path``, SIGKILLs it, restarts it
+    if ``restart``, and stops it."""
+    import elastic.launch.embedded_etcd as embedded
+    monkeypatch.setattr(embedded.tempfile, "tempdir", str(tmp_path))
+    server = embedded.EmbeddedEtcd().start()
+    try:
+        assert server.process is not None
+        server.process.kill()
+        server.process.wait(timeout=10)
+        if restart:
+            server.restart()
+    finally:
+        server.stop()
+
+
+def test_an_embedded_etcd_killed_then_restarted_removes_its_directory_when_stopped(
+        tmp_path, monkeypatch):
+    _killed_embedded_etcd(tmp_path, monkeypatch, restart=True)
+    assert not list(tmp_path.glob("elastic-etcd-*"))
+
+
+def test_an_embedded_etcd_that_exits_by_itself_keeps_its_log_when_stopped(tmp_path, monkeypatch):
+    _killed_embedded_etcd(tmp_path, monkeypatch, restart=False)
+    assert [p.name for p in tmp_path.glob("elastic-etcd-*/etcd.log")] == ["etcd.log"]
+
+
 def test_a_watch_outlives_a_listener_that_raises_and_keys_that_are_not_utf8(client):
     _, revision = client.get_prefix("/t/hostile/")
     seen: list[str] = []

@@ -34,11 +34,12 @@ def member_leases(client: EtcdClient, keys: JobKeys) -> dict[int, int]:
 
 def two_workers_in_world_two(cli, etcd, tmp_path, name: str):  # noqa: ANN001, ANN201
     """Starts `elastic run --node-lease -n 2 --lease-ttl 2 --release-grace 5` and waits for
-    world 2 (a worker whose step gloo does not wake restarts in place after 5 s, not 30)."""
+    world 2 (a worker whose step gloo does not wake restarts in place after 5 s, not 30).
+    Its temporary files go under ``tmp_path``: a launcher killed by a test cannot remove them."""
     log_dir, job = tmp_path / "events", f"{name}-{os.getpid()}"
     run = cli("run", "--etcd", etcd.url, "--job-id", job, "-n", "2", "--node-lease",
               "--lease-ttl", "2", "--release-grace", "5", "--log-dir", str(log_dir), WORKER,
-              "--steps", "100000")
+              "--steps", "100000", env={"TMPDIR": str(tmp_path)})
     wait_until(lambda: len(trained_in(log_dir, 2)) == 2, 60, "world 2", [run])
     return run, log_dir, JobKeys(job)
 
