@@ -21,11 +21,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 PANELS = [("first_round", "seconds", "first round: s to every member holding the plan"),
           ("one_death", "seconds", "one death: s to every survivor holding the next plan"),
+          ("first_round", "etcd_requests", "first round: etcd requests per member (etcd /metrics)"),
           ("one_death", "etcd_requests", "one death: etcd requests per member (etcd /metrics)"),
-          ("one_death", "etcd_watch_events", "one death: watch events per member (etcd /metrics)"),
-          ("first_round", "etcd_sent_bytes",
-           "first round: bytes etcd sent per member (etcd /metrics)"),
-          ("one_death", "etcd_sent_bytes", "one death: bytes etcd sent per member (etcd /metrics)")]
+          ("first_round", "etcd_watch_events",
+           "first round: watch events per member (etcd /metrics)"),
+          ("one_death", "etcd_watch_events", "one death: watch events per member (etcd /metrics)")]
 
 
 def value(result: dict, phase: str, field: str) -> float | None:
