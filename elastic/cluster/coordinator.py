@@ -135,10 +135,11 @@ class Coordinator:
         self._poke()
 
     def _on_control(self, events: list[WatchEvent]) -> None:
-        """Membership listener (``control/``): who holds the coordinator key, whose delete
-        (the holder's lease ended) wakes the thread to claim it, and the news's revision."""
+        """Membership listener (``control/``): who holds the coordinator key, whose change
+        wakes the thread (a delete: the holder's lease ended, to claim it; a put while this
+        member leads: the guard of its news writes moved), and the news's revision."""
         keys, me = self._keys, self._membership.member_id
-        freed = False
+        moved = False
         with self._changed:
             for e in events:  # in the order of their revisions
                 if e.key == keys.news and e.kind == "put":
@@ -146,12 +147,12 @@ class Coordinator:
                 elif e.key == keys.coordinator:
                     if e.kind == "delete":
                         self._lost = self._lost or self._holder == me
-                        freed = True
+                    moved = moved or e.kind == "delete" or self.is_leading
                     self._holder = e.value.decode("utf-8", errors="replace") \
                         if e.kind == "put" else None
                     self._holder_revision = e.revision if e.kind == "put" else 0
                     self._holder_known = True
-        if freed:
+        if moved:
             self._poke()
 
     def _poke(self) -> None:
@@ -411,8 +412,10 @@ class Coordinator:
             self._news, self._told = news, True
 
     def _write_news(self, news: RoundNews) -> bool:
-        """Writes ``news`` over the news record as this leader last saw it; False (and a step
-        again soon) when another wrote it since: a new coordinator, or its own close."""
+        """Writes ``news`` over the news record as this leader last saw it (or last wrote it:
+        its ``control/`` watch may bring that write back later). False when the record moved
+        on meanwhile, which is read at once, for a step again now; False without a step too
+        when the record is as seen and only the leader's own key moved (its watch tells)."""
         with self._changed:
             if self._lost:
                 return False
@@ -421,9 +424,19 @@ class Coordinator:
             # just ended (it may not know yet) must not write the news its successor writes.
             held = (self._keys.coordinator, self._holder_revision) \
                 if self._holder == self._membership.member_id and self._holder_revision else None
-        if self._client.replace(self._keys.news, news.to_json(), revision, held=held):
+        written = self._client.replace(self._keys.news, news.to_json(), revision, held=held)
+        if written:
+            with self._changed:
+                self._news_revision = written
             return True
-        self._poke()
+        kv = self._client.get(self._keys.news)
+        found = kv.mod_revision if kv is not None else 0
+        with self._changed:
+            moved = found != revision
+            if moved:
+                self._news_revision = found
+        if moved:
+            self._poke()
         return False
 
     def _seat(self, plan: Plan) -> None:

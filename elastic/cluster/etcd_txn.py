@@ -153,7 +153,7 @@ class CompareAndSwap:
         return existing is not None and existing.value == data and existing.lease == (lease or 0)
 
     def replace(self, key: str, value: bytes | str, mod_revision: int, *,
-                clearing: tuple[str, ...] = (), held: tuple[str, int] | None = None) -> bool:
+                clearing: tuple[str, ...] = (), held: tuple[str, int] | None = None) -> int:
         """Writes ``key`` only if its mod revision is still ``mod_revision`` (0: absent).
 
         Args:
@@ -166,21 +166,27 @@ class CompareAndSwap:
                 revision (a leader's write, only while the key that makes it leader is its).
 
         Returns:
-            True when this call wrote ``key``.
+            The mod revision of the write when this call wrote ``key`` (the next ``replace``
+            of it compares against that); 0 when it did not.
         """
         data = value.encode() if isinstance(value, str) else value
-        ranges = [r for prefix in clearing for r in _ranges_without(prefix.encode(), key.encode())]
+        raw_key = key.encode()
+        ranges = [r for prefix in clearing for r in _ranges_without(prefix.encode(), raw_key)]
 
-        async def txn(c: aetcd.Client) -> bool:
-            compare = [c.transactions.mod(key.encode()) == mod_revision if mod_revision
-                       else c.transactions.create(key.encode()) == 0]
+        async def txn(c: aetcd.Client) -> int:
+            ops = c.transactions
+            compare = [ops.mod(raw_key) == mod_revision if mod_revision
+                       else ops.create(raw_key) == 0]
             if held is not None:
-                compare.append(c.transactions.mod(held[0].encode()) == held[1])
-            deletes = [c.transactions.delete(start, range_end=end) for start, end in ranges]
-            ok, _ = await c.transaction(
-                compare=compare, success=[*deletes, c.transactions.put(key.encode(), data)],
+                compare.append(ops.mod(held[0].encode()) == held[1])
+            deletes = [ops.delete(start, range_end=end) for start, end in ranges]
+            ok, responses = await c.transaction(
+                compare=compare, success=[*deletes, ops.put(raw_key, data), ops.get(raw_key)],
                 failure=[])
-            return bool(ok)
+            if not ok:
+                return 0
+            (_, written), = responses[-1]
+            return int(written.mod_revision)
 
         return self._call(txn, f"replace {key}")
 

@@ -591,8 +591,9 @@ def test_replace_while_held_writes_only_while_the_held_key_is_unchanged(client):
     lease = client.grant(timedelta(seconds=30))
     client.put("/t/held/coordinator", "a", lease=lease)
     held = client.get("/t/held/coordinator")
-    assert client.replace("/t/held/news", "1", 0, held=(held.key, held.mod_revision))
+    written = client.replace("/t/held/news", "1", 0, held=(held.key, held.mod_revision))
     news = client.get("/t/held/news")
+    assert written == news.mod_revision > held.mod_revision  # what the next replace compares
     client.revoke(lease)  # the leader's lease ends: its key goes
     assert not client.replace("/t/held/news", "2", news.mod_revision,
                               held=(held.key, held.mod_revision))

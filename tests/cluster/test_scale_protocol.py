@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic.cluster.coordinator import Coordinator
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.lease_file import heartbeat
@@ -208,6 +209,55 @@ def test_a_death_costs_each_survivor_one_write_and_no_read_and_the_plan_is_writt
             m.leave()
         counting.close()
 
+
+
+def test_a_coordinator_whose_watch_has_not_brought_its_own_news_back_writes_the_next_at_once(
+        etcd, monkeypatch):
+    """Two changes in a row (a newcomer, then a death) while the coordinator's ``control/``
+    watch holds back the news it wrote first: the second news goes out at once, not retried
+    against a revision that only that watch would correct."""
+    held: list[tuple[Coordinator, list[WatchEvent]]] = []
+    lagging = threading.Event()
+    hear = Coordinator._on_control
+
+    def late_news(self, events):  # noqa: ANN001, ANN202
+        if lagging.is_set():
+            held.append((self, [e for e in events if e.key == self._keys.news]))
+            events = [e for e in events if e.key != self._keys.news]
+        hear(self, events)
+
+    monkeypatch.setattr(Coordinator, "_on_control", late_news)
+    counting = CountingClient(etcd.url)
+    keys = JobKeys("scale-late-news")
+    news = lambda: RoundNews.from_json(counting.get(keys.news).value)  # noqa: E731
+    members = [Member(counting, "scale-late-news") for _ in range(3)]
+    joining = None
+    try:
+        form_all(members, "start")
+        lagging.set()
+        newcomer = Member(counting, "scale-late-news")
+        members.append(newcomer)
+        joining = threading.Thread(target=newcomer.form, args=("start",), daemon=True)
+        joining.start()
+        assert poll_until(lambda: news().pending, WAIT_S), "the newcomer's news"
+        counting.sent.clear()
+        leader = counting.get(keys.coordinator).value.decode()
+        victim = next(m for m in members[:3] if m.id != leader)
+        counting.revoke(victim.membership.lease)
+        written = poll_until(lambda: news().broken, 10)
+        tries = [w for w in counting.sent if w == f"replace {keys.news}"]
+        assert written and len(tries) <= 2, f"written: {written}, in {len(tries)} tries"
+        lagging.clear()
+        for coordinator, events in held:
+            hear(coordinator, events)
+        form_all([m for m in members[:3] if m is not victim], "failure")
+        joining.join(WAIT_S)
+        assert newcomer.rendezvous.latest_round() == 2
+    finally:
+        lagging.clear()
+        for m in members:
+            m.leave()
+        counting.close()
 
 
 def test_the_coordinator_weighs_a_roll_call_once_its_last_awaited_member_asked_not_at_each_join(
