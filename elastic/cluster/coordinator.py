@@ -36,6 +36,7 @@ from elastic.cluster.etcd_client import EtcdClient, KeyValue, WatchEvent
 from elastic.cluster.membership import EtcdMembership
 from elastic.cluster.monitor import ChangeMonitor
 from elastic.cluster.news import RoundNews
+from elastic.cluster.news_writer import NewsWriter
 from elastic.cluster import records
 from elastic.cluster.plan import JoinRequest, Plan
 from elastic.cluster.records import RecordError, SkippedRecords
@@ -67,7 +68,6 @@ class Coordinator:
         self._thread: threading.Thread | None = None
         self._cancel_watch: Callable[[], None] | None = None
         self.is_leading = False
-        self._lost = False  # the coordinator key was deleted under the leader
         # The leader's view of the job, fed by its watch (guarded by _changed).
         self._members: dict[str, int] = {}
         self._joins: dict[int, dict[str, KeyValue]] = {}
@@ -88,7 +88,6 @@ class Coordinator:
         # Members whose key was deleted: their seats go too (a member's seat is its fence line).
         self._unseat: set[str] = set()
         self._news = RoundNews(0)
-        self._news_revision = 0
         self._told = True  # the news of the tracked round is written (its members are seated)
         self._seated = 0  # the newest round whose members this leader seated
         self._broken = ""
@@ -97,11 +96,9 @@ class Coordinator:
         # (round, when a member of the round before it first asked to join it)
         self._rejoin_since: tuple[int, float] | None = None
         self._last_change = time.monotonic()
-        # Who holds the coordinator key, as this member's ``control/`` watch tells (its
-        # registration hands it the keys as they were): no read to learn it.
-        self._holder: str | None = None
-        self._holder_revision = 0  # the coordinator key's mod revision (0: not seen yet)
-        self._holder_known = False
+        # The news record's writes, and who holds the coordinator key, as this member's
+        # ``control/`` watch tells (its registration hands it the keys as they were).
+        self._writer = NewsWriter(client, self._keys, lambda: membership.member_id)
         membership.add_listener(self._on_control)
 
     # -- life -------------------------------------------------------------------------------
@@ -135,24 +132,9 @@ class Coordinator:
         self._poke()
 
     def _on_control(self, events: list[WatchEvent]) -> None:
-        """Membership listener (``control/``): who holds the coordinator key, whose change
-        wakes the thread (a delete: the holder's lease ended, to claim it; a put while this
-        member leads: the guard of its news writes moved), and the news's revision."""
-        keys, me = self._keys, self._membership.member_id
-        moved = False
-        with self._changed:
-            for e in events:  # in the order of their revisions
-                if e.key == keys.news and e.kind == "put":
-                    self._news_revision = e.revision
-                elif e.key == keys.coordinator:
-                    if e.kind == "delete":
-                        self._lost = self._lost or self._holder == me
-                    moved = moved or e.kind == "delete" or self.is_leading
-                    self._holder = e.value.decode("utf-8", errors="replace") \
-                        if e.kind == "put" else None
-                    self._holder_revision = e.revision if e.kind == "put" else 0
-                    self._holder_known = True
-        if moved:
+        """Membership listener (``control/``): ``NewsWriter.on_control``; the coordinator
+        key's delete (its holder's lease ended) wakes the thread to claim it."""
+        if self._writer.on_control(events):
             self._poke()
 
     def _poke(self) -> None:
@@ -201,16 +183,20 @@ class Coordinator:
         the key is free (as the watch tells, else as read: the common case of a key held costs
         no write)."""
         me = self._membership.member_id
-        with self._changed:
-            known, holder = self._holder_known, self._holder
+        known, holder = self._writer.holder()
         if not known:
             kv = self._client.get(self._keys.coordinator)
             holder = None if kv is None else kv.value.decode("utf-8", errors="replace")
         if holder is not None and holder != me:
             return
-        if holder is None and not self._client.create(self._keys.coordinator, me,
-                                                      lease=self._membership.lease):
-            return
+        if holder is None:
+            if not self._client.create(self._keys.coordinator, me, lease=self._membership.lease):
+                return
+            # The guard of its news writes, before its watch brings the key back.
+            kv = self._client.get(self._keys.coordinator)
+            if kv is None or kv.value.decode("utf-8", errors="replace") != me:
+                return  # gone at once (its lease ended): the watch tells the rest
+            self._writer.took(kv)
         log.info("member %s coordinates the job's rounds", self._membership.member_id)
         self._take_over()
 
@@ -224,13 +210,13 @@ class Coordinator:
             self._rejoin_since = None
             self._round, self._latest, self._plan, self._monitor = 0, 0, None, None
             self._closed = 0
-            self._broken, self._seen, self._lost = "", None, False
+            self._broken, self._seen = "", None
+        self._writer.lead()
         self._cancel_watch = self._client.follow_range(self._keys.coordinated, self._on_job_events)
         self._step()
 
     def _coordinator_gone(self) -> bool:
-        with self._changed:
-            return self._lost
+        return self._writer.lost
 
     def _step_down(self, why: str) -> None:
         if self.is_leading:
@@ -374,7 +360,7 @@ class Coordinator:
         """The stored news of round ``latest``, and True; else the news to tell, and False
         (the round was closed, but its members were not told yet)."""
         if kv is not None:
-            self._news_revision = kv.mod_revision
+            self._writer.saw(kv)
             news = self._skipped.read(kv.key, kv.mod_revision,
                                       lambda: RoundNews.from_json(kv.value))
             if news is not None and news.round == latest:
@@ -412,31 +398,10 @@ class Coordinator:
             self._news, self._told = news, True
 
     def _write_news(self, news: RoundNews) -> bool:
-        """Writes ``news`` over the news record as this leader last saw it (or last wrote it:
-        its ``control/`` watch may bring that write back later). False when the record moved
-        on meanwhile, which is read at once, for a step again now; False without a step too
-        when the record is as seen and only the leader's own key moved (its watch tells)."""
-        with self._changed:
-            if self._lost:
-                return False
-            revision = self._news_revision
-            # Only while the key that made it leader is still its own: a leader whose lease
-            # just ended (it may not know yet) must not write the news its successor writes.
-            held = (self._keys.coordinator, self._holder_revision) \
-                if self._holder == self._membership.member_id and self._holder_revision else None
-        written = self._client.replace(self._keys.news, news.to_json(), revision, held=held)
-        if written:
-            with self._changed:
-                self._news_revision = written
+        """``NewsWriter.write``; when it is refused, a step again soon (it read what moved)."""
+        if self._writer.write(news):
             return True
-        kv = self._client.get(self._keys.news)
-        found = kv.mod_revision if kv is not None else 0
-        with self._changed:
-            moved = found != revision
-            if moved:
-                self._news_revision = found
-        if moved:
-            self._poke()
+        self._poke()
         return False
 
     def _seat(self, plan: Plan) -> None:

@@ -46,6 +46,19 @@ class Registration:
     carried: bool = False
 
 
+@dataclass(frozen=True)
+class Replaced:
+    """What ``replace`` did. ``revision``: the mod revision of its write, which the next
+    ``replace`` of the key compares against (0: it wrote nothing). When it wrote nothing,
+    ``found`` is the key as etcd holds it and ``guard`` the ``held`` key (None: absent, or no
+    ``held`` asked), read in the same transaction. An attempt whose reply was lost may have
+    written: a retry then finds that write in ``found``."""
+
+    revision: int
+    found: KeyValue | None = None
+    guard: KeyValue | None = None
+
+
 class CompareAndSwap:
     """Conditional writes, for a class that runs operations with ``_call`` and reads ``get``."""
 
@@ -153,7 +166,7 @@ class CompareAndSwap:
         return existing is not None and existing.value == data and existing.lease == (lease or 0)
 
     def replace(self, key: str, value: bytes | str, mod_revision: int, *,
-                clearing: tuple[str, ...] = (), held: tuple[str, int] | None = None) -> int:
+                clearing: tuple[str, ...] = (), held: tuple[str, int] | None = None) -> Replaced:
         """Writes ``key`` only if its mod revision is still ``mod_revision`` (0: absent).
 
         Args:
@@ -166,29 +179,38 @@ class CompareAndSwap:
                 revision (a leader's write, only while the key that makes it leader is its).
 
         Returns:
-            The mod revision of the write when this call wrote ``key`` (the next ``replace``
-            of it compares against that); 0 when it did not.
+            ``Replaced``: the revision written, or what etcd held instead.
         """
         data = value.encode() if isinstance(value, str) else value
         raw_key = key.encode()
         ranges = [r for prefix in clearing for r in _ranges_without(prefix.encode(), raw_key)]
 
-        async def txn(c: aetcd.Client) -> int:
+        async def txn(c: aetcd.Client) -> Replaced:
             ops = c.transactions
             compare = [ops.mod(raw_key) == mod_revision if mod_revision
                        else ops.create(raw_key) == 0]
+            reads = [ops.get(raw_key)]
             if held is not None:
                 compare.append(ops.mod(held[0].encode()) == held[1])
+                reads.append(ops.get(held[0].encode()))
             deletes = [ops.delete(start, range_end=end) for start, end in ranges]
             ok, responses = await c.transaction(
                 compare=compare, success=[*deletes, ops.put(raw_key, data), ops.get(raw_key)],
-                failure=[])
-            if not ok:
-                return 0
-            (_, written), = responses[-1]
-            return int(written.mod_revision)
+                failure=reads)
+            if ok:
+                written = _only(responses[-1])
+                assert written is not None, "a transaction's get follows its put"
+                return Replaced(written.mod_revision)
+            return Replaced(0, _only(responses[0]),
+                            _only(responses[1]) if held is not None else None)
 
         return self._call(txn, f"replace {key}")
+
+
+def _only(response: Any) -> KeyValue | None:
+    """The one key of a transaction's get of one key (None: absent)."""
+    found = utf8_keys([kv for _, kv in response])
+    return found[0] if found else None
 
 
 def _ranges_without(prefix: bytes, key: bytes) -> list[tuple[bytes, bytes]]:

@@ -81,7 +81,7 @@ def claim(client: EtcdClient, keys: JobKeys, config: JobConfig) -> bool:
         # that config below instead of wiping the first one's fresh keys.
         seen = existing.mod_revision if existing is not None else 0
         if client.replace(keys.config, config.to_json(), seen,
-                          clearing=(keys.prefix, keys.launchers().prefix)):
+                          clearing=(keys.prefix, keys.launchers().prefix)).revision:
             return True
         existing = client.get(keys.config)
     if existing is None:

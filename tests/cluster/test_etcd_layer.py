@@ -526,13 +526,14 @@ def test_replace_clearing_prefixes_writes_and_clears_in_one_guarded_transaction(
                        "/t/clr/job.launchers/a": "l", "/t/clr/jobx/keep": "k"}.items():
         client.put(key, value)
     old = client.get("/t/clr/job/config")
-    assert client.replace("/t/clr/job/config", "new", old.mod_revision, clearing=prefixes)
+    assert client.replace("/t/clr/job/config", "new", old.mod_revision, clearing=prefixes).revision
     assert client.get("/t/clr/job/config").value == b"new"
     assert client.get("/t/clr/job/rounds/1") is None and client.get("/t/clr/job.launchers/a") is None
     assert client.get("/t/clr/jobx/keep").value == b"k"
     client.put("/t/clr/job/rounds/2", "fresh")
     # A caller that read the old revision neither clears nor writes.
-    assert not client.replace("/t/clr/job/config", "other", old.mod_revision, clearing=prefixes)
+    refused = client.replace("/t/clr/job/config", "other", old.mod_revision, clearing=prefixes)
+    assert refused.revision == 0 and refused.found.value == b"new"
     assert client.get("/t/clr/job/rounds/2").value == b"fresh"
     assert client.get("/t/clr/job/config").value == b"new"
 
@@ -593,13 +594,16 @@ def test_replace_while_held_writes_only_while_the_held_key_is_unchanged(client):
     held = client.get("/t/held/coordinator")
     written = client.replace("/t/held/news", "1", 0, held=(held.key, held.mod_revision))
     news = client.get("/t/held/news")
-    assert written == news.mod_revision > held.mod_revision  # what the next replace compares
+    # What the next replace compares against.
+    assert written.revision == news.mod_revision > held.mod_revision
     client.revoke(lease)  # the leader's lease ends: its key goes
-    assert not client.replace("/t/held/news", "2", news.mod_revision,
-                              held=(held.key, held.mod_revision))
+    refused = client.replace("/t/held/news", "2", news.mod_revision,
+                             held=(held.key, held.mod_revision))
+    assert (refused.revision, refused.found, refused.guard) == (0, news, None)
     client.put("/t/held/coordinator", "b")  # a successor holds it now
-    assert not client.replace("/t/held/news", "2", news.mod_revision,
-                              held=(held.key, held.mod_revision))
+    refused = client.replace("/t/held/news", "2", news.mod_revision,
+                             held=(held.key, held.mod_revision))
+    assert refused.revision == 0 and refused.guard.value == b"b"
     assert client.get("/t/held/news").value == b"1"
 
 
