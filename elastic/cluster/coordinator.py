@@ -192,11 +192,8 @@ class Coordinator:
         if holder is None:
             if not self._client.create(self._keys.coordinator, me, lease=self._membership.lease):
                 return
-            # The guard of its news writes, before its watch brings the key back.
-            kv = self._client.get(self._keys.coordinator)
-            if kv is None or kv.value.decode("utf-8", errors="replace") != me:
+            if not self._writer.took(self._client.get(self._keys.coordinator)):
                 return  # gone at once (its lease ended): the watch tells the rest
-            self._writer.took(kv)
         log.info("member %s coordinates the job's rounds", self._membership.member_id)
         self._take_over()
 

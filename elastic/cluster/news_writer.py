@@ -66,11 +66,12 @@ class NewsWriter:
         with self._lock:
             return self._holder_known, self._holder
 
-    def took(self, kv: KeyValue) -> None:
-        """This member took the coordinator key (``kv``, as read after its create): the guard
-        of its writes before the watch brings the key back."""
+    def took(self, kv: KeyValue | None) -> bool:
+        """Notes the coordinator key as read right after this member created it (the guard of
+        its writes before the watch brings the key back); whether it is still this member's."""
         with self._lock:
             self._note_holder(kv)
+            return self._holder == self._member_id()
 
     def lead(self) -> None:
         """This member starts leading: its key is its own."""

@@ -210,7 +210,6 @@ def test_a_death_costs_each_survivor_one_write_and_no_read_and_the_plan_is_writt
         counting.close()
 
 
-
 def test_a_coordinator_whose_watch_has_not_brought_its_own_news_back_writes_the_next_at_once(
         etcd, monkeypatch):
     """Two changes in a row (a newcomer, then a death) while the coordinator's ``control/``
