@@ -146,7 +146,9 @@ class RoundStore(dist.Store):
             self._check_aborted()
             return
         raise RuntimeError(f"rank 0's store at {addr}:{port} did not answer within "
-                           f"{self._times.wait.total_seconds():.1f} s ({failure})")
+                           f"{self._times.wait.total_seconds():.1f} s ({failure}): check that "
+                           f"this machine reaches rank 0's --advertise-addr on any port, or "
+                           f"raise ELASTIC_STORE_TIMEOUT")
 
     def _pause_unless_aborted(self, pause: timedelta) -> None:
         with self._changed:
@@ -240,7 +242,8 @@ class RoundStore(dist.Store):
                 if left <= 0:
                     raise RuntimeError(f"rank 0 did not publish the round's store at "
                                        f"{self._key} within "
-                                       f"{self._times.wait.total_seconds():.1f} s")
+                                       f"{self._times.wait.total_seconds():.1f} s; if rank 0 "
+                                       f"is slow to get there, raise ELASTIC_STORE_TIMEOUT")
                 self._changed.wait(left)
             return self._published
 
