@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 
 from elastic.cluster.cluster import Cluster
-from elastic.errors import LeaveInterrupt, MembershipChangedInterrupt, PeerFailureError
+from elastic.foundation.errors import LeaveInterrupt, MembershipChangedInterrupt, PeerFailureError
 
 __all__ = ["MembershipAgreement"]
 

@@ -29,8 +29,8 @@ from elastic.checkpoint import (CheckpointError, CheckpointFencedError, Checkpoi
                                 CheckpointRef, CheckpointStorageError, CheckpointStore,
                                 check_compatible)
 from elastic.checkpoint.backend import DEFAULT_RETRY_FOR
-from elastic.errors import EtcdUnavailableError
-from elastic.events import EventLog
+from elastic.foundation.errors import EtcdUnavailableError
+from elastic.foundation.events import EventLog
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -21,14 +21,14 @@ from typing import Any
 
 from elastic.agreement import MembershipAgreement
 from elastic.cluster.cluster import Cluster
-from elastic.cluster.rendezvous import Topology
+from elastic.cluster.rounds.rendezvous import Topology
 from elastic.durable import DurableCommits
-from elastic.events import EventLog
+from elastic.foundation.events import EventLog
 from elastic.loop_helpers import batches, ddp, print_main
 from elastic.outcome import RunOutcome
 from elastic.recovery import RunLoop
-from elastic.settings import WorkerSettings
-from elastic.signals import relay_signals
+from elastic.foundation.settings import WorkerSettings
+from elastic.foundation.signals import relay_signals
 from elastic.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ class ElasticState:
     @property
     def local_rank(self) -> int:
         """The GPU index of this worker: ``LOCAL_RANK``, or for an NCCL worker started by hand
-        without it, the GPU it claimed (``elastic.cluster.device``)."""
+        without it, the GPU it claimed (``elastic.cluster.links.device``)."""
         device = self._cluster.device if self._cluster else None
         return device.index if device is not None else self._settings.local_rank
 

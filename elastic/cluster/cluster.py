@@ -17,25 +17,27 @@ from typing import Any
 
 import tenacity
 
-from elastic.cluster.agreement_channel import AgreementChannel
-from elastic.cluster.ports import answers, free_port
-from elastic.errors import (CutOffError, EtcdAccessError, EtcdUnavailableError, FencedError,
-                            LeaveInterrupt, PeerFailureError, RendezvousTimeoutError)
-from elastic.cluster.etcd_client import EtcdClient, parse_endpoints
-from elastic.events import EventLog, Stopwatch
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.lease_file import append_committed, append_lease, append_member, heartbeat
-from elastic.cluster.membership import EtcdMembership, NodeLease
-from elastic.cluster.device import claim_device, default_lock_dir
-from elastic.cluster.news import NewsMonitor
-from elastic.cluster.process_group import ProcessGroup, cuda_device_count, resolve_backend
-from elastic.cluster.records import SkippedRecords
-from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
-from elastic.cluster.release_watchdog import ReleaseWatchdog
-from elastic.cluster.restart_in_place import restart_in_place
-from elastic.cluster.round_links import RoundLinks
-from elastic.cluster.round_store import RoundStore, StoreTimes, reach
-from elastic.settings import WorkerSettings
+from elastic.cluster.links.agreement_channel import AgreementChannel
+from elastic.cluster.links.ports import answers, free_port
+from elastic.foundation.errors import (CutOffError, EtcdAccessError, EtcdUnavailableError,
+                                       FencedError, LeaveInterrupt, PeerFailureError,
+                                       RendezvousTimeoutError)
+from elastic.cluster.etcd.client import EtcdClient, parse_endpoints
+from elastic.foundation.events import EventLog, Stopwatch
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.worker_lease_file import (append_committed, append_lease, append_member,
+                                               heartbeat)
+from elastic.cluster.rounds.membership import EtcdMembership, NodeLease
+from elastic.cluster.links.device import claim_device, default_lock_dir
+from elastic.cluster.rounds.news import NewsMonitor
+from elastic.cluster.links.process_group import ProcessGroup, cuda_device_count, resolve_backend
+from elastic.cluster.rounds.records import SkippedRecords
+from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig, Topology
+from elastic.cluster.links.release_watchdog import ReleaseWatchdog
+from elastic.cluster.links.restart_in_place import restart_in_place
+from elastic.cluster.links.round_links import RoundLinks
+from elastic.cluster.links.round_store import RoundStore, StoreTimes, reach
+from elastic.foundation.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 

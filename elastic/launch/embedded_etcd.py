@@ -27,9 +27,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from elastic.cluster.ports import free_port
-from elastic.errors import EtcdUnavailableError
-from elastic.timeouts import Timeouts
+from elastic.cluster.links.ports import free_port
+from elastic.foundation.errors import EtcdUnavailableError
+from elastic.foundation.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"

@@ -21,21 +21,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from elastic.errors import EtcdUnavailableError
-from elastic.cluster.etcd_client import EtcdClient
-from elastic.cluster.interfaces import socket_interface_env
+from elastic.foundation.errors import EtcdUnavailableError
+from elastic.cluster.etcd.client import EtcdClient
+from elastic.cluster.links.interfaces import socket_interface_env
 from elastic.launch.job_config import JobConfig, claim
-from elastic.launch.lease_files import LeaseFiles
+from elastic.launch.launcher_lease_files import LeaseFiles
 from elastic.launch.node_members import NodeMembers
 from elastic.launch.joined import JoinedWorkers
 from elastic.launch.output import OutputOptions, WorkerOutput
 from elastic.launch.replacements import Replacement, Replacements
 from elastic.launch.restarts import Restarts
 from elastic.launch.stop_signal import StopSignal
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.membership import EtcdMembership
-from elastic.settings import EtcdSecurity
-from elastic.timeouts import Timeouts
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.rounds.membership import EtcdMembership
+from elastic.foundation.settings import EtcdSecurity
+from elastic.foundation.timeouts import Timeouts
 from elastic.launch.worker_procs import WorkerProcs, describe_exit
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class LaunchSpec:
             workers, they take a round only in place of a member that is gone.
         node_lease: the workers register under this launcher's lease instead of each under
             its own (``--node-lease``); the launcher removes a worker that dies or whose
-            heartbeats stop for a lease TTL (``elastic.cluster.membership.NodeLease``).
+            heartbeats stop for a lease TTL (``elastic.cluster.rounds.membership.NodeLease``).
         min_workers: fewest workers to train with.
         max_workers: most workers to train with.
         max_restarts: restarts of crashed workers (plain: of generations) before giving up.

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from elastic.errors import LeaveInterrupt, RendezvousClosedError
-from elastic.cluster.etcd_client import WatchEvent
-from elastic.cluster.news import read_news
-from elastic.cluster.records import SkippedRecords
-from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
+from elastic.foundation.errors import LeaveInterrupt, RendezvousClosedError
+from elastic.cluster.etcd.client import WatchEvent
+from elastic.cluster.rounds.news import read_news
+from elastic.cluster.rounds.records import SkippedRecords
+from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig, Topology
 from elastic.launch.worker_procs import describe_exit
 
 if TYPE_CHECKING:
@@ -181,7 +181,7 @@ class PlainGenerations:
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         """The coordinator's news of this generation: a launcher asks to join the next one, or
-        a launcher of this one is gone (``cluster/news.py``): restart."""
+        a launcher of this one is gone (``cluster/rounds/news.py``): restart."""
         with self._lock:
             armed = self._armed
         read = read_news(self.keys, events, self._skipped)

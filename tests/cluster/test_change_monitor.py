@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.cluster.etcd_client import KeyValue, WatchEvent
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.monitor import ChangeMonitor
-from elastic.cluster.plan import JoinRequest
-from elastic.cluster.rendezvous import Topology
-from elastic.cluster.seat import lineage
+from elastic.cluster.etcd.client import KeyValue, WatchEvent
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.rounds.monitor import ChangeMonitor
+from elastic.cluster.rounds.plan import JoinRequest
+from elastic.cluster.rounds.rendezvous import Topology
+from elastic.cluster.rounds.seat import lineage
 
 pytestmark = pytest.mark.unit
 

@@ -19,17 +19,17 @@ import aetcd.exceptions
 import grpc
 import pytest
 
-from elastic.errors import EtcdAccessError, EtcdUnavailableError
-from elastic.cluster.etcd_client import EtcdClient, WatchEvent
-from elastic.cluster.etcd_txn import Carried
-from elastic.cluster.key_range import KeyRange
+from elastic.foundation.errors import EtcdAccessError, EtcdUnavailableError
+from elastic.cluster.etcd.client import EtcdClient, WatchEvent
+from elastic.cluster.etcd.txn import Carried
+from elastic.cluster.etcd.key_range import KeyRange
 from elastic.launch.embedded_etcd import EmbeddedEtcd
 from elastic.launch.job_config import JobConfig, claim
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.membership import EtcdMembership, new_member_id
-from elastic.cluster.plan import JoinRequest, Plan
-from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig
-from elastic.timeouts import Timeouts
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.rounds.membership import EtcdMembership, new_member_id
+from elastic.cluster.rounds.plan import JoinRequest, Plan
+from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig
+from elastic.foundation.timeouts import Timeouts
 from tests.support.slow_link import SlowLink
 
 
@@ -418,7 +418,7 @@ class _LogSeen(logging.Handler):
 
 
 def test_an_unreachable_etcd_raises_after_the_retry_deadline_naming_the_url():
-    from elastic.cluster.ports import free_port
+    from elastic.cluster.links.ports import free_port
     url = f"http://127.0.0.1:{free_port()}"
     client = EtcdClient(url, retry_for=timedelta(seconds=2))
     started = time.monotonic()
@@ -498,7 +498,7 @@ def test_etcd_urls_without_a_port_are_rejected_with_an_example():
 
 _FORKING_LOADER = """
 import sys
-from elastic.cluster.etcd_client import EtcdClient
+from elastic.cluster.etcd.client import EtcdClient
 from torch.utils.data import DataLoader
 client = EtcdClient(sys.argv[1])
 client.put("fork-check", "x")
@@ -545,7 +545,7 @@ def test_many_puts_fit_an_etcd_that_takes_fewer_operations_per_transaction_and_s
         live, gone = client.grant(timedelta(seconds=30)), client.grant(timedelta(seconds=30))
         assert client.revoke(gone)
         entries = [(f"/few/{i:03d}", f"v{i}", gone if i == 7 else live) for i in range(60)]
-        with caplog.at_level(logging.INFO, logger="elastic.cluster.etcd_client"):
+        with caplog.at_level(logging.INFO, logger="elastic.cluster.etcd.client"):
             assert client.put_many(entries) == ["/few/007"]
             assert client.put_many(entries[8:]) == []  # the size that fits is kept
         written, _ = client.get_prefix("/few/")
@@ -763,7 +763,7 @@ def test_the_launcher_and_the_key_builder_import_no_grpc_before_the_etcd_client_
     client sets it first. A module imported before the client that pulls gRPC in lets gRPC's
     own log lines through to the user (a TLS refusal printed twice)."""
     probe = ("import sys\n"
-             "import elastic.launch.cli, elastic.cluster.keys, elastic.cluster.plan\n"
+             "import elastic.launch.cli, elastic.cluster.rounds.keys, elastic.cluster.rounds.plan\n"
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'aetcd')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          timeout=60, check=True).stdout

@@ -7,9 +7,9 @@ import json
 import threading
 from datetime import timedelta
 
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.lease_renewals import Outcome
-from elastic.cluster.membership import EtcdMembership
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.etcd.lease_renewals import Outcome
+from elastic.cluster.rounds.membership import EtcdMembership
 
 WAIT_S = 30
 INTERVAL = timedelta(seconds=0.1)

@@ -18,18 +18,18 @@ from pathlib import Path
 
 import pytest
 
-from elastic.cluster.coordinator import Coordinator
-from elastic.cluster.etcd_client import EtcdClient, WatchEvent
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.lease_file import heartbeat
-from elastic.cluster.membership import EtcdMembership, NodeLease, drop_member
-from elastic.cluster.news import NewsMonitor, RoundNews
-from elastic.cluster.records import RecordError
-from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
-from elastic.errors import FencedError, LeaveInterrupt, RendezvousClosedError
+from elastic.cluster.rounds.coordinator import Coordinator
+from elastic.cluster.etcd.client import EtcdClient, WatchEvent
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.worker_lease_file import heartbeat
+from elastic.cluster.rounds.membership import EtcdMembership, NodeLease, drop_member
+from elastic.cluster.rounds.news import NewsMonitor, RoundNews
+from elastic.cluster.rounds.records import RecordError
+from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig, Topology
+from elastic.foundation.errors import FencedError, LeaveInterrupt, RendezvousClosedError
 from tests.support.polling import poll_until
 from tests.support.limited_etcd import MAX_TXN_OPS
-from elastic.timeouts import Timeouts
+from elastic.foundation.timeouts import Timeouts
 
 pytestmark = pytest.mark.timeout(120)
 TIMEOUTS = Timeouts()

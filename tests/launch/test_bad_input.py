@@ -12,11 +12,11 @@ from datetime import timedelta
 import pytest
 
 from elastic.launch.cli import main
-from elastic.cluster.ports import free_port
-from elastic.cluster.etcd_client import EtcdClient
+from elastic.cluster.links.ports import free_port
+from elastic.cluster.etcd.client import EtcdClient
 from elastic.launch.job_config import JobConfig, claim
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.membership import EtcdMembership
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.rounds.membership import EtcdMembership
 from tests.support.cli import WORKERS
 from tests.support.polling import poll_until
 

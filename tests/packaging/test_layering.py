@@ -29,15 +29,17 @@ def source_copy(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize(("module", "planted", "why"), [
     ("checkpoint/store.py", "from elastic.state import TrainState", "checkpoint layer may not"),
-    ("state/sampler.py", "from elastic.cluster.keys import JobKeys", "state layer may not"),
+    ("state/sampler.py", "from elastic.cluster.rounds.keys import JobKeys", "state layer may not"),
     ("state/sampler.py", "import elastic.launch.cli", "state layer may not"),
-    ("elastic/cluster/monitor.py", "from elastic.elastic_state import ElasticState",
+    ("elastic/cluster/rounds/monitor.py", "from elastic.elastic_state import ElasticState",
      "cluster layer may not import the run_loop"),
-    ("elastic/cluster/rendezvous.py", "from elastic import ElasticState",
+    ("elastic/cluster/rounds/rendezvous.py", "from elastic import ElasticState",
      "cluster layer may not import the launch"),
     ("elastic/agreement.py", "from elastic.launch import launcher", "run_loop layer may not"),
-    ("elastic/errors.py", "from elastic.cluster.plan import Plan", "foundation layer may not"),
-    ("elastic/cluster/plan.py", "from state.sampler import ElasticSampler", "can be shadowed"),
+    ("elastic/foundation/errors.py", "from elastic.cluster.rounds.plan import Plan",
+     "foundation layer may not"),
+    ("elastic/cluster/rounds/plan.py", "from state.sampler import ElasticSampler",
+     "can be shadowed"),
     ("elastic/durable.py", "    import checkpoint", "can be shadowed"),
 ])
 def test_a_planted_forbidden_import_is_reported(source_copy, module, planted, why):

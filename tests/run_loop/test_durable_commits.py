@@ -9,13 +9,12 @@ from datetime import timedelta
 import pytest
 import torch
 
-from elastic.checkpoint import (CheckpointIncompatibleError,
-                                CheckpointStore, CheckpointWriteError)
-from elastic.cluster.etcd_client import EtcdClient
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.membership import EtcdMembership
+from elastic.checkpoint import CheckpointIncompatibleError, CheckpointStore, CheckpointWriteError
+from elastic.cluster.etcd.client import EtcdClient
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.rounds.membership import EtcdMembership
 from elastic.durable import DurableCommits, fencing_generation, next_epoch
-from elastic.events import EventLog
+from elastic.foundation.events import EventLog
 
 URL = "faultmem://run"
 

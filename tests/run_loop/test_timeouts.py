@@ -14,8 +14,8 @@ import pytest
 from elastic.checkpoint.backend import DEFAULT_RETRY_FOR
 from elastic.launch.cli import _run_parser, _timeouts, join_command
 from elastic.launch.launcher import LaunchSpec
-from elastic.settings import WorkerSettings
-from elastic.timeouts import Timeouts
+from elastic.foundation.settings import WorkerSettings
+from elastic.foundation.timeouts import Timeouts
 from tests.support.timeout_literals import literal_timeouts
 
 pytestmark = pytest.mark.unit
@@ -49,7 +49,7 @@ def test_the_defaults_are_the_documented_ones():
 
 
 def test_every_field_documents_its_default_and_its_variable():
-    tree = ast.parse((REPO / "elastic" / "timeouts.py").read_text())
+    tree = ast.parse((REPO / "elastic" / "foundation" / "timeouts.py").read_text())
     body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Timeouts").body
     docs = {a.target.id: body[i + 1].value.value for i, a in enumerate(body[:-1])
             if isinstance(a, ast.AnnAssign) and isinstance(body[i + 1], ast.Expr)}
@@ -196,7 +196,7 @@ def test_the_readme_lists_every_variable_in_its_timeouts_section():
 
 # -- no literal timeout outside the table -------------------------------------------------------
 
-PLACES = ("elastic/cluster", "elastic/launch", "elastic/signals.py")
+PLACES = ("elastic/cluster", "elastic/launch", "elastic/foundation/signals.py")
 # The report reads finished event files: its windows are over recorded times, not waits.
 ALLOWED = frozenset({("elastic/launch/report.py", "parameter window_s defaults to a literal"),
                      ("elastic/launch/report.py", "parameter gap_s defaults to a literal")})
@@ -204,7 +204,7 @@ ALLOWED = frozenset({("elastic/launch/report.py", "parameter window_s defaults t
 
 def test_the_cluster_launch_and_signal_code_has_no_literal_timeout():
     found = literal_timeouts(REPO, PLACES, ALLOWED)
-    assert not found, "literal timeouts (take them from elastic.timeouts.Timeouts):\n" + \
+    assert not found, "literal timeouts (take them from elastic.Timeouts):\n" + \
         "\n".join(map(str, found))
 
 
@@ -216,9 +216,10 @@ def source_copy(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize(("module", "planted", "what"), [
-    ("elastic/cluster/membership.py", "GRACE = timedelta(seconds=5)", "timedelta(...)"),
-    ("elastic/cluster/rendezvous.py", "def f(e):\n    e.wait(timeout=2.5)", "timeout=<literal>"),
-    ("elastic/cluster/etcd_client.py", "def f(f, t):\n    f.result(timeout=t + 5)",
+    ("elastic/cluster/rounds/membership.py", "GRACE = timedelta(seconds=5)", "timedelta(...)"),
+    ("elastic/cluster/rounds/rendezvous.py", "def f(e):\n    e.wait(timeout=2.5)",
+     "timeout=<literal>"),
+    ("elastic/cluster/etcd/client.py", "def f(f, t):\n    f.result(timeout=t + 5)",
      "timeout=<literal>"),
     ("elastic/launch/worker_procs.py", "_POLL_S = 0.1", "_POLL_S = <literal>"),
     ("elastic/launch/launcher.py", "_JOIN_TIMEOUT = 2 * 60", "_JOIN_TIMEOUT = <literal>"),
@@ -227,13 +228,14 @@ def source_copy(tmp_path: Path) -> Path:
      "parameter timeout_s defaults to a literal"),
     ("elastic/launch/embedded_etcd.py", "from time import sleep\nsleep(0.05)",
      "sleep(<literal>)"),
-    ("elastic/cluster/round_store.py", "import tenacity\nw = tenacity.wait_exponential_jitter("
-     "max=2.0)", "wait_exponential_jitter(...)"),
-    ("elastic/cluster/process_group.py", "def f(backoff_s):\n    return min(1.0, backoff_s)",
+    ("elastic/cluster/links/round_store.py",
+     "import tenacity\nw = tenacity.wait_exponential_jitter(max=2.0)",
+     "wait_exponential_jitter(...)"),
+    ("elastic/cluster/links/process_group.py", "def f(backoff_s):\n    return min(1.0, backoff_s)",
      "min(...) bounds a duration"),
-    ("elastic/cluster/etcd_client.py", "OPTIONS = {'grpc.keepalive_time_ms': 5000}",
+    ("elastic/cluster/etcd/client.py", "OPTIONS = {'grpc.keepalive_time_ms': 5000}",
      "'grpc.keepalive_time_ms': <literal>"),
-    ("elastic/signals.py", "class K:\n    join_s: float = 5.0", "join_s = <literal>"),
+    ("elastic/foundation/signals.py", "class K:\n    join_s: float = 5.0", "join_s = <literal>"),
 ])
 def test_a_planted_literal_timeout_is_reported(source_copy, module, planted, what):
     target = source_copy / module
@@ -244,7 +246,7 @@ def test_a_planted_literal_timeout_is_reported(source_copy, module, planted, wha
 
 
 def test_clamps_zero_and_table_values_are_not_literal_timeouts(source_copy):
-    target = source_copy / "elastic" / "cluster" / "agreement_channel.py"
+    target = source_copy / "elastic" / "cluster" / "links" / "agreement_channel.py"
     target.write_text(target.read_text() + "\n\ndef f(e, t, left, table):\n"
                       "    e.wait(timeout=max(left, 0.001))\n    t.join(timeout=0)\n"
                       "    e.wait(table.wake.total_seconds())\n    x_s = 2 * table.wake\n")

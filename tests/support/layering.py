@@ -1,7 +1,7 @@
 """The layering rule of the project, read from the source: which module may import which.
 
 Every module of the installed ``elastic`` namespace belongs to one layer. Imports point down
-only; the shared vocabulary of the ``elastic`` package (errors, timeouts, settings, events,
+only; the shared vocabulary (``elastic.foundation``: errors, timeouts, settings, events,
 signals) may be imported by every layer of ``elastic`` but imports none of them. Imports of a
 bare ``state`` or ``checkpoint`` are always wrong: installed, those packages live under
 ``elastic`` only, and a user's own ``state.py`` would answer such an import.
@@ -16,8 +16,7 @@ from pathlib import Path
 # Source folder -> the package it installs as (pyproject.toml's package-dir).
 SOURCES = {"elastic": "elastic", "state": "elastic.state", "checkpoint": "elastic.checkpoint"}
 
-FOUNDATION = frozenset({"elastic.errors", "elastic.timeouts", "elastic.settings",
-                        "elastic.events", "elastic.signals"})
+FOUNDATION = frozenset({"elastic.foundation"})
 
 # What each layer may import (besides itself, and the standard library and third parties).
 ALLOWED = {

@@ -1,4 +1,5 @@
-"""Finds literal timeouts in the source: every duration must come from ``elastic.timeouts``.
+"""Finds literal timeouts in the source: every duration must come from ``Timeouts``
+(``elastic.foundation.timeouts``).
 
 Read from the AST, so that comments, strings and docstrings never count. What counts as a
 literal timeout (a literal: a number other than 0, or arithmetic of numbers only):
