@@ -32,9 +32,15 @@ def source_copy(tmp_path: Path) -> Path:
     ("state/sampler.py", "from elastic.cluster.rounds.keys import JobKeys", "state layer may not"),
     ("state/sampler.py", "import elastic.launch.cli", "state layer may not"),
     ("elastic/cluster/rounds/monitor.py", "from elastic.elastic_state import ElasticState",
-     "cluster layer may not import the run_loop"),
+     "rounds layer may not import the run_loop"),
     ("elastic/cluster/rounds/rendezvous.py", "from elastic import ElasticState",
-     "cluster layer may not import the launch"),
+     "rounds layer may not import the launch"),
+    ("elastic/cluster/etcd/watch.py", "from elastic.cluster.rounds.keys import JobKeys",
+     "etcd layer may not import the rounds layer"),
+    ("elastic/cluster/rounds/plan.py", "    from elastic.cluster.links import ports",
+     "rounds layer may not import the links layer"),
+    ("elastic/cluster/links/ports.py", "from elastic.cluster.cluster import Cluster",
+     "links layer may not import the cluster layer"),
     ("elastic/agreement.py", "from elastic.launch import launcher", "run_loop layer may not"),
     ("elastic/foundation/errors.py", "from elastic.cluster.rounds.plan import Plan",
      "foundation layer may not"),
@@ -57,3 +63,4 @@ def test_a_relative_import_is_resolved_before_it_is_judged(source_copy):
     target.write_text(target.read_text() + "\nfrom ..cluster import plan\n")
     found = violations(source_copy)
     assert [v.imported for v in found] == ["elastic.cluster"]
+
