@@ -196,7 +196,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     args = _run_parser().parse_args(options)
     command, target = _worker_command(rest, module)
     job_id = _check_job_id(args.job_id, "elastic run") if args.job_id else _fresh_job_id()
-    from elastic.launch.launcher import LaunchSpec  # noqa: PLC0415 (keeps `--help` fast)
+    from elastic.launch.launch_spec import LaunchSpec  # noqa: PLC0415 (keeps `--help` fast)
     from elastic.launch.output import OutputOptions  # noqa: PLC0415
     log_dir = str(Path(args.log_dir).resolve()) if args.log_dir else None
     try:

@@ -17,21 +17,34 @@ import socket
 import threading
 from dataclasses import replace
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.distributed as dist
 
 from elastic.foundation.errors import LeaveInterrupt, RendezvousClosedError
-from elastic.cluster.etcd.client import WatchEvent
+from elastic.cluster.etcd.client import EtcdClient, WatchEvent
 from elastic.cluster.rounds.news import read_news
 from elastic.cluster.rounds.records import SkippedRecords
 from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig, Topology
-from elastic.launch.worker_procs import describe_exit
-
-if TYPE_CHECKING:
-    from elastic.launch.launcher import Launcher
+from elastic.cluster.rounds.membership import EtcdMembership
+from elastic.launch.launch_spec import LaunchSpec
+from elastic.launch.stop_signal import StopSignal
+from elastic.launch.worker_procs import WorkerProcs, describe_exit
 
 log = logging.getLogger(__name__)
+
+
+class PlainHost(Protocol):
+    """What plain mode uses of the launcher that runs it (``elastic.launch.launcher``)."""
+
+    spec: LaunchSpec
+    client: EtcdClient | None
+    membership: EtcdMembership | None
+    procs: WorkerProcs
+    stop: StopSignal
+
+    def is_etcd_lost(self) -> bool:
+        """Whether the embedded etcd exited (nothing can go on without it)."""
 
 
 class PlainGenerations:
@@ -41,7 +54,7 @@ class PlainGenerations:
         launcher: the connected launcher (its etcd client, membership, workers and signals).
     """
 
-    def __init__(self, launcher: "Launcher") -> None:
+    def __init__(self, launcher: PlainHost) -> None:
         self.launcher = launcher
         self.spec = launcher.spec
         assert launcher.client is not None and launcher.membership is not None

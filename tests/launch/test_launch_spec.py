@@ -8,7 +8,7 @@ from elastic.cluster.links.interfaces import interface_of, socket_interface_env
 from elastic.cluster.rounds.keys import JobKeys, check_job_id
 from elastic.foundation.errors import AdvertiseAddressError
 from elastic.launch.cli import _fresh_job_id
-from elastic.launch.launcher import LaunchSpec
+from elastic.launch.launch_spec import LaunchSpec
 from elastic.foundation.settings import EtcdSecurity
 
 pytestmark = pytest.mark.unit

@@ -13,7 +13,7 @@ import pytest
 
 from elastic.checkpoint.backend import DEFAULT_RETRY_FOR
 from elastic.launch.cli import _run_parser, _timeouts, join_command
-from elastic.launch.launcher import LaunchSpec
+from elastic.launch.launch_spec import LaunchSpec
 from elastic.foundation.settings import WorkerSettings
 from elastic.foundation.timeouts import Timeouts
 from tests.support.timeout_literals import literal_timeouts
