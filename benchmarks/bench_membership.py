@@ -82,7 +82,8 @@ from elastic.cluster.rounds.keys import JobKeys  # noqa: E402
 from elastic.cluster.worker_lease_file import heartbeat  # noqa: E402
 from elastic.cluster.rounds.membership import EtcdMembership, NodeLease, drop_member  # noqa: E402
 from elastic.cluster.rounds.news import NewsMonitor, RoundNews  # noqa: E402
-from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig, Topology  # noqa: E402
+from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig  # noqa: E402
+from elastic.cluster.rounds.topology import Topology  # noqa: E402
 from elastic.foundation.errors import FencedError  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 from elastic.foundation.timeouts import Timeouts  # noqa: E402

@@ -21,7 +21,7 @@ from typing import Any
 
 from elastic.agreement import MembershipAgreement
 from elastic.cluster.cluster import Cluster
-from elastic.cluster.rounds.rendezvous import Topology
+from elastic.cluster.rounds.topology import Topology
 from elastic.durable import DurableCommits
 from elastic.foundation.events import EventLog
 from elastic.loop_helpers import batches, ddp, print_main

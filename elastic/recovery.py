@@ -21,7 +21,7 @@ from typing import Any
 
 from elastic.checkpoint import CheckpointError
 from elastic.cluster.cluster import Cluster
-from elastic.cluster.rounds.rendezvous import Topology
+from elastic.cluster.rounds.topology import Topology
 from elastic.durable import DurableCommits
 from elastic.foundation.errors import (EtcdUnavailableError, FencedError, LeaveInterrupt,
                                        MembershipChangedInterrupt, PeerFailureError,

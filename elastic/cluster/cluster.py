@@ -32,7 +32,8 @@ from elastic.cluster.links.device import claim_device, default_lock_dir
 from elastic.cluster.rounds.news import NewsMonitor
 from elastic.cluster.links.process_group import ProcessGroup, cuda_device_count, resolve_backend
 from elastic.cluster.rounds.records import SkippedRecords
-from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig, Topology
+from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig
+from elastic.cluster.rounds.topology import Topology
 from elastic.cluster.links.release_watchdog import ReleaseWatchdog
 from elastic.cluster.links.restart_in_place import restart_in_place
 from elastic.cluster.links.round_links import RoundLinks

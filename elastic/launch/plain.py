@@ -25,7 +25,8 @@ from elastic.foundation.errors import LeaveInterrupt, RendezvousClosedError
 from elastic.cluster.etcd.client import EtcdClient, WatchEvent
 from elastic.cluster.rounds.news import read_news
 from elastic.cluster.rounds.records import SkippedRecords
-from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig, Topology
+from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig
+from elastic.cluster.rounds.topology import Topology
 from elastic.cluster.rounds.membership import EtcdMembership
 from elastic.launch.launch_spec import LaunchSpec
 from elastic.launch.stop_signal import StopSignal

@@ -8,7 +8,7 @@ from elastic.cluster.etcd.client import KeyValue, WatchEvent
 from elastic.cluster.rounds.keys import JobKeys
 from elastic.cluster.rounds.monitor import ChangeMonitor
 from elastic.cluster.rounds.plan import JoinRequest
-from elastic.cluster.rounds.rendezvous import Topology
+from elastic.cluster.rounds.topology import Topology
 from elastic.cluster.rounds.seat import lineage
 
 pytestmark = pytest.mark.unit

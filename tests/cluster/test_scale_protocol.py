@@ -25,7 +25,8 @@ from elastic.cluster.worker_lease_file import heartbeat
 from elastic.cluster.rounds.membership import EtcdMembership, NodeLease, drop_member
 from elastic.cluster.rounds.news import NewsMonitor, RoundNews
 from elastic.cluster.rounds.records import RecordError
-from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig, Topology
+from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig
+from elastic.cluster.rounds.topology import Topology
 from elastic.foundation.errors import FencedError, LeaveInterrupt, RendezvousClosedError
 from tests.support.polling import poll_until
 from tests.support.limited_etcd import MAX_TXN_OPS

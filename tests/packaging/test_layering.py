@@ -1,4 +1,5 @@
-"""The layering rule is enforced on the source, and the checker catches a planted import."""
+"""The layering rule and the absence of import cycles are enforced on the source, and each
+checker catches a planted import."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.import_cycles import cycles, import_graph
 from tests.support.layering import violations
 
 pytestmark = pytest.mark.unit
@@ -64,3 +66,23 @@ def test_a_relative_import_is_resolved_before_it_is_judged(source_copy):
     found = violations(source_copy)
     assert [v.imported for v in found] == ["elastic.cluster"]
 
+
+def test_no_import_cycle_anywhere_in_the_package():
+    found = cycles(import_graph(REPO))
+    assert not found, "import cycles (TYPE_CHECKING and late imports included):\n" + \
+        "\n".join(" <-> ".join(cycle) for cycle in found)
+
+
+@pytest.mark.parametrize(("module", "planted"), [
+    ("elastic/cluster/etcd/values.py",
+     "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+     "    from elastic.cluster.etcd.client import EtcdClient"),
+    ("elastic/foundation/timeouts.py", "def _late():\n    from elastic.foundation import settings"),
+    ("elastic/cluster/rounds/plan.py", "from elastic.cluster.rounds import plan"),
+])
+def test_a_planted_import_cycle_is_reported(source_copy, module, planted):
+    target = source_copy / module
+    target.write_text(target.read_text() + "\n" + planted + "\n")
+    name = module.removesuffix(".py").replace("/", ".")
+    assert [cycle for cycle in cycles(import_graph(source_copy)) if name in cycle], \
+        f"no cycle through {name} found"

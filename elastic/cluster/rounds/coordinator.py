@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Protocol
 
 from elastic.foundation.errors import (EtcdAccessError, EtcdRecordError, EtcdUnavailableError,
                                        FencedError)
@@ -39,11 +40,32 @@ from elastic.cluster.rounds.monitor import ChangeMonitor
 from elastic.cluster.rounds.news import RoundNews
 from elastic.cluster.rounds.news_writer import NewsWriter
 from elastic.cluster.rounds import records
-from elastic.cluster.rounds.plan import JoinRequest, Plan
+from elastic.cluster.rounds.plan import CloseRule, JoinRequest, Plan, RendezvousConfig
 from elastic.cluster.rounds.records import RecordError, SkippedRecords
 from elastic.cluster.rounds.seat import seats_of
+from elastic.cluster.rounds.verdict import CloseVerdict
 
 log = logging.getLogger(__name__)
+
+
+class RoundCloser(Protocol):
+    """What the coordinator asks of the job's rendezvous (``rendezvous.Rendezvous``): its
+    limits and close rule, when a round may close, plan and join request reads, and the one
+    compare-and-swap that closes a round."""
+
+    config: RendezvousConfig
+    rule: CloseRule
+    verdict: CloseVerdict
+
+    def read_plan(self, n: int, stored: KeyValue | None = None) -> Plan | None:
+        """The plan of round ``n`` (None: none yet)."""
+
+    def admissible(self, n: int, kv: KeyValue, leases: dict[str, int]) -> JoinRequest | None:
+        """The join request in ``kv`` (None: malformed, or not under its member's lease)."""
+
+    def close(self, n: int, round_revision: int, requests: list[JoinRequest],
+              previous: Plan | None, cut: frozenset[str] = frozenset()) -> Plan | None:
+        """Writes round ``n``'s plan by compare-and-swap (None: another closed it)."""
 
 
 class Coordinator:
@@ -56,7 +78,7 @@ class Coordinator:
         skipped: where malformed records are reported (once each).
     """
 
-    def __init__(self, client: EtcdClient, membership: EtcdMembership, rendezvous,  # noqa: ANN001
+    def __init__(self, client: EtcdClient, membership: EtcdMembership, rendezvous: RoundCloser,
                  skipped: SkippedRecords) -> None:
         self._client = client
         self._membership = membership

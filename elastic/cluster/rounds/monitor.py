@@ -12,15 +12,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from elastic.cluster.etcd.client import EtcdClient, WatchEvent
 from elastic.cluster.rounds.keys import JobKeys
 from elastic.cluster.rounds.plan import JoinRequest
 from elastic.cluster.rounds.records import SkippedRecords
-
-if TYPE_CHECKING:
-    from elastic.cluster.rounds.rendezvous import Topology
+from elastic.cluster.rounds.topology import Topology
 
 log = logging.getLogger(__name__)
 

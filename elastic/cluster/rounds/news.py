@@ -19,15 +19,12 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
 from elastic.cluster.rounds import records
 from elastic.cluster.etcd.client import EtcdClient, WatchEvent
 from elastic.cluster.rounds.keys import JobKeys
 from elastic.cluster.rounds.records import MAX_ROUND, RecordError, SkippedRecords
-
-if TYPE_CHECKING:
-    from elastic.cluster.rounds.rendezvous import Topology
+from elastic.cluster.rounds.topology import Topology
 
 log = logging.getLogger(__name__)
 
