@@ -160,8 +160,8 @@ class SimMember:
         keys = JobKeys(JOB)
         self.client = client
         self.node = node
-        self.membership = EtcdMembership(client, keys, "127.0.0.1", timeouts.lease_ttl,
-                                         timeouts.keepalive, claim=keys.coordinator)
+        self.membership = EtcdMembership(client, keys, "127.0.0.1", timeouts,
+                                         claim=keys.coordinator)
         self.registered = threading.Event()
         self.rendezvous = Rendezvous(client, self.membership,
                                      RendezvousConfig(min_workers=max(1, (max_workers or 0) - 1),

@@ -83,9 +83,10 @@ def register_membership(url: str) -> None:
     from elastic.cluster.etcd.client import EtcdClient
     from elastic.cluster.rounds.keys import JobKeys
     from elastic.cluster.rounds.membership import EtcdMembership
+    from elastic.foundation.timeouts import Timeouts
 
     membership = EtcdMembership(EtcdClient(url), JobKeys("threads-cost"), "127.0.0.1",
-                                timedelta(seconds=3))
+                                Timeouts.from_env({}, lease_ttl=timedelta(seconds=3)))
     membership.register()
 
 

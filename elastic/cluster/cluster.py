@@ -94,8 +94,7 @@ class Cluster:
         timeouts = self.settings.timeouts
         lease_file = self.settings.lease_file
         self.membership = EtcdMembership(
-            self.client, self.keys, self.settings.advertise_addr, timeouts.lease_ttl,
-            timeouts.keepalive,
+            self.client, self.keys, self.settings.advertise_addr, timeouts,
             on_lease=None if lease_file is None else lambda lease: append_lease(lease_file, lease),
             claim=self.keys.coordinator, node_lease=self._node_lease())
         self.rendezvous = Rendezvous(self.client, self.membership, self.config, self.skipped)

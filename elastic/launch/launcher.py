@@ -116,9 +116,7 @@ class Launcher:
                                  security=self.spec.security)
         first = claim(self.client, self.keys, self.spec.job_config())
         self.membership = EtcdMembership(self.client, self.keys.launchers(),
-                                         self.spec.advertise_addr,
-                                         self.spec.timeouts.lease_ttl,
-                                         self.spec.timeouts.keepalive)
+                                         self.spec.advertise_addr, self.spec.timeouts)
         self.membership.register()
         if self.spec.node_lease:
             membership = self.membership

@@ -32,6 +32,8 @@ from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig
 from elastic.foundation.timeouts import Timeouts
 from tests.support.slow_link import SlowLink
 
+LEASE_30S = Timeouts.from_env({}, lease_ttl=timedelta(seconds=30))
+
 
 def test_create_is_a_compare_and_swap_that_only_one_caller_wins(client):
     assert client.create("/t/cas/plan", "first", also={"/t/cas/round": "1"})
@@ -63,7 +65,8 @@ def test_a_revoked_lease_deletes_its_keys_and_the_watch_sees_it(client):
 
 
 def test_a_member_whose_lease_expires_is_fenced(client):
-    membership = EtcdMembership(client, JobKeys("fence-test"), "127.0.0.1", timedelta(seconds=1))
+    membership = EtcdMembership(client, JobKeys("fence-test"), "127.0.0.1",
+                                Timeouts.from_env({}, lease_ttl=timedelta(seconds=1)))
     fenced = threading.Event()
     membership.on_fenced(fenced.set)
     membership.register()
@@ -78,7 +81,7 @@ def test_a_member_whose_lease_expires_is_fenced(client):
 
 def test_a_graceful_leave_deletes_the_member_key_at_once(client):
     keys = JobKeys("leave-test")
-    membership = EtcdMembership(client, keys, "127.0.0.1", timedelta(seconds=30))
+    membership = EtcdMembership(client, keys, "127.0.0.1", LEASE_30S)
     membership.register()
     assert client.get(keys.member(membership.member_id)) is not None
     membership.leave()
@@ -151,7 +154,8 @@ def test_the_leases_of_a_clients_members_are_renewed_together_from_one_thread(et
     threads_before = set(threading.enumerate())
     client = BatchCountingClient(etcd.url)
     members = [EtcdMembership(client, JobKeys("renewal-batches"), "127.0.0.1",
-                              timedelta(seconds=3), keepalive=timedelta(seconds=0.5))
+                              Timeouts.from_env({}, lease_ttl=timedelta(seconds=3),
+                                                keepalive=timedelta(seconds=0.5)))
                for _ in range(30)]
     try:
         for member in members:
@@ -175,8 +179,8 @@ def test_the_leases_of_a_clients_members_are_renewed_together_from_one_thread(et
 def test_a_member_whose_id_is_taken_registers_under_another_and_leaves_the_first_as_it_was(
         client):
     keys = JobKeys("id-collision-test")
-    first = EtcdMembership(client, keys, "127.0.0.1", timedelta(seconds=30))
-    second = EtcdMembership(client, keys, "127.0.0.1", timedelta(seconds=30))
+    first = EtcdMembership(client, keys, "127.0.0.1", LEASE_30S)
+    second = EtcdMembership(client, keys, "127.0.0.1", LEASE_30S)
     second.member_id = first.member_id  # what two equal random ids in one process would give
     first.register()
     try:
@@ -500,6 +504,7 @@ _FORKING_LOADER = """
 import sys
 from elastic.cluster.etcd.client import EtcdClient
 from torch.utils.data import DataLoader
+
 client = EtcdClient(sys.argv[1])
 client.put("fork-check", "x")
 assert sum(len(b) for b in DataLoader(list(range(64)), batch_size=8, num_workers=2)) == 64
@@ -739,7 +744,7 @@ def test_create_with_an_unchanged_guard_fails_once_the_guarded_key_moved(client)
 
 def test_a_member_delayed_past_later_rounds_never_moves_the_round_back(client):
     keys = JobKeys("delayed-member")
-    membership = EtcdMembership(client, keys, "127.0.0.1", timedelta(seconds=30))
+    membership = EtcdMembership(client, keys, "127.0.0.1", LEASE_30S)
     membership.register()
     try:
         rendezvous = Rendezvous(client, membership,

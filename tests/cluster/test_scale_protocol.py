@@ -32,6 +32,8 @@ from tests.support.polling import poll_until
 from tests.support.limited_etcd import MAX_TXN_OPS
 from elastic.foundation.timeouts import Timeouts
 
+LEASE_10S = Timeouts.from_env({}, lease_ttl=timedelta(seconds=10))
+
 pytestmark = pytest.mark.timeout(120)
 TIMEOUTS = Timeouts()
 WAIT_S = 30
@@ -45,7 +47,7 @@ class Member:
                  config: RendezvousConfig = RendezvousConfig(timeouts=TIMEOUTS)) -> None:
         self.client = client
         self.version = version
-        self.membership = EtcdMembership(client, JobKeys(job), "127.0.0.1", timedelta(seconds=10),
+        self.membership = EtcdMembership(client, JobKeys(job), "127.0.0.1", LEASE_10S,
                                          claim=JobKeys(job).coordinator, node_lease=node_lease)
         self.rendezvous = Rendezvous(client, self.membership, config)
         self.broken = threading.Event()

@@ -15,6 +15,7 @@ from elastic.cluster.rounds.keys import JobKeys
 from elastic.cluster.rounds.membership import EtcdMembership
 from elastic.durable import DurableCommits, fencing_generation, next_epoch
 from elastic.foundation.events import EventLog
+from elastic.foundation.timeouts import Timeouts
 
 URL = "faultmem://run"
 
@@ -109,7 +110,7 @@ def test_a_writer_whose_lease_expired_before_publishing_never_publishes(tmp_path
 def test_a_confirmation_asks_etcd_so_a_revoked_lease_refuses_at_once(etcd):
     client = EtcdClient(etcd.url)
     membership = EtcdMembership(client, JobKeys("confirm-test"), "127.0.0.1",
-                                timedelta(seconds=30))
+                                Timeouts.from_env({}, lease_ttl=timedelta(seconds=30)))
     membership.register()
     try:
         assert membership.confirm_lease()

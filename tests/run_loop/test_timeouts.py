@@ -196,13 +196,22 @@ def test_the_readme_lists_every_variable_in_its_timeouts_section():
 
 # -- no literal timeout outside the table -------------------------------------------------------
 
-PLACES = ("elastic/cluster", "elastic/launch", "elastic/foundation/signals.py")
-# The report reads finished event files: its windows are over recorded times, not waits.
-ALLOWED = frozenset({("elastic/launch/report.py", "parameter window_s defaults to a literal"),
-                     ("elastic/launch/report.py", "parameter gap_s defaults to a literal")})
+PLACES = ("elastic", "state", "checkpoint")
+ALLOWED = frozenset({
+    # The table itself: its unit.
+    ("elastic/foundation/timeouts.py", "timedelta(...) with a literal"),
+    # The checkpoint layer may not import the table: its default deadline for a store used
+    # outside a job (kept equal to the table's storage_retry), and its retry pauses.
+    ("checkpoint/backend.py", "timedelta(...) with a literal"),
+    ("checkpoint/backend.py", "_FIRST_PAUSE_S = <literal>"),
+    ("checkpoint/backend.py", "_LONGEST_PAUSE_S = <literal>"),
+    ("checkpoint/backend.py", "_JITTER_S = <literal>"),
+    # The report reads finished event files: its windows are over recorded times, not waits.
+    ("elastic/launch/report.py", "parameter window_s defaults to a literal"),
+    ("elastic/launch/report.py", "parameter gap_s defaults to a literal")})
 
 
-def test_the_cluster_launch_and_signal_code_has_no_literal_timeout():
+def test_no_literal_timeout_in_the_elastic_state_or_checkpoint_packages():
     found = literal_timeouts(REPO, PLACES, ALLOWED)
     assert not found, "literal timeouts (take them from elastic.Timeouts):\n" + \
         "\n".join(map(str, found))
@@ -210,8 +219,9 @@ def test_the_cluster_launch_and_signal_code_has_no_literal_timeout():
 
 @pytest.fixture
 def source_copy(tmp_path: Path) -> Path:
-    shutil.copytree(REPO / "elastic", tmp_path / "elastic",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in PLACES:
+        shutil.copytree(REPO / folder, tmp_path / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
     return tmp_path
 
 
@@ -236,6 +246,11 @@ def source_copy(tmp_path: Path) -> Path:
     ("elastic/cluster/etcd/client.py", "OPTIONS = {'grpc.keepalive_time_ms': 5000}",
      "'grpc.keepalive_time_ms': <literal>"),
     ("elastic/foundation/signals.py", "class K:\n    join_s: float = 5.0", "join_s = <literal>"),
+    ("elastic/durable.py", "def f(e):\n    e.wait(30)", "wait(<literal>)"),
+    ("state/sampler.py", "_GRACE_S = 2.0", "_GRACE_S = <literal>"),
+    ("state/rng.py", "pause_s, tries = 1.0, 5", "pause_s = <literal>"),
+    ("checkpoint/store.py", "def f(retry_s=60.0):\n    pass",
+     "parameter retry_s defaults to a literal"),
 ])
 def test_a_planted_literal_timeout_is_reported(source_copy, module, planted, what):
     target = source_copy / module

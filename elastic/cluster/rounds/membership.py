@@ -40,6 +40,7 @@ from elastic.cluster.etcd.client import EtcdClient, WatchEvent
 from elastic.cluster.etcd.txn import Carried, Registration
 from elastic.cluster.etcd.lease_renewals import Outcome
 from elastic.cluster.rounds.keys import JobKeys
+from elastic.foundation.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +103,9 @@ class EtcdMembership:
         client: the etcd client.
         keys: the job's key builder.
         advertise_addr: the address peers use to reach this worker.
-        lease_ttl: the lease TTL; a frozen or cut-off member is dropped this long after its
-            last keepalive.
-        keepalive: how often the lease is renewed (None: four times per lease TTL).
+        timeouts: the job's table: ``lease_ttl`` (a frozen or cut-off member is dropped this
+            long after its last keepalive) and ``keepalive`` (how often the lease is renewed;
+            the table checks it is under half the TTL).
         on_lease: called with every lease granted, before a key is bound to it (the worker
             reports it to its launcher: ``elastic.cluster.worker_lease_file``).
         claim: a key that registering takes, bound to the lease with this member's id as its
@@ -115,20 +116,14 @@ class EtcdMembership:
     """
 
     def __init__(self, client: EtcdClient, keys: JobKeys, advertise_addr: str,
-                 lease_ttl: timedelta, keepalive: timedelta | None = None,
-                 on_lease: Callable[[int], None] | None = None,
+                 timeouts: Timeouts, on_lease: Callable[[int], None] | None = None,
                  claim: str | None = None, node_lease: NodeLease | None = None) -> None:
-        if keepalive is None:
-            keepalive = lease_ttl / 4
-        if keepalive * 2 >= lease_ttl:
-            raise ValueError(f"the keepalive interval ({keepalive}) must be under half the lease "
-                             f"TTL ({lease_ttl}).")
         self._client = client
         self.keys = keys
         self.member_id = new_member_id()
         self.advertise_addr = advertise_addr
-        self.lease_ttl = lease_ttl
-        self.keepalive = keepalive
+        self.lease_ttl = timeouts.lease_ttl
+        self.keepalive = timeouts.keepalive
         self.lease = 0
         self.is_registered = False  # set once the lease, member key, seat and watch exist
         self._on_lease = on_lease
