@@ -81,9 +81,10 @@ from elastic.cluster.etcd.client import EtcdClient  # noqa: E402
 from elastic.cluster.rounds.keys import JobKeys  # noqa: E402
 from elastic.cluster.worker_lease_file import heartbeat  # noqa: E402
 from elastic.cluster.rounds.membership import EtcdMembership, NodeLease, drop_member  # noqa: E402
-from elastic.cluster.rounds.news import NewsMonitor, RoundNews  # noqa: E402
+from elastic.cluster.rounds.news import NewsReader, RoundNews  # noqa: E402
 from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig  # noqa: E402
 from elastic.cluster.rounds.topology import Topology  # noqa: E402
+from elastic.cluster.rounds.tracker import RoundTracker  # noqa: E402
 from elastic.foundation.errors import FencedError  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 from elastic.foundation.timeouts import Timeouts  # noqa: E402
@@ -167,7 +168,7 @@ class SimMember:
                                      RendezvousConfig(min_workers=max(1, (max_workers or 0) - 1),
                                                       max_workers=max_workers, timeouts=timeouts))
         self.broken = threading.Event()
-        self.monitor = NewsMonitor(keys, lambda reason: self.broken.set())
+        self.monitor = RoundTracker(NewsReader(keys), lambda reason: self.broken.set())
         self.membership.add_listener(self.monitor.on_events)
         self.topology: Topology | None = None
 
@@ -279,7 +280,7 @@ def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: fl
                        "plans": [(m.membership.member_id, m.topology.rank if m.topology else -1)
                                  for m in members]})
         elif command == "told":  # arg: the round whose news every member (but victims) heard
-            wait_for(lambda: all(m.monitor.told >= arg
+            wait_for(lambda: all(m.monitor.reader.told >= arg
                                  for m, v in zip(members, victims) if not v.is_set()),
                      limit_s, stop)
             conn.send(None)

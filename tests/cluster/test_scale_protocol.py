@@ -23,10 +23,11 @@ from elastic.cluster.etcd.client import EtcdClient, WatchEvent
 from elastic.cluster.rounds.keys import JobKeys
 from elastic.cluster.worker_lease_file import heartbeat
 from elastic.cluster.rounds.membership import EtcdMembership, NodeLease, drop_member
-from elastic.cluster.rounds.news import NewsMonitor, RoundNews
+from elastic.cluster.rounds.news import NewsReader, RoundNews
 from elastic.cluster.rounds.records import RecordError
 from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig
 from elastic.cluster.rounds.topology import Topology
+from elastic.cluster.rounds.tracker import RoundTracker
 from elastic.foundation.errors import FencedError, LeaveInterrupt, RendezvousClosedError
 from tests.support.polling import poll_until
 from tests.support.limited_etcd import MAX_TXN_OPS
@@ -51,7 +52,7 @@ class Member:
                                          claim=JobKeys(job).coordinator, node_lease=node_lease)
         self.rendezvous = Rendezvous(client, self.membership, config)
         self.broken = threading.Event()
-        self.monitor = NewsMonitor(JobKeys(job), lambda reason: self.broken.set())
+        self.monitor = RoundTracker(NewsReader(JobKeys(job)), lambda reason: self.broken.set())
         self.heard: Counter[str] = Counter()
         self.membership.add_listener(self._count)
         self.membership.add_listener(self.monitor.on_events)

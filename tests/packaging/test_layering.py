@@ -33,7 +33,7 @@ def source_copy(tmp_path: Path) -> Path:
     ("checkpoint/store.py", "from elastic.state import TrainState", "checkpoint layer may not"),
     ("state/sampler.py", "from elastic.cluster.rounds.keys import JobKeys", "state layer may not"),
     ("state/sampler.py", "import elastic.launch.cli", "state layer may not"),
-    ("elastic/cluster/rounds/monitor.py", "from elastic.elastic_state import ElasticState",
+    ("elastic/cluster/rounds/tracker.py", "from elastic.elastic_state import ElasticState",
      "rounds layer may not import the run_loop"),
     ("elastic/cluster/rounds/rendezvous.py", "from elastic import ElasticState",
      "rounds layer may not import the launch"),

@@ -14,7 +14,7 @@ process group. ``RoundLinks`` owns them for one worker and owns the two orders t
   ended tells that the peer died (``AgreementChannel.peers_gone``), and closing ours would tell
   the peers the same lie about this worker.
 
-It does not decide when to release (the change monitor and the run loop do) nor how to form.
+It does not decide when to release (the round tracker and the run loop do) nor how to form.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ in memory (O(1) work per event), and:
   always (``Rendezvous.close``: exactly one plan per round, ``round`` only moves forward);
 - seats every member the new plan names (``seat.py``: its rank, under ``assigned/``), then
   writes the round's news: a member's seat is there before the news of its round;
-- tracks the formed round with a ``ChangeMonitor`` (who is news, who breaks the round) and
-  writes what it finds into ``control/news``: pending, broken, done, finished.
+- tracks the formed round with a ``RoundTracker`` reading every member's records (who is
+  news, who breaks the round) and writes what it finds into ``control/news``: pending,
+  broken, done, finished.
 
 So each change costs the leader O(N) and every other member O(1): they watch only
 ``control/`` and their own seat. A member whose key is deleted loses its seat too, which fences
@@ -36,13 +37,14 @@ from elastic.foundation.errors import (EtcdAccessError, EtcdRecordError, EtcdUna
                                        FencedError)
 from elastic.cluster.etcd.client import EtcdClient, KeyValue, WatchEvent
 from elastic.cluster.rounds.membership import EtcdMembership
-from elastic.cluster.rounds.monitor import ChangeMonitor
 from elastic.cluster.rounds.news import RoundNews
 from elastic.cluster.rounds.news_writer import NewsWriter
 from elastic.cluster.rounds import records
 from elastic.cluster.rounds.plan import CloseRule, JoinRequest, Plan, RendezvousConfig
+from elastic.cluster.rounds.record_reader import RecordReader
 from elastic.cluster.rounds.records import RecordError, SkippedRecords
 from elastic.cluster.rounds.seat import seats_of
+from elastic.cluster.rounds.tracker import RoundTracker
 from elastic.cluster.rounds.verdict import CloseVerdict
 
 log = logging.getLogger(__name__)
@@ -114,7 +116,7 @@ class Coordinator:
         self._told = True  # the news of the tracked round is written (its members are seated)
         self._seated = 0  # the newest round whose members this leader seated
         self._broken = ""
-        self._monitor: ChangeMonitor | None = None
+        self._tracker: RoundTracker | None = None
         self._seen: tuple[frozenset[str], frozenset[str]] | None = None
         # (round, when a member of the round before it first asked to join it)
         self._rejoin_since: tuple[int, float] | None = None
@@ -228,7 +230,7 @@ class Coordinator:
             self._plans, self._plan_members, self._unasked = {}, frozenset(), set()
             self._unseat = set()
             self._rejoin_since = None
-            self._round, self._latest, self._plan, self._monitor = 0, 0, None, None
+            self._round, self._latest, self._plan, self._tracker = 0, 0, None, None
             self._closed = 0
             self._broken, self._seen = "", None
         self._writer.lead()
@@ -251,12 +253,12 @@ class Coordinator:
 
     # -- the leader's view ----------------------------------------------------------------------
     def _on_job_events(self, events: list[WatchEvent]) -> None:
-        """The leader's watch (etcd thread): note the events, tell the monitor, wake up."""
+        """The leader's watch (etcd thread): note the events, tell the tracker, wake up."""
         with self._changed:
             self._note(events)
-        monitor = self._monitor
-        if monitor is not None:
-            monitor.on_events(events)
+        tracker = self._tracker
+        if tracker is not None:
+            tracker.on_events(events)
         self._poke()
 
     def _note(self, events: list[WatchEvent]) -> None:
@@ -343,7 +345,7 @@ class Coordinator:
         """Arms the round tracker when the ``round`` counter moved past the round it tracks."""
         with self._changed:
             latest = self._latest
-        if latest == self._round and (latest == 0 or self._monitor is not None):
+        if latest == self._round and (latest == 0 or self._tracker is not None):
             return
         with self._changed:
             seen = self._plans.get(latest)
@@ -363,18 +365,18 @@ class Coordinator:
             self._unasked = {m for m in live if m not in asked}
             self._plan_members = frozenset(plan.ranks) if plan is not None else frozenset()
         if plan is None:
-            self._monitor = None
+            self._tracker = None
             return
-        monitor = ChangeMonitor(self._keys, "", self._on_broken, self._skipped)
-        # Members of the round already gone are news of this round; the monitor acts on them
+        tracker = RoundTracker(RecordReader(self._keys, "", self._skipped), self._on_broken)
+        # Members of the round already gone are news of this round; the tracker acts on them
         # (and on the next round's joins, which it reads) when armed.
-        monitor.on_events([WatchEvent("delete", self._keys.member(m), b"", 0)
+        tracker.on_events([WatchEvent("delete", self._keys.member(m), b"", 0)
                            for m in plan.ranks if m not in live])
-        self._monitor = monitor
-        monitor.arm(_Round(latest, tuple(plan.ranks)), self._client)
+        self._tracker = tracker
+        tracker.arm(_Round(latest, tuple(plan.ranks)), self._client)
         with self._changed:
             done = set(self._dones.get(latest, ()))
-        monitor.on_events([WatchEvent("put", self._keys.done(latest, m), b"1", 0) for m in done])
+        tracker.on_events([WatchEvent("put", self._keys.done(latest, m), b"1", 0) for m in done])
 
     def _read_news(self, kv: KeyValue | None, latest: int) -> tuple[RoundNews, bool]:
         """The stored news of round ``latest``, and True; else the news to tell, and False
@@ -388,7 +390,7 @@ class Coordinator:
         return RoundNews(latest), False
 
     def _on_broken(self, reason: str) -> None:
-        """The monitor's verdict (any thread): told at the next step."""
+        """The tracker's verdict (any thread): told at the next step."""
         with self._changed:
             self._broken = reason
             self._dirty = True
@@ -397,8 +399,8 @@ class Coordinator:
     def _tell(self) -> None:
         """Writes the news of the tracked round when it changed (one write per change); a new
         round's news only once every member it names has its seat."""
-        monitor, plan = self._monitor, self._plan
-        if monitor is None or plan is None:
+        tracker, plan = self._tracker, self._plan
+        if tracker is None or plan is None:
             return
         if not self._told:
             self._seat(plan)
@@ -409,8 +411,8 @@ class Coordinator:
             finished = done and all(m in done_set or m not in self._members
                                     for m in plan.ranks)
             news = replace(self._news, broken=self._news.broken or self._broken,
-                           pending=self._news.pending or (monitor.reason
-                                                          if monitor.pending.is_set() else ""),
+                           pending=self._news.pending or (tracker.reason
+                                                          if tracker.pending.is_set() else ""),
                            done=done, finished=finished)
             if news == self._news and self._told:
                 return
@@ -506,7 +508,7 @@ class Coordinator:
 
 
 class _Round:
-    """The part of a topology a ``ChangeMonitor`` reads: the round and its members."""
+    """The part of a topology a ``RoundTracker`` reads: the round and its members."""
 
     def __init__(self, round_: int, members: tuple[str, ...]) -> None:
         self.round = round_

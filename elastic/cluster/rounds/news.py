@@ -8,23 +8,22 @@ joiner), and whether every member of it has returned or gone (``finished``). Eac
 only that record (and its own seat), so a change costs each member a few watch events and
 reads, whatever the size of the job.
 
-This module owns the record's format and ``NewsMonitor``, the member's side: ``pending`` and
-``on_broken`` for the round it is in. It must not read other members' records.
+This module owns the record's format and ``NewsReader``, the member's side: what the news
+means for the round it is in, read by its ``RoundTracker`` (``tracker.py``). It must not read
+other members' records.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from elastic.cluster.rounds import records
 from elastic.cluster.etcd.client import EtcdClient, WatchEvent
 from elastic.cluster.rounds.keys import JobKeys
 from elastic.cluster.rounds.records import MAX_ROUND, RecordError, SkippedRecords
-from elastic.cluster.rounds.topology import Topology
+from elastic.cluster.rounds.tracker import Change
 
 log = logging.getLogger(__name__)
 
@@ -76,112 +75,56 @@ def read_news(keys: JobKeys, events: list[WatchEvent],
     return None
 
 
-class NewsMonitor:
-    """A member's view of its round, fed by the news record only.
-
-    - ``pending`` is set when the world should change at the next commit (a newcomer asked to
-      join, or a member of the round left).
-    - ``on_broken`` is called (at most once per round) when the round's group cannot go on.
+class NewsReader:
+    """A member's reading of its round, from the news record only, for a ``RoundTracker``.
 
     Args:
         keys: the job's key builder.
-        on_broken: called with a reason when the round's group must be released.
         skipped: where a malformed news record is reported (once each).
     """
 
-    def __init__(self, keys: JobKeys, on_broken: Callable[[str], None],
-                 skipped: SkippedRecords | None = None) -> None:
+    def __init__(self, keys: JobKeys, skipped: SkippedRecords | None = None) -> None:
         self._keys = keys
-        self._on_broken = on_broken
         self._skipped = skipped or SkippedRecords()
-        self._lock = threading.Lock()
-        self.pending = threading.Event()
-        self.reason = ""
-        self._round: int | None = None
-        self._broken = False
-        self._latest: RoundNews | None = None  # the newest news the watch brought, armed or not
+        # The newest news the watch brought, armed or not, and the event that brought it.
+        self._latest: tuple[RoundNews, WatchEvent] | None = None
         self._fed = False  # the listener was called: by the registration's hand-over, or later
-
-    def arm(self, topology: "Topology", client: EtcdClient) -> None:
-        """Starts tracking a newly formed round and acts on the news written while this member
-        was forming: the newest the watch brought. The news of a round is written after its
-        members' seats, so when the watch has brought only older news, it brings this round's
-        later; only a monitor that was not listening from its member's registration (which
-        hands it the ``control/`` keys as they were) reads the record (one read)."""
-        with self._lock:
-            self._round = topology.round
-            self._broken = False
-            self.pending.clear()
-            self.reason = ""
-            latest, fed = self._latest, self._fed
-        if fed:
-            if latest is not None and latest.round >= topology.round:
-                self._apply(latest)
-            return
-        kv = client.get(self._keys.news)
-        if kv is not None:
-            self.on_events([WatchEvent("put", kv.key, kv.value, kv.mod_revision)])
+        self._at_start: tuple[tuple[RoundNews, WatchEvent] | None, bool] = (None, False)
 
     @property
     def told(self) -> int:
         """The round of the newest news the watch brought (0: none yet)."""
-        with self._lock:
-            return 0 if self._latest is None else self._latest.round
+        latest = self._latest
+        return 0 if latest is None else latest[0].round
 
-    def if_armed(self, action: Callable[[], None]) -> None:
-        """Runs ``action`` if a formed round is tracked (not while forming, nor once finished),
-        under the lock that ``disarm`` takes: it runs before a re-formation starts, or not at
-        all."""
-        with self._lock:
-            if self._round is not None:
-                action()
+    def start(self, round_: int, members: tuple[str, ...]) -> None:
+        """See ``RoundReader``."""
+        self._at_start = (self._latest, self._fed)
 
-    def disarm(self) -> None:
-        """Stops tracking (during a re-formation nothing may release the group being formed)."""
-        with self._lock:
-            self._round = None
+    def catch_up(self, round_: int, client: EtcdClient) -> list[WatchEvent]:
+        """The news written while this member was forming: the newest the watch brought. The
+        news of a round is written after its members' seats, so when the watch has brought
+        only older news, it brings this round's later; only a reader that was not listening
+        from its member's registration (which hands it the ``control/`` keys as they were)
+        reads the record (one read)."""
+        latest, fed = self._at_start
+        if fed:
+            return [latest[1]] if latest is not None and latest[0].round >= round_ else []
+        kv = client.get(self._keys.news)
+        return [] if kv is None else [WatchEvent("put", kv.key, kv.value, kv.mod_revision)]
 
-    def on_peer_gone(self, member: str) -> None:
-        """A member's agreement connection ended (its process is gone, or the link went silent;
-        ``AgreementChannel.watch``): the round is broken now, without waiting for its lease or
-        the news."""
-        with self._lock:
-            if self._round is None or self._broken:
-                return
-            self._broken = True
-            if not self.pending.is_set():
-                self.reason = f"member {member} is gone"
-                self.pending.set()
-            n = self._round
-        self._on_broken(f"member {member} of round {n} is gone (its connection ended)")
-
-    def on_events(self, events: list[WatchEvent]) -> None:
-        """Listener for the membership watch (runs on the etcd thread)."""
+    def observe(self, events: list[WatchEvent], round_: int | None) -> list[Change]:
+        """See ``RoundReader``. News only adds to a round (pending, broken): an older copy, or
+        the same one twice, does no harm."""
+        self._fed = True
         read = read_news(self._keys, events, self._skipped)
-        with self._lock:
-            self._fed = True
         if read is None:
-            return
-        with self._lock:
-            if self._latest is None or read[0].round >= self._latest.round:
-                self._latest = read[0]
-        self._apply(read[0])
-
-    def _apply(self, news: RoundNews) -> None:
-        """Acts on ``news`` if it is of the tracked round. News only adds to a round (pending,
-        broken): an older copy, or the same one twice, does no harm."""
-        broken = None
-        with self._lock:
-            if self._round is None or news.round != self._round:
-                return
-            reason = news.broken or news.pending
-            if reason and not self.pending.is_set():
-                self.reason = reason
-                log.info("membership change pending: %s", reason)
-                self.pending.set()
-            if news.broken and not self._broken:
-                self._broken = True
-                broken = news.broken
-        if broken:
-            self._on_broken(broken)
-
+            return []
+        news = read[0]
+        if self._latest is None or news.round >= self._latest[0].round:
+            self._latest = (news, next(e for e in reversed(events) if e.key == self._keys.news
+                                       and e.kind == "put"))
+        if round_ is None or news.round != round_:
+            return []
+        reason = news.broken or news.pending
+        return [Change(reason, news.broken)] if reason else []

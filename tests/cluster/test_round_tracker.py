@@ -1,4 +1,5 @@
-"""The change monitor on fake watch events: what is news, what breaks a round (no etcd)."""
+"""The round tracker on fake watch events, reading every member's records (the coordinator's
+side) or the news record (a worker's): what is news, what breaks a round (no etcd)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import pytest
 
 from elastic.cluster.etcd.client import KeyValue, WatchEvent
 from elastic.cluster.rounds.keys import JobKeys
-from elastic.cluster.rounds.monitor import ChangeMonitor
+from elastic.cluster.rounds.news import NewsReader, RoundNews
 from elastic.cluster.rounds.plan import JoinRequest
+from elastic.cluster.rounds.record_reader import RecordReader
 from elastic.cluster.rounds.topology import Topology
 from elastic.cluster.rounds.seat import lineage
+from elastic.cluster.rounds.tracker import RoundTracker
 
 pytestmark = pytest.mark.unit
 
@@ -71,8 +74,8 @@ def broken() -> list[str]:
 
 
 @pytest.fixture
-def monitor(broken: list[str]) -> ChangeMonitor:
-    m = ChangeMonitor(KEYS, ME, broken.append)
+def monitor(broken: list[str]) -> RoundTracker:
+    m = RoundTracker(RecordReader(KEYS, ME), broken.append)
     m.arm(topology(), live_client())
     return m
 
@@ -197,7 +200,7 @@ def test_joins_that_arrived_while_forming_are_picked_up_at_arm(broken):
     client = live_client()
     client.values.update({KEYS.join(ROUND + 1, "early"): join_value("early"),
                           KEYS.join(ROUND, "m1"): join_value("m1")})
-    monitor = ChangeMonitor(KEYS, ME, broken.append)
+    monitor = RoundTracker(RecordReader(KEYS, ME), broken.append)
     monitor.arm(topology(), client)
     assert KEYS.joins(ROUND + 1) in client.reads
     assert monitor.pending.is_set() and "early" in monitor.reason and broken == []
@@ -206,7 +209,7 @@ def test_joins_that_arrived_while_forming_are_picked_up_at_arm(broken):
 def test_a_failure_join_that_arrived_while_forming_breaks_the_round_at_arm(broken):
     client = live_client()
     client.values[KEYS.join(ROUND + 1, "m2")] = join_value("m2", "failure")
-    monitor = ChangeMonitor(KEYS, ME, broken.append)
+    monitor = RoundTracker(RecordReader(KEYS, ME), broken.append)
     monitor.arm(topology(), client)
     assert len(broken) == 1 and "m2" in broken[0]
 
@@ -215,7 +218,7 @@ def test_only_own_and_spare_joins_while_forming_leave_the_round_quiet(broken):
     client = live_client()
     client.values.update({KEYS.join(ROUND + 1, ME): join_value(ME, "change"),
                           KEYS.join(ROUND + 1, "s"): join_value("s", "spare")})
-    monitor = ChangeMonitor(KEYS, ME, broken.append)
+    monitor = RoundTracker(RecordReader(KEYS, ME), broken.append)
     monitor.arm(topology(), client)
     assert not monitor.pending.is_set() and broken == []
 
@@ -228,14 +231,14 @@ def test_on_broken_may_call_back_into_the_monitor_without_deadlock():
         calls.append(reason)
         monitor.disarm()
 
-    monitor = ChangeMonitor(KEYS, ME, on_broken)
+    monitor = RoundTracker(RecordReader(KEYS, ME), on_broken)
     monitor.arm(topology(), live_client())
     monitor.on_events([gone("m1")])
     assert len(calls) == 1
 
 
 def test_a_member_of_the_round_gone_before_arm_breaks_the_round_at_arm(broken):
-    monitor = ChangeMonitor(KEYS, ME, broken.append)
+    monitor = RoundTracker(RecordReader(KEYS, ME), broken.append)
     monitor.disarm()
     monitor.on_events([gone("m1")])  # dropped: nothing is armed during the forming
     monitor.arm(topology(), live_client((ME, "m2")))
@@ -250,7 +253,54 @@ def test_a_member_whose_connection_ended_breaks_the_round_before_its_lease_runs_
     assert len(broken) == 1
 
 
-def test_a_connection_that_ends_after_the_member_finished_is_not_a_failure(monitor, broken):
-    monitor.on_events([done("m1")])
-    monitor.on_peer_gone("m1")
-    assert broken == []
+# -- a worker's side: the same tracker reading the news record only ----------------------------
+
+def news(round_: int = ROUND, revision: int = 20, **fields: object) -> WatchEvent:
+    return WatchEvent("put", KEYS.news, RoundNews(round_, **fields).to_json().encode(), revision)
+
+
+@pytest.fixture
+def worker(broken: list[str]) -> RoundTracker:
+    tracker = RoundTracker(NewsReader(KEYS), broken.append)
+    tracker.on_events([])  # its registration handed it the control/ keys: no news yet
+    tracker.arm(topology(), FakeClient())
+    return tracker
+
+
+def test_news_of_a_pending_change_sets_pending_and_breaks_nothing(worker, broken):
+    worker.on_events([news(pending="member new asks to join (start)")])
+    assert worker.pending.is_set() and "new" in worker.reason and broken == []
+
+
+def test_news_of_a_broken_round_breaks_it_once_however_often_it_comes(worker, broken):
+    worker.on_events([news(broken="member m1 of round 3 is gone")])
+    worker.on_events([news(broken="member m1 of round 3 is gone", revision=21)])
+    assert broken == ["member m1 of round 3 is gone"] and "m1" in worker.reason
+
+
+def test_news_of_another_round_is_not_news_of_this_one(worker, broken):
+    worker.on_events([news(ROUND - 1, broken="member m1 of round 2 is gone")])
+    assert not worker.pending.is_set() and broken == []
+
+
+def test_news_that_came_while_forming_is_acted_on_at_arm_without_a_read(broken):
+    tracker = RoundTracker(NewsReader(KEYS), broken.append)
+    tracker.on_events([news(broken="member m2 of round 3 is gone")])  # before the round formed
+    client = FakeClient()
+    tracker.arm(topology(), client)
+    assert broken == ["member m2 of round 3 is gone"] and client.reads == []
+    assert tracker.reader.told == ROUND
+
+
+def test_a_reader_that_never_heard_the_watch_reads_the_news_once_at_arm(broken):
+    client = FakeClient({KEYS.news: RoundNews(ROUND, pending="member n asks to join (start)")
+                         .to_json().encode()})
+    tracker = RoundTracker(NewsReader(KEYS), broken.append)
+    tracker.arm(topology(), client)
+    assert client.reads == [KEYS.news] and tracker.pending.is_set() and broken == []
+
+
+def test_a_worker_whose_peer_connection_ended_breaks_the_round_before_the_news(worker, broken):
+    worker.on_peer_gone("m2")
+    worker.on_events([news(broken="member m2 of round 3 is gone")])
+    assert len(broken) == 1 and "connection ended" in broken[0]
