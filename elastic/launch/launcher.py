@@ -197,7 +197,7 @@ class Launcher:
         self.spec = spec
         self.keys = JobKeys(spec.job_id)
         self.procs = WorkerProcs(spec.command, spec.env, spec.timeouts.reap,
-                                 WorkerOutput(spec.output, socket.gethostname()))
+                                 spec.timeouts.drain, WorkerOutput(spec.output, socket.gethostname()))
         self.stop = StopSignal(self.procs.changed, shutdown=spec.timeouts.shutdown)
         self.client: EtcdClient | None = None
         self.membership: EtcdMembership | None = None
@@ -376,10 +376,10 @@ class Launcher:
         elif dropped:
             _say(f"worker pid={pid} {describe_exit(code)}; removed it from the job (member "
                  f"{dropped[-1]})")
-        elif self._has_joined(pid):
+        elif self._has_joined(pid) and code > 0:
             _say(f"worker pid={pid} {describe_exit(code)} after it had joined the job and left "
                  "it (its own error; see its output above)")
-        elif leases:
+        elif leases or self._has_joined(pid):
             _say(f"worker pid={pid} {describe_exit(code)}; its lease was gone already")
         else:
             _say(f"worker pid={pid} {describe_exit(code)} before it joined the job. If it is a "
