@@ -70,8 +70,19 @@ def agreement_channel():
 
     from elastic.cluster.links.agreement_channel import AgreementChannel
 
+    class StoreBook:  # the channel's record in torchrun's store: a benchmark, not a job
+        def __init__(self, store: dist.Store) -> None:
+            self.store = store
+
+        def publish(self, record: str) -> None:
+            self.store.set("channel", record)
+
+        def find(self, timeout: timedelta) -> bytes:
+            self.store.wait(["channel"], timeout)
+            return self.store.get("channel")
+
     channel = AgreementChannel(dist.get_rank(), dist.get_world_size(), timedelta(minutes=5))
-    channel.connect(dist.distributed_c10d._get_default_store(), "127.0.0.1", 0,
+    channel.connect(StoreBook(dist.distributed_c10d._get_default_store()), "127.0.0.1", 0,
                     timedelta(seconds=60))
     return channel
 

@@ -18,6 +18,7 @@ from typing import Any
 import tenacity
 
 from elastic.cluster.links.agreement_channel import AgreementChannel
+from elastic.cluster.links.channel_book import ChannelBook
 from elastic.cluster.links.ports import answers, free_port
 from elastic.foundation.errors import (CutOffError, EtcdAccessError, EtcdUnavailableError,
                                        FencedError, LeaveInterrupt, PeerFailureError,
@@ -284,10 +285,13 @@ class Cluster:
             PeerFailureError: a member of the round died, froze or was released while the
                 others connected (torch raises a ``RuntimeError`` or ``DistError`` then).
         """
+        book = ChannelBook(self.client, self.keys.channel(topology.round))
         try:
+            if topology.rank == 0:  # published before the store: whoever finds it finds this
+                self.channel.open(book, self.settings.advertise_addr)
             store.connect()
             self.group.form(store, topology.rank, topology.world_size)
-            self.channel.connect(store, self.settings.advertise_addr, topology.round,
+            self.channel.connect(book, self.settings.advertise_addr, topology.round,
                                  self.group.form_timeout)
             self.channel.watch(lambda rank: self.tracker.on_peer_gone(topology.member(rank)),
                                self.settings.timeouts.wake)

@@ -1,5 +1,5 @@
 """The agreement channel over real loopback sockets: ranks are threads of this process, the
-round's store is torch's in-memory ``HashStore``. A worker that dies is a rank whose sockets
+address book is torch's in-memory ``HashStore``. A worker that dies is a rank whose sockets
 close (what the kernel does for a killed process); a frozen one is a rank that stops talking."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 
 from elastic.cluster.links.agreement_channel import AgreementChannel
 from elastic.foundation.errors import AdvertiseAddressError, PeerFailureError
+from tests.support.address_book import StoreBook
 from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -46,7 +46,7 @@ def _in_threads(world_size: int, fn: Callable[[int], Any], timeout_s: float = 20
 
 def _connected(world_size: int, round_: int = 7,
                silence: timedelta | None = None) -> list[AgreementChannel]:
-    store = dist.HashStore()
+    store = StoreBook()
     probe = None if silence is None else timedelta(seconds=1)
     channels = [AgreementChannel(r, world_size, _LONG, silence, probe) for r in range(world_size)]
     errors = _in_threads(world_size, lambda r: channels[r].connect(store, _ADDR, round_, _LONG))
@@ -83,7 +83,7 @@ def test_every_rank_learns_the_maximum_of_every_flag_in_each_agreement():
 
 def test_a_world_of_one_agrees_with_itself_without_any_socket():
     channel = AgreementChannel(0, 1, _LONG)
-    channel.connect(dist.HashStore(), _ADDR, 1, _LONG)
+    channel.connect(StoreBook(), _ADDR, 1, _LONG)
     channel.start(True, False)
     assert channel.finish() == (True, False)
 
@@ -123,7 +123,7 @@ def test_releasing_frees_a_rank_blocked_on_a_frozen_peer_and_names_the_reason():
 
 
 def test_a_connection_from_another_round_is_turned_away():
-    store = dist.HashStore()
+    store = StoreBook()
     channels = [AgreementChannel(r, 2, _LONG) for r in range(2)]
     stale = AgreementChannel(1, 2, _LONG)
     turned_away: list[Exception] = []
@@ -151,7 +151,7 @@ def test_forming_fails_with_a_peer_failure_when_a_rank_never_connects():
     channel = AgreementChannel(0, 3, _LONG)
     started = time.monotonic()
     with pytest.raises(PeerFailureError, match="could not be formed"):
-        channel.connect(dist.HashStore(), _ADDR, 3, timedelta(seconds=0.5))
+        channel.connect(StoreBook(), _ADDR, 3, timedelta(seconds=0.5))
     assert time.monotonic() - started < 5
     channel.close()
 
@@ -160,18 +160,17 @@ def test_a_channel_released_before_it_connects_refuses_to_form():
     channel = AgreementChannel(0, 2, _LONG)
     channel.release("the round broke while the group formed")
     with pytest.raises(PeerFailureError, match="the round broke"):
-        channel.connect(dist.HashStore(), _ADDR, 3, _LONG)
+        channel.connect(StoreBook(), _ADDR, 3, _LONG)
     channel.close()
 
 
 def test_releasing_frees_rank_zero_while_it_awaits_a_silent_connections_hello():
-    store = dist.HashStore()
+    store = StoreBook()
     channel = AgreementChannel(0, 2, _LONG)
     silent: list[socket.socket] = []
 
     def connect_silently() -> None:  # a peer frozen between its connect and its hello
-        store.wait(["elastic/agreement"], timedelta(seconds=10))
-        address = json.loads(store.get("elastic/agreement"))
+        address = json.loads(store.find(timedelta(seconds=10)))
         silent.append(socket.create_connection((address["host"], address["port"]), timeout=10))
         # Nothing signals "rank 0 holds this connection" from inside connect(): look.
         assert poll_until(lambda: _unproven(channel), 5)
@@ -192,7 +191,7 @@ def test_releasing_frees_rank_zero_while_it_awaits_a_silent_connections_hello():
 def test_an_advertised_address_that_is_not_this_machines_is_a_clear_configuration_error():
     channel = AgreementChannel(0, 2, _LONG)
     with pytest.raises(AdvertiseAddressError, match="--advertise-addr"):
-        channel.connect(dist.HashStore(), "192.0.2.1", 3, timedelta(seconds=5))  # TEST-NET-1
+        channel.connect(StoreBook(), "192.0.2.1", 3, timedelta(seconds=5))  # TEST-NET-1
     channel.close()
 
 

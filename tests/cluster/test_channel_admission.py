@@ -1,7 +1,7 @@
 """Hostile connections to the agreement channel's rank 0 while a round forms: one held open in
 silence, one that sends garbage, one that replays a valid hello from another round. Each is
 turned away, the round forms as fast as without it, and only the round's ranks vote. Real
-loopback sockets; ranks are threads; the round's store is torch's ``HashStore``."""
+loopback sockets; ranks are threads; the address book is torch's ``HashStore``."""
 
 from __future__ import annotations
 
@@ -13,16 +13,15 @@ import time
 from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
 from elastic.cluster.links.admission import HELLO, MAX_PENDING, RoundAddress
 from elastic.cluster.links.agreement_channel import AgreementChannel
 from elastic.cluster.rounds.records import RecordError
+from tests.support.address_book import StoreBook
 
 pytestmark = pytest.mark.timeout(60)
 
 _ADDR = "127.0.0.1"
-_KEY = "elastic/agreement"
 _FORM = timedelta(seconds=30)  # the backstop; every round here must form far sooner
 _PROMPT_S = 5.0  # "without delaying the round": a small fraction of the backstop
 _WAIT = timedelta(seconds=10)
@@ -31,9 +30,9 @@ _WAIT = timedelta(seconds=10)
 class _Round:
     """Rank 0 and rank 1 of one round, rank 0 connecting in a thread of its own."""
 
-    def __init__(self, round_: int, store: dist.Store | None = None) -> None:
+    def __init__(self, round_: int) -> None:
         self.round = round_
-        self.store = store or dist.HashStore()
+        self.book = StoreBook()
         self.channels = [AgreementChannel(r, 2, _FORM) for r in range(2)]
         self.errors: list[Exception] = []
         self.formed_s: float | None = None
@@ -42,7 +41,7 @@ class _Round:
     def _connect_rank0(self) -> None:
         started = time.monotonic()
         try:
-            self.channels[0].connect(self.store, _ADDR, self.round, _FORM)
+            self.channels[0].connect(self.book, _ADDR, self.round, _FORM)
             self.formed_s = time.monotonic() - started
         except Exception as exc:  # noqa: BLE001 (handed back to the test)
             self.errors.append(exc)
@@ -50,12 +49,11 @@ class _Round:
     def open(self) -> tuple[str, int]:
         """Starts rank 0; returns the address it published."""
         self._rank0.start()
-        self.store.wait([_KEY], _WAIT)
-        address = json.loads(self.store.get(_KEY))
+        address = json.loads(self.book.find(_WAIT))
         return address["host"], address["port"]
 
-    def join_rank1(self, store: dist.Store | None = None) -> None:
-        self.channels[1].connect(store or self.store, _ADDR, self.round, _FORM)
+    def join_rank1(self, book: StoreBook | None = None) -> None:
+        self.channels[1].connect(book or self.book, _ADDR, self.round, _FORM)
         self._rank0.join(_FORM.total_seconds())
         assert not self._rank0.is_alive() and not self.errors, self.errors
 
@@ -139,21 +137,15 @@ def test_a_stranger_who_knows_the_round_cannot_take_a_rank(forged):
     _turned_away_and_the_round_forms(13, hello)
 
 
-class _RecordingStore:
-    """The round's store as rank 1 sees it, with rank 0's address replaced by a relay's."""
+class _RelayedBook(StoreBook):
+    """The address book as rank 1 sees it, with rank 0's address replaced by a relay's."""
 
-    def __init__(self, store: dist.Store, relay: tuple[str, int]) -> None:
-        self._store = store
+    def __init__(self, book: StoreBook, relay: tuple[str, int]) -> None:
+        super().__init__(book.store)
         self._relay = relay
 
-    def set(self, key: str, value: bytes | str) -> None:
-        self._store.set(key, value)
-
-    def wait(self, keys: list[str], timeout: timedelta) -> None:
-        self._store.wait(keys, timeout)
-
-    def get(self, key: str) -> bytes:
-        record = json.loads(self._store.get(key))
+    def find(self, timeout: timedelta) -> bytes:
+        record = json.loads(super().find(timeout))
         record.update(host=self._relay[0], port=self._relay[1])
         return json.dumps(record).encode()
 
@@ -189,7 +181,7 @@ def test_a_valid_hello_replayed_from_another_round_is_turned_away():
     recorded: list[bytes] = []
     try:
         relay = _relay_recording(first.open(), recorded)
-        first.join_rank1(_RecordingStore(first.store, relay))
+        first.join_rank1(_RelayedBook(first.book, relay))
         assert first.agree(rank1_pending=False) == [(False, False)] * 2
     finally:
         first.close()

@@ -1,7 +1,8 @@
 """Who may join a round's agreement channel: a per-round secret, a challenge, a hello, a welcome.
 
-Rank 0 draws a secret for its round and publishes it with its address in the round's store
-(``rounds/{n}/store/`` in etcd, readable only by whoever can read the job's prefix). Rank 0
+Rank 0 draws a secret for its round and publishes it with its address in etcd
+(``rounds/{n}/store/channel``, readable only by whoever can read the job's prefix; never in the
+round's TCPStore, which is unauthenticated). Rank 0
 challenges every connection with a fresh nonce; a rank answers with an HMAC of the round, its
 rank and both nonces under the secret, and rank 0 answers that with an HMAC of its own, so the
 rank knows it reached rank 0 of its round. A hello from another round or a replayed one (the
@@ -40,7 +41,7 @@ _SECRET_BYTES = 32
 
 @dataclass(frozen=True)
 class RoundAddress:
-    """Where rank 0 of a round listens, and the round's secret (the store record)."""
+    """Where rank 0 of a round listens, and the round's secret (the record in etcd)."""
 
     host: str
     port: int

@@ -5,9 +5,10 @@ threads exchange two bytes directly: every rank sends its flags to rank 0, rank 
 the maximum of each. (A gloo all-reduce would cross three threads in each process; what that
 costs is in benchmarks/RESULTS.md.)
 
-One channel per round: rank 0 listens on its advertised address, on a port it publishes in the
-round's store with a fresh secret; every other rank connects and proves that it knows the
-round's secret (``admission``), so that a stale worker of another round, a replayed hello, a
+One channel per round: rank 0 listens on its advertised address, on a port it publishes with a
+fresh secret in the round's address book (in a job, a key under the job's etcd prefix: never the
+round's TCPStore, which anyone on the network can read and write); every other rank reads the
+address from there, connects and proves that it knows the round's secret (``admission``), so that a stale worker of another round, a replayed hello, a
 stranger and a connection that never speaks are turned away without holding the round up, and
 only the round's ranks vote. Once rank 0 holds every rank's flags its decision is final: it
 reaches every live rank before any release does. ``release`` (from any thread) tells the peers that this rank let
@@ -48,19 +49,17 @@ from elastic.foundation.errors import PeerFailureError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_STORE_KEY = "elastic/agreement"
 _FLAGS = struct.Struct("!BB")  # change pending, leaving
 _ABANDON = _FLAGS.pack(0xFF, 0xFF)  # in place of flags: the sender released the round
 
 
 class AddressBook(Protocol):
-    """What the channel needs of the round's store: publish, await and read rank 0's address."""
+    """Where rank 0 publishes the channel's record (address and secret) and the others find it:
+    a place that only the round's members can read and write (``ChannelBook``)."""
 
-    def set(self, key: str, value: bytes | str) -> None: ...
+    def publish(self, record: str) -> None: ...
 
-    def wait(self, keys: list[str], timeout: timedelta) -> None: ...
-
-    def get(self, key: str) -> bytes: ...
+    def find(self, timeout: timedelta) -> bytes: ...
 
 
 class AgreementChannel:
@@ -90,13 +89,40 @@ class AgreementChannel:
         self._released: str | None = None
         self._silent: set[int] = set()  # ranks whose connection the kernel timed out
         self._listener: socket.socket | None = None
+        self._address: RoundAddress | None = None  # rank 0, once it listens
         self._admission: Admission | None = None  # rank 0, while the others connect
         self._peers: dict[int, socket.socket] = {}  # rank 0: every other rank; else {0: rank 0}
         self._flags = (0, 0)
         self._watcher: threading.Thread | None = None
 
     # -- forming ----------------------------------------------------------------------------
-    def connect(self, store: AddressBook, advertise_addr: str, round_: int,
+    def open(self, book: AddressBook, advertise_addr: str) -> None:
+        """Rank 0: listens on ``advertise_addr``, publishes the address with a fresh secret in
+        ``book`` (before the round's store is hosted); else ``connect`` does.
+
+        Raises:
+            PeerFailureError: the channel was released, or publishing failed.
+            AdvertiseAddressError: cannot listen on ``advertise_addr`` (not an address of this
+                machine).
+        """
+        assert self.rank == 0, "only rank 0 opens the channel"
+        if self.world_size == 1:
+            return
+        listener = listen(advertise_addr)
+        address = RoundAddress.draw(*listener.getsockname()[:2])
+        with self._lock:
+            if self._released is not None:
+                listener.close()
+                raise PeerFailureError(f"the agreement channel was released: {self._released}")
+            self._listener, self._address = listener, address
+        try:
+            book.publish(address.to_json())
+        except (OSError, RuntimeError) as exc:
+            self.release(f"publishing its address failed: {exc}")
+            raise PeerFailureError(f"the agreement channel's address could not be published: "
+                                   f"{exc}") from exc
+
+    def connect(self, book: AddressBook, advertise_addr: str, round_: int,
                 timeout: timedelta) -> None:
         """Connects every rank to rank 0 (collective: every rank of the round calls it).
 
@@ -107,12 +133,14 @@ class AgreementChannel:
         """
         if self.world_size == 1:
             return
+        if self.rank == 0 and self._address is None:
+            self.open(book, advertise_addr)
         deadline = time.monotonic() + timeout.total_seconds()
         try:
             if self.rank == 0:
-                self._accept_all(store, advertise_addr, round_, deadline)
+                self._accept_all(round_, deadline)
             else:
-                self._connect_to_rank0(store, round_, deadline)
+                self._connect_to_rank0(book, round_, deadline)
         except (OSError, RuntimeError, ValueError) as exc:
             self.release(f"connecting failed: {exc}")
             raise PeerFailureError(f"the agreement channel of round {round_} could not be "
@@ -123,20 +151,14 @@ class AgreementChannel:
             for sock in self._peers.values():
                 sock.settimeout(self._timeout_s)
 
-    def _accept_all(self, store: AddressBook, advertise_addr: str, round_: int,
-                    deadline: float) -> None:
-        listener = listen(advertise_addr)
-        host, port = listener.getsockname()[:2]
-        address = RoundAddress.draw(host, port)
-        admission = Admission(listener, address, round_, self.world_size)
+    def _accept_all(self, round_: int, deadline: float) -> None:
         with self._lock:
-            if self._released is not None:
-                listener.close()
-                admission.close()
-                raise OSError(f"released before listening: {self._released}")
-            self._listener, self._admission = listener, admission
+            listener, address = self._listener, self._address
+            if self._released is not None or listener is None or address is None:
+                raise OSError(f"released before admitting: {self._released}")
+            admission = Admission(listener, address, round_, self.world_size)
+            self._admission = admission
         try:
-            store.set(_STORE_KEY, address.to_json())
             admitted = admission.run(deadline)
         finally:
             with self._lock:
@@ -146,9 +168,9 @@ class AgreementChannel:
         for rank, conn in sorted(admitted.items()):
             self._adopt(rank, conn)
 
-    def _connect_to_rank0(self, store: AddressBook, round_: int, deadline: float) -> None:
-        store.wait([_STORE_KEY], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        address = RoundAddress.from_json(store.get(_STORE_KEY))
+    def _connect_to_rank0(self, book: AddressBook, round_: int, deadline: float) -> None:
+        address = RoundAddress.from_json(
+            book.find(timedelta(seconds=max(deadline - time.monotonic(), 0.001))))
         conn = socket.create_connection((address.host, address.port),
                                         timeout=max(deadline - time.monotonic(), 0.001))
         self._adopt(0, conn)

@@ -13,6 +13,8 @@ Layout under ``/elastic/{job_id}/``:
   timeout: it may be alive and cut off).
 - ``rounds/{n}/store/address``: where round ``n``'s rank 0 hosts its TCPStore
   (``round_store.py``, what a worker forms its group on).
+- ``rounds/{n}/store/channel``: round ``n``'s agreement channel: rank 0's address and the
+  round's secret (``channel_book.py``), written before the store's address.
 - ``commit``: the newest commit version and the newest durable checkpoint, for ``elastic status``.
 - ``config``: the job's configuration, written by the first launcher.
 - ``fence``: the job's fencing epoch for durable commits, created once by compare-and-swap.
@@ -121,6 +123,9 @@ class JobKeys:
 
     def store_address(self, n: int) -> str:
         return f"{self.store(n)}address"
+
+    def channel(self, n: int) -> str:
+        return f"{self.store(n)}channel"
 
     @property
     def commit(self) -> str:
