@@ -28,6 +28,7 @@ from elastic.loop_helpers import batches, ddp, print_main
 from elastic.outcome import RunOutcome
 from elastic.recovery import RunLoop
 from elastic.settings import WorkerSettings
+from elastic.setup_check import before_joining
 from elastic.signals import relay_signals
 from elastic.state import TrainState
 
@@ -55,6 +56,7 @@ class ElasticState:
         self._settings = WorkerSettings.resolve(etcd=etcd, job_id=job_id,
                                                 min_workers=min_workers,
                                                 max_workers=max_workers, checkpoint=checkpoint)
+        self._checkpoint_in_script = checkpoint
         self._train = TrainState.stored_in(self.__dict__)  # registered names are attributes
         self._cluster: Cluster | None = None
         self._callbacks: list[Callable[[ElasticState], None]] = []
@@ -329,7 +331,10 @@ class ElasticState:
             NothingTrainedError: ``fn`` returned without a commit after resuming a finished
                 job from its checkpoint (unless ``ELASTIC_RESUME_FINISHED=1``).
             DurableCommitsFailedError: not one durable commit of this worker was written.
+            SystemExit: before joining, a setup mistake (two checkpoint URLs, or one that
+                cannot be written): one line, exit status 1 (``elastic.setup_check``).
         """
+        before_joining(self._checkpoint_in_script, self._settings)
         worker = f"{os.uname().nodename}-{os.getpid()}"
         events = EventLog(self._settings.log_dir, worker)
         # Before registering: a SIGTERM that lands as this worker joins asks it to leave.

@@ -122,7 +122,9 @@ def _run_parser() -> _Parser:
     p.add_argument("--max-workers", type=int, help="most workers; extra ones wait as spares")
     p.add_argument("--max-restarts", type=int, default=3,
                    help="restarts of crashed workers on this node (--plain: of generations)")
-    p.add_argument("--checkpoint", help="fsspec URL for durable commits")
+    p.add_argument("--checkpoint", default=os.environ.get("ELASTIC_CHECKPOINT") or None,
+                   help="fsspec URL for durable commits (ELASTIC_CHECKPOINT); checked at start, "
+                        "and must agree with a checkpoint= set in the script")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto")
     p.add_argument("--advertise-addr", default="127.0.0.1",
                    help="the address other nodes reach this node on (default 127.0.0.1)")

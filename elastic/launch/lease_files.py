@@ -12,7 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from elastic.cluster.lease_file import has_committed, last_heartbeat, read_leases, read_members
+from elastic.cluster.lease_file import (has_committed, has_mark, last_heartbeat, read_leases,
+                                        read_members)
 
 
 class LeaseFiles:
@@ -61,6 +62,11 @@ class LeaseFiles:
         """Whether worker ``pid`` reported a commit."""
         path = self._paths.get(pid)
         return has_committed(path) if path else False
+
+    def has_mark(self, pid: int, mark: str) -> bool:
+        """Whether worker ``pid`` recorded ``mark`` (``elastic.cluster.lease_file``)."""
+        path = self._paths.get(pid)
+        return has_mark(path, mark) if path else False
 
     def forget(self, pid: int) -> None:
         self._dropped.difference_update(self.node_members(pid))
