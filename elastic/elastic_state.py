@@ -23,6 +23,8 @@ from elastic.agreement import MembershipAgreement
 from elastic.cluster.cluster import Cluster
 from elastic.cluster.rendezvous import Topology
 from elastic.durable import DurableCommits
+from elastic.error_causes import drop_causes
+from elastic.errors import ElasticError
 from elastic.events import EventLog
 from elastic.loop_helpers import batches, ddp, print_main
 from elastic.outcome import RunOutcome
@@ -344,8 +346,10 @@ class ElasticState:
                 self._train.commit()  # the initial state is the first rollback point
             # Its version known, the registration carries the first join request.
             self._cluster = Cluster(self._settings, events, self._train.version)
-        except BaseException:
+        except BaseException as exc:
             restore_signals()
+            if isinstance(exc, ElasticError):  # every frame below is the package's
+                raise drop_causes(exc, events, self._settings.debug, keep_frames=False)
             raise
         if self._durable is not None:
             self._durable.events = events
@@ -365,6 +369,9 @@ class ElasticState:
         try:
             outcome.initial_version = self._train.version
             result = loop.run(call)
+        except ElasticError as exc:
+            drop_causes(exc, events, self._settings.debug)
+            raise
         finally:
             restore_signals()
             if self._durable is not None:
