@@ -145,6 +145,8 @@ class WorkerSettings:
     standby: bool = False
     checkpoint_from_env: str | None = None  # ELASTIC_CHECKPOINT (--checkpoint under `elastic run`)
     debug: bool = False  # ELASTIC_DEBUG=1: errors keep their causes and tracebacks
+    launcher: str | None = None  # ELASTIC_LAUNCHER: the launcher that started this worker
+    launcher_workers: int = 0  # LOCAL_WORLD_SIZE under that launcher (0: started by hand)
 
     @staticmethod
     def resolve(*, etcd: str | None, job_id: str | None, min_workers: int | None,
@@ -175,6 +177,9 @@ class WorkerSettings:
             standby=env.get("ELASTIC_STANDBY", "") not in ("", "0"),
             checkpoint_from_env=env.get("ELASTIC_CHECKPOINT") or None,
             debug=is_debug(),
+            launcher=env.get("ELASTIC_LAUNCHER") or None,
+            launcher_workers=(_env_int("LOCAL_WORLD_SIZE") or 0) if env.get("ELASTIC_LAUNCHER")
+            else 0,
         )
         settings.validate()
         return settings

@@ -373,6 +373,8 @@ class Launcher:
         leases in."""
         path = self.leases.new_path(local_rank)
         env = {**self.spec.worker_env(local_rank, standby), "ELASTIC_LEASE_FILE": path}
+        if self.membership is not None:  # its first round waits for the launcher's workers
+            env["ELASTIC_LAUNCHER"] = self.membership.member_id
         if self.node_members is not None:
             assert self.membership is not None, "connect() first"
             env["ELASTIC_NODE_LEASE"] = str(self.membership.lease)
