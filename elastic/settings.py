@@ -147,6 +147,7 @@ class WorkerSettings:
     debug: bool = False  # ELASTIC_DEBUG=1: errors keep their causes and tracebacks
     launcher: str | None = None  # ELASTIC_LAUNCHER: the launcher that started this worker
     launcher_workers: int = 0  # LOCAL_WORLD_SIZE under that launcher (0: started by hand)
+    launcher_pid: int | None = None  # ELASTIC_LAUNCHER_PID: this worker's parent, the launcher
 
     @staticmethod
     def resolve(*, etcd: str | None, job_id: str | None, min_workers: int | None,
@@ -180,6 +181,7 @@ class WorkerSettings:
             launcher=env.get("ELASTIC_LAUNCHER") or None,
             launcher_workers=(_env_int("LOCAL_WORLD_SIZE") or 0) if env.get("ELASTIC_LAUNCHER")
             else 0,
+            launcher_pid=_env_int("ELASTIC_LAUNCHER_PID"),
         )
         settings.validate()
         return settings

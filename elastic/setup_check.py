@@ -11,6 +11,7 @@ so that ``elastic run`` does not restart it. It must not contact etcd.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Iterator
 
@@ -75,9 +76,13 @@ def one_line_on_setup_error(settings: WorkerSettings) -> Iterator[None]:
 
 
 def before_joining(in_script: str | None, settings: WorkerSettings) -> None:
-    """Tells the launcher that ``ElasticState.run`` was called, then checks the setup; a
-    mistake ends the process in one line (``one_line_on_setup_error``)."""
+    """Tells the launcher that ``ElasticState.run`` was called, then checks that the launcher
+    that started this worker still runs (the parent check behind ``PR_SET_PDEATHSIG``) and the
+    checkpoint URL; a mistake ends the process in one line (``one_line_on_setup_error``)."""
     if settings.lease_file is not None:
         append_mark(settings.lease_file, RAN)
     with one_line_on_setup_error(settings):
+        if settings.launcher_pid is not None and os.getppid() != settings.launcher_pid:
+            raise SetupError(f"the launcher (pid {settings.launcher_pid}) that started this "
+                             "worker is gone; not joining the job without it.")
         check_checkpoint(in_script, settings)

@@ -214,6 +214,7 @@ def cmd_run(argv: Sequence[str]) -> int:
             output=OutputOptions.from_args(args, log_dir), security=_security(args))
     except ValueError as exc:
         raise UsageError(f"elastic run: {exc}") from None
+    _remove_leftovers()
     if spec.checkpoint and not spec.plain:
         from elastic.launch.preflight import check_checkpoint  # noqa: PLC0415 (imports torch)
         check_checkpoint(spec.checkpoint, spec.timeouts)
@@ -231,6 +232,16 @@ def cmd_run(argv: Sequence[str]) -> int:
         server.stop()
         print(f"elastic: stopped the embedded etcd at {server.url}", file=sys.stderr,
               flush=True)
+
+
+def _remove_leftovers() -> None:
+    """Removes the etcd data and lease-file directories of launchers that were killed."""
+    from elastic.launch.lease_files import LEASES_PREFIX  # noqa: PLC0415
+    from elastic.launch.parent_death import OwnedDirs  # noqa: PLC0415
+    removed = OwnedDirs.remove_leftovers("elastic-etcd-", LEASES_PREFIX)
+    if removed:
+        print(f"elastic: removed {len(removed)} directories left by launchers that were killed "
+              f"({', '.join(d.name for d in removed)})", file=sys.stderr, flush=True)
 
 
 def _check_etcd(urls: str, security: EtcdSecurity, command: str) -> None:

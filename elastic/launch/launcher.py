@@ -12,6 +12,7 @@ see it. It reads no environment variables: ``elastic.launch.cli`` hands it every
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -375,6 +376,7 @@ class Launcher:
         env = {**self.spec.worker_env(local_rank, standby), "ELASTIC_LEASE_FILE": path}
         if self.membership is not None:  # its first round waits for the launcher's workers
             env["ELASTIC_LAUNCHER"] = self.membership.member_id
+        env["ELASTIC_LAUNCHER_PID"] = str(os.getpid())  # checked as it joins
         if self.node_members is not None:
             assert self.membership is not None, "connect() first"
             env["ELASTIC_NODE_LEASE"] = str(self.membership.lease)

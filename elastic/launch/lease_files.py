@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import itertools
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
+from elastic.launch.parent_death import OwnedDirs
 from elastic.cluster.lease_file import (has_committed, has_mark, last_heartbeat, read_leases,
                                         read_members)
+
+
+LEASES_PREFIX = "elastic-leases-"
 
 
 class LeaseFiles:
@@ -28,7 +31,7 @@ class LeaseFiles:
     def new_path(self, local_rank: int) -> str:
         """A fresh path for the next worker (the directory is made 0700 on first use)."""
         if self._dir is None:
-            self._dir = Path(tempfile.mkdtemp(prefix="elastic-leases-"))
+            self._dir = OwnedDirs.make(LEASES_PREFIX)
         return str(self._dir / f"worker-{local_rank}-{next(self._numbers)}")
 
     def assign(self, pid: int, path: str) -> None:
