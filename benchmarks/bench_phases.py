@@ -37,7 +37,7 @@ PHASES = ("plain", "state", "state-all-reduce", "state-no-agreement")
 def drive(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(HERE.parent))
     from bench_recovery import env_for
-    from elastic.cluster.ports import free_port
+    from elastic.cluster.links.ports import free_port
     from elastic.launch.embedded_etcd import EmbeddedEtcd
 
     etcd = EmbeddedEtcd().start()

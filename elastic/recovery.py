@@ -21,15 +21,16 @@ from typing import Any
 
 from elastic.checkpoint import CheckpointError
 from elastic.cluster.cluster import Cluster
-from elastic.cluster.rendezvous import Topology
+from elastic.cluster.rounds.topology import Topology
 from elastic.durable import DurableCommits
-from elastic.errors import (EtcdUnavailableError, FencedError, LeaveInterrupt,
-                            MembershipChangedInterrupt, PeerFailureError, RendezvousClosedError)
-from elastic.events import EventLog, Stopwatch
+from elastic.foundation.errors import (EtcdUnavailableError, FencedError, LeaveInterrupt,
+                                       MembershipChangedInterrupt, PeerFailureError,
+                                       RendezvousClosedError)
+from elastic.foundation.events import EventLog, Stopwatch
 from elastic.state import ElasticSampler, StateError, TrainState
 from elastic.state.errors import PayloadFormatError
 from elastic.state.sync import newest_source
-from elastic.timeouts import Timeouts
+from elastic.foundation.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
 

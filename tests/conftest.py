@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from elastic.cluster.etcd_client import EtcdClient
-from elastic.errors import EtcdAccessError
+from elastic.cluster.etcd.client import EtcdClient
+from elastic.foundation.errors import EtcdAccessError
 from elastic.launch.embedded_etcd import EmbeddedEtcd
 from tests.support.faulty_fs import faulty_fs  # noqa: F401 (a fixture)
 from tests.support.harness import Job

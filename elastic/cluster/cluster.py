@@ -1,4 +1,4 @@
-"""One worker's connection to the job: etcd client, membership, rendezvous, monitor and group.
+"""One worker's connection to the job: etcd client, membership, rendezvous, round tracker and group.
 
 ``form()`` is the cluster half of a re-formation: stop watching the old round, release and
 destroy its group, agree on the next round (waiting as a spare if left out), and form the new
@@ -17,25 +17,29 @@ from typing import Any
 
 import tenacity
 
-from elastic.cluster.agreement_channel import AgreementChannel
-from elastic.cluster.ports import answers, free_port
-from elastic.errors import (CutOffError, EtcdAccessError, EtcdUnavailableError, FencedError,
-                            LeaveInterrupt, PeerFailureError, RendezvousTimeoutError)
-from elastic.cluster.etcd_client import EtcdClient, parse_endpoints
-from elastic.events import EventLog, Stopwatch
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.lease_file import append_committed, append_lease, append_member, heartbeat
-from elastic.cluster.membership import EtcdMembership, NodeLease
-from elastic.cluster.device import claim_device, default_lock_dir
-from elastic.cluster.news import NewsMonitor
-from elastic.cluster.process_group import ProcessGroup, cuda_device_count, resolve_backend
-from elastic.cluster.records import SkippedRecords
-from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
-from elastic.cluster.release_watchdog import ReleaseWatchdog
-from elastic.cluster.restart_in_place import restart_in_place
-from elastic.cluster.round_links import RoundLinks
-from elastic.cluster.round_store import RoundStore, StoreTimes, reach
-from elastic.settings import WorkerSettings
+from elastic.cluster.links.agreement_channel import AgreementChannel
+from elastic.cluster.links.ports import answers, free_port
+from elastic.foundation.errors import (CutOffError, EtcdAccessError, EtcdUnavailableError,
+                                       FencedError, LeaveInterrupt, PeerFailureError,
+                                       RendezvousTimeoutError)
+from elastic.cluster.etcd.client import EtcdClient, parse_endpoints
+from elastic.foundation.events import EventLog, Stopwatch
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.worker_lease_file import (append_committed, append_lease, append_member,
+                                               heartbeat)
+from elastic.cluster.rounds.membership import EtcdMembership, NodeLease
+from elastic.cluster.links.device import claim_device, default_lock_dir
+from elastic.cluster.rounds.news import NewsReader
+from elastic.cluster.links.process_group import ProcessGroup, cuda_device_count, resolve_backend
+from elastic.cluster.rounds.records import SkippedRecords
+from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig
+from elastic.cluster.rounds.topology import Topology
+from elastic.cluster.rounds.tracker import RoundTracker
+from elastic.cluster.links.release_watchdog import ReleaseWatchdog
+from elastic.cluster.links.restart_in_place import restart_in_place
+from elastic.cluster.links.round_links import RoundLinks
+from elastic.cluster.links.round_store import RoundStore, StoreTimes, reach
+from elastic.foundation.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +88,7 @@ class Cluster:
         self._used_node_lease = False
         self.membership: EtcdMembership
         self.rendezvous: Rendezvous
-        self.monitor: NewsMonitor
+        self.tracker: RoundTracker
         self._port: int | None = None  # the port the registration's join request offers
         self._register(version)
 
@@ -92,13 +96,12 @@ class Cluster:
         timeouts = self.settings.timeouts
         lease_file = self.settings.lease_file
         self.membership = EtcdMembership(
-            self.client, self.keys, self.settings.advertise_addr, timeouts.lease_ttl,
-            timeouts.keepalive,
+            self.client, self.keys, self.settings.advertise_addr, timeouts,
             on_lease=None if lease_file is None else lambda lease: append_lease(lease_file, lease),
             claim=self.keys.coordinator, node_lease=self._node_lease())
         self.rendezvous = Rendezvous(self.client, self.membership, self.config, self.skipped)
-        self.monitor = NewsMonitor(self.keys, self._on_broken, self.skipped)
-        self.membership.add_listener(self.monitor.on_events)
+        self.tracker = RoundTracker(NewsReader(self.keys, self.skipped), self._on_broken)
+        self.membership.add_listener(self.tracker.on_events)
         self.membership.on_fenced(lambda: self._release_for_peers("this member was fenced"))
         carry = None
         if version is not None:
@@ -127,7 +130,7 @@ class Cluster:
         """Releases the round because the others go on without it (a member is gone, or this
         one was fenced); the training thread must now drop the round within the release
         grace."""
-        self.monitor.if_armed(lambda: self.stuck.arm(reason))  # before the drop can come
+        self.tracker.if_armed(lambda: self.stuck.arm(reason))  # before the drop can come
         self.release(reason)
 
     def _restart_in_place(self, reason: str) -> None:
@@ -187,7 +190,7 @@ class Cluster:
             LeaveInterrupt: ``cancelled()`` turned true while waiting for a round.
             EtcdUnavailableError: etcd stayed unreachable past the retry deadline.
         """
-        self.monitor.disarm()
+        self.tracker.disarm()
         self.release(f"re-forming ({reason})")
         dropped = self._drop_group()
         try:
@@ -206,7 +209,7 @@ class Cluster:
                                                     self.group.timeout, timeouts.peer,
                                                     timeouts.peer_probe))
             self.topology = topology
-            self.monitor.arm(topology, self.client)  # a member dying now aborts the forming
+            self.tracker.arm(topology, self.client)  # a member dying now aborts the forming
             self._connect(topology, store)
         self.events.emit("group_formed", backend=self.group.backend, form_s=formed.seconds)
         return topology
@@ -287,7 +290,7 @@ class Cluster:
             self.group.form(store, topology.rank, topology.world_size)
             self.channel.connect(store, self.settings.advertise_addr, topology.round,
                                  self.group.form_timeout)
-            self.channel.watch(lambda rank: self.monitor.on_peer_gone(topology.member(rank)),
+            self.channel.watch(lambda rank: self.tracker.on_peer_gone(topology.member(rank)),
                                self.settings.timeouts.wake)
         except RuntimeError as exc:  # torch's DistError family derives from RuntimeError
             raise PeerFailureError(f"forming the group of round {topology.round} failed: "
@@ -396,12 +399,12 @@ class Cluster:
     def finish(self) -> None:
         """Says this member returned from the training function and waits for the others."""
         if self.topology is not None:
-            self.monitor.disarm()
+            self.tracker.disarm()
             self.rendezvous.finish(self.topology, timeout=self.settings.timeouts.finish)
 
     def close(self) -> None:
         """Destroys the group, leaves the job (revoking the lease) and closes the client."""
-        self.monitor.disarm()
+        self.tracker.disarm()
         self.links.close()
         self.stuck.disarm()
         self.topology = None

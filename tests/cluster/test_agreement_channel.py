@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from elastic.cluster.agreement_channel import AgreementChannel
-from elastic.errors import AdvertiseAddressError, PeerFailureError
+from elastic.cluster.links.agreement_channel import AgreementChannel
+from elastic.foundation.errors import AdvertiseAddressError, PeerFailureError
 from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,9 +15,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastic.cluster.admission import HELLO, MAX_PENDING, RoundAddress
-from elastic.cluster.agreement_channel import AgreementChannel
-from elastic.cluster.records import RecordError
+from elastic.cluster.links.admission import HELLO, MAX_PENDING, RoundAddress
+from elastic.cluster.links.agreement_channel import AgreementChannel
+from elastic.cluster.rounds.records import RecordError
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,18 +19,20 @@ import aetcd.exceptions
 import grpc
 import pytest
 
-from elastic.errors import EtcdAccessError, EtcdUnavailableError
-from elastic.cluster.etcd_client import EtcdClient, WatchEvent
-from elastic.cluster.etcd_txn import Carried
-from elastic.cluster.key_range import KeyRange
+from elastic.foundation.errors import EtcdAccessError, EtcdUnavailableError
+from elastic.cluster.etcd.client import EtcdClient, WatchEvent
+from elastic.cluster.etcd.txn import Carried
+from elastic.cluster.etcd.key_range import KeyRange
 from elastic.launch.embedded_etcd import EmbeddedEtcd
 from elastic.launch.job_config import JobConfig, claim
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.membership import EtcdMembership, new_member_id
-from elastic.cluster.plan import JoinRequest, Plan
-from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig
-from elastic.timeouts import Timeouts
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.rounds.membership import EtcdMembership, new_member_id
+from elastic.cluster.rounds.plan import JoinRequest, Plan
+from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig
+from elastic.foundation.timeouts import Timeouts
 from tests.support.slow_link import SlowLink
+
+LEASE_30S = Timeouts.from_env({}, lease_ttl=timedelta(seconds=30))
 
 
 def test_create_is_a_compare_and_swap_that_only_one_caller_wins(client):
@@ -63,7 +65,8 @@ def test_a_revoked_lease_deletes_its_keys_and_the_watch_sees_it(client):
 
 
 def test_a_member_whose_lease_expires_is_fenced(client):
-    membership = EtcdMembership(client, JobKeys("fence-test"), "127.0.0.1", timedelta(seconds=1))
+    membership = EtcdMembership(client, JobKeys("fence-test"), "127.0.0.1",
+                                Timeouts.from_env({}, lease_ttl=timedelta(seconds=1)))
     fenced = threading.Event()
     membership.on_fenced(fenced.set)
     membership.register()
@@ -78,7 +81,7 @@ def test_a_member_whose_lease_expires_is_fenced(client):
 
 def test_a_graceful_leave_deletes_the_member_key_at_once(client):
     keys = JobKeys("leave-test")
-    membership = EtcdMembership(client, keys, "127.0.0.1", timedelta(seconds=30))
+    membership = EtcdMembership(client, keys, "127.0.0.1", LEASE_30S)
     membership.register()
     assert client.get(keys.member(membership.member_id)) is not None
     membership.leave()
@@ -151,7 +154,8 @@ def test_the_leases_of_a_clients_members_are_renewed_together_from_one_thread(et
     threads_before = set(threading.enumerate())
     client = BatchCountingClient(etcd.url)
     members = [EtcdMembership(client, JobKeys("renewal-batches"), "127.0.0.1",
-                              timedelta(seconds=3), keepalive=timedelta(seconds=0.5))
+                              Timeouts.from_env({}, lease_ttl=timedelta(seconds=3),
+                                                keepalive=timedelta(seconds=0.5)))
                for _ in range(30)]
     try:
         for member in members:
@@ -175,8 +179,8 @@ def test_the_leases_of_a_clients_members_are_renewed_together_from_one_thread(et
 def test_a_member_whose_id_is_taken_registers_under_another_and_leaves_the_first_as_it_was(
         client):
     keys = JobKeys("id-collision-test")
-    first = EtcdMembership(client, keys, "127.0.0.1", timedelta(seconds=30))
-    second = EtcdMembership(client, keys, "127.0.0.1", timedelta(seconds=30))
+    first = EtcdMembership(client, keys, "127.0.0.1", LEASE_30S)
+    second = EtcdMembership(client, keys, "127.0.0.1", LEASE_30S)
     second.member_id = first.member_id  # what two equal random ids in one process would give
     first.register()
     try:
@@ -418,7 +422,7 @@ class _LogSeen(logging.Handler):
 
 
 def test_an_unreachable_etcd_raises_after_the_retry_deadline_naming_the_url():
-    from elastic.cluster.ports import free_port
+    from elastic.cluster.links.ports import free_port
     url = f"http://127.0.0.1:{free_port()}"
     client = EtcdClient(url, retry_for=timedelta(seconds=2))
     started = time.monotonic()
@@ -498,8 +502,9 @@ def test_etcd_urls_without_a_port_are_rejected_with_an_example():
 
 _FORKING_LOADER = """
 import sys
-from elastic.cluster.etcd_client import EtcdClient
+from elastic.cluster.etcd.client import EtcdClient
 from torch.utils.data import DataLoader
+
 client = EtcdClient(sys.argv[1])
 client.put("fork-check", "x")
 assert sum(len(b) for b in DataLoader(list(range(64)), batch_size=8, num_workers=2)) == 64
@@ -545,7 +550,7 @@ def test_many_puts_fit_an_etcd_that_takes_fewer_operations_per_transaction_and_s
         live, gone = client.grant(timedelta(seconds=30)), client.grant(timedelta(seconds=30))
         assert client.revoke(gone)
         entries = [(f"/few/{i:03d}", f"v{i}", gone if i == 7 else live) for i in range(60)]
-        with caplog.at_level(logging.INFO, logger="elastic.cluster.etcd_client"):
+        with caplog.at_level(logging.INFO, logger="elastic.cluster.etcd.client"):
             assert client.put_many(entries) == ["/few/007"]
             assert client.put_many(entries[8:]) == []  # the size that fits is kept
         written, _ = client.get_prefix("/few/")
@@ -739,7 +744,7 @@ def test_create_with_an_unchanged_guard_fails_once_the_guarded_key_moved(client)
 
 def test_a_member_delayed_past_later_rounds_never_moves_the_round_back(client):
     keys = JobKeys("delayed-member")
-    membership = EtcdMembership(client, keys, "127.0.0.1", timedelta(seconds=30))
+    membership = EtcdMembership(client, keys, "127.0.0.1", LEASE_30S)
     membership.register()
     try:
         rendezvous = Rendezvous(client, membership,
@@ -763,7 +768,7 @@ def test_the_launcher_and_the_key_builder_import_no_grpc_before_the_etcd_client_
     client sets it first. A module imported before the client that pulls gRPC in lets gRPC's
     own log lines through to the user (a TLS refusal printed twice)."""
     probe = ("import sys\n"
-             "import elastic.launch.cli, elastic.cluster.keys, elastic.cluster.plan\n"
+             "import elastic.launch.cli, elastic.cluster.rounds.keys, elastic.cluster.rounds.plan\n"
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'aetcd')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          timeout=60, check=True).stdout

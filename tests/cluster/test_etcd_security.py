@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from elastic.cluster.etcd_client import EtcdClient, uses_tls
-from elastic.cluster.key_range import KeyRange
-from elastic.cluster.keys import JobKeys
-from elastic.errors import EtcdAccessError
+from elastic.cluster.etcd.client import EtcdClient, uses_tls
+from elastic.cluster.etcd.key_range import KeyRange
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.foundation.errors import EtcdAccessError
 from elastic.launch.embedded_etcd import find_etcd_binary
-from elastic.settings import EtcdSecurity
+from elastic.foundation.settings import EtcdSecurity
 from tests.support.tls_etcd import JOB_A, JOB_B, JOB_USERS, ROOT_PASSWORD, Pki, SecureEtcd
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from elastic.cluster.release_watchdog import ReleaseWatchdog
+from elastic.cluster.links.release_watchdog import ReleaseWatchdog
 
 pytestmark = pytest.mark.unit
 

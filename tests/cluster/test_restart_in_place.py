@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(60)
 
 CHILD = textwrap.dedent("""
     import json, os, socket, subprocess, sys
-    from elastic.cluster.restart_in_place import restart_in_place
+    from elastic.cluster.links.restart_in_place import restart_in_place
     if os.environ.get("RESTARTED"):
         links = []
         for name in os.listdir("/proc/self/fd"):

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.cluster.etcd_client import EtcdClient
-from elastic.cluster.keys import JobKeys
-from elastic.cluster import round_store
-from elastic.cluster.round_store import RoundStore, StoreTimes
+from elastic.cluster.etcd.client import EtcdClient
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.links import round_store
+from elastic.cluster.links.round_store import RoundStore, StoreTimes
 
 pytestmark = pytest.mark.timeout(120)
 WAIT = timedelta(seconds=30)

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from elastic.cluster.etcd_client import EtcdClient
-from elastic.cluster.keys import JobKeys
+from elastic.cluster.etcd.client import EtcdClient
+from elastic.cluster.rounds.keys import JobKeys
 from tests.support.cli import WORKERS, events, wait_until, worker_pids
 
 pytestmark = pytest.mark.timeout(120)

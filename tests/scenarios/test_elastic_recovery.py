@@ -174,7 +174,7 @@ def test_too_few_workers_end_in_a_rendezvous_timeout_that_names_the_counts(make_
 
 
 def test_an_unreachable_etcd_fails_after_bounded_retries_naming_the_url(make_job, tmp_path):
-    from elastic.cluster.ports import free_port
+    from elastic.cluster.links.ports import free_port
     url = f"http://127.0.0.1:{free_port()}"
     # Retries of 3 s, not the default 10 s: the bound is what is tested, not its default.
     job = make_job(ARGS, {"ELASTIC_ETCD": url, "ELASTIC_ETCD_RETRY": "3"})

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from elastic.cluster.ports import free_port
+from elastic.cluster.links.ports import free_port
 from tests.scenarios.test_elastic_recovery import SAMPLES, check_outcome
 
 # Two epochs: each durable commit fails only after its retries and a listing's timeout (about
