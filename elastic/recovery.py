@@ -22,6 +22,7 @@ from typing import Any
 from elastic.checkpoint import CheckpointError
 from elastic.cluster.cluster import Cluster
 from elastic.cluster.rendezvous import Topology
+from elastic.cluster.restart_in_place import round_environment
 from elastic.durable import DurableCommits
 from elastic.errors import (EtcdUnavailableError, FencedError, LeaveInterrupt,
                             MembershipChangedInterrupt, PeerFailureError, RendezvousClosedError)
@@ -218,8 +219,7 @@ class RunLoop:
         """
         cluster = self._cluster
         topology = cluster.form(reason, self._train.version, self._leave_requested.is_set)
-        os.environ.update(RANK=str(topology.rank), WORLD_SIZE=str(topology.world_size),
-                          MASTER_ADDR=topology.master_addr, MASTER_PORT=str(topology.master_port))
+        os.environ.update(round_environment(topology))
         with Stopwatch() as synced:
             try:
                 src, moved = self._sync_newest(topology)

@@ -152,8 +152,9 @@ class Timeouts:
     shutdown: timedelta = _entry(5)
     """Default 5 s (``ELASTIC_SHUTDOWN``): how long stopping something waits for it to end:
     the etcd client's connection and thread, a watch, the signal relay thread, an embedded etcd
-    after SIGTERM (then SIGKILL); also how much longer than ``etcd_rpc`` a request waits for
-    the etcd client's thread to hand its reply back."""
+    after SIGTERM (then SIGKILL), a restarting worker's subprocesses after SIGKILL and its
+    resource tracker after its pipe closed (each); also how much longer than ``etcd_rpc`` a
+    request waits for the etcd client's thread to hand its reply back."""
     reap: timedelta = _entry(10)
     """Default 10 s (``ELASTIC_REAP``): how long the launcher waits for a worker it killed
     (SIGKILL) to be reaped before it reports the worker as a survivor."""

@@ -144,7 +144,7 @@ class Cluster:
         except (EtcdUnavailableError, EtcdAccessError, FencedError) as exc:
             log.warning("could not leave the job before restarting (%s); the lease expires "
                         "in %s", exc, self.settings.timeouts.lease_ttl)
-        restart_in_place()
+        restart_in_place(self.settings.timeouts.shutdown)
 
     def release(self, reason: str) -> None:
         """Unblocks every collective and agreement of the round now; safe from any thread."""
