@@ -19,8 +19,10 @@ import tenacity
 
 from elastic.cluster.agreement_channel import AgreementChannel
 from elastic.cluster.ports import answers, free_port
-from elastic.errors import (CutOffError, EtcdAccessError, EtcdUnavailableError, FencedError,
-                            LeaveInterrupt, PeerFailureError, RendezvousTimeoutError)
+from elastic.errors import (CutOffError, EtcdAccessError, EtcdRecordError, EtcdUnavailableError,
+                            FencedError, LeaveInterrupt, PeerFailureError,
+                            RendezvousTimeoutError)
+from elastic.cluster.commit_holders import other_holder
 from elastic.cluster.etcd_client import EtcdClient, parse_endpoints
 from elastic.events import EventLog, Stopwatch
 from elastic.cluster.keys import JobKeys
@@ -48,10 +50,13 @@ class Cluster:
         events: where events are recorded.
         version: the version of the worker's newest commit, when known: its registration
             then carries its first join request (``Rendezvous.first_join``).
+        newest: the version of the worker's newest commit, asked when its training thread
+            stays inside a released step (a restart in place must not lose it).
     """
 
     def __init__(self, settings: WorkerSettings, events: EventLog,
-                 version: int | None = None) -> None:
+                 version: int | None = None,
+                 newest: Callable[[], int] = lambda: 0) -> None:
         if not settings.etcd or not settings.job_id:
             raise ValueError(
                 "ElasticState.run() needs an etcd and a job id: launch with `elastic run`, or "
@@ -77,7 +82,9 @@ class Cluster:
         self._last: Topology | None = None  # the round of the retired channel
         self._probed = 0  # the round whose rank 0 this worker last checked it could reach
         self.links = RoundLinks(self.group, AgreementChannel(0, 1, self.group.timeout))
-        self.stuck = ReleaseWatchdog(timeouts.release, self._restart_in_place)
+        self._newest = newest
+        self._told_waiting = False  # said once per release that it waits as the holder
+        self.stuck = ReleaseWatchdog(timeouts.release, self._on_stuck)
         self.skipped = SkippedRecords()  # malformed records read from etcd, warned once each
         self._said_committed = False
         self._used_node_lease = False
@@ -129,14 +136,39 @@ class Cluster:
         self.monitor.if_armed(lambda: self.stuck.arm(reason))  # before the drop can come
         self.release(reason)
 
-    def _restart_in_place(self, reason: str) -> None:
-        """The release watchdog's verdict: leaves the job (so that nobody waits for this
-        member) and replaces the process with a fresh run of its command."""
+    def _on_stuck(self, reason: str) -> bool:
+        """The release watchdog's verdict: restarts in place when another live member holds
+        this one's newest commit (never returns then); otherwise returns True, to be asked
+        again after another grace: leaving would lose the commit, and the step may yet end."""
+        version, topology = self._newest(), self.topology
+        try:
+            holder = None if topology is None else other_holder(
+                self.client, self.keys, self.rendezvous, self.member_id, topology.round, version)
+        except (EtcdUnavailableError, EtcdAccessError, EtcdRecordError) as exc:
+            log.warning("could not learn whether another member holds commit %d (%s)", version,
+                        exc)
+            holder = None
+        if holder is not None:
+            self._restart_in_place(reason, holder)
+        if not self._told_waiting:
+            self._told_waiting = True
+            log.warning("the training thread is still inside its step %s after the round was "
+                        "released (%s), and no other live member asked to join with its commit "
+                        "(version %d): it stays, as a restart in place would lose that commit; "
+                        "the others wait for it (up to ELASTIC_REJOIN_TIMEOUT)", self.stuck.grace,
+                        reason, version)
+            self.events.emit("stuck_holding", reason=reason, version=version)
+        return True
+
+    def _restart_in_place(self, reason: str, holder: str) -> None:
+        """Leaves the job (so that nobody waits for this member) and replaces the process
+        with a fresh run of its command, which gets the commit back from ``holder``."""
         log.error("the training thread is still inside its step %s after the round was "
                   "released (%s): a collective that the release did not wake, or a step with "
                   "no collective longer than ELASTIC_RELEASE_GRACE; leaving the job and "
-                  "restarting this worker in place", self.stuck.grace, reason)
-        self.events.emit("restarting_in_place", reason=reason,
+                  "restarting this worker in place (%s holds its commit)", self.stuck.grace,
+                  reason, holder)
+        self.events.emit("restarting_in_place", reason=reason, holder=holder,
                          grace_s=self.stuck.grace.total_seconds())
         try:
             self.rendezvous.stop()
@@ -333,6 +365,7 @@ class Cluster:
             PeerFailureError: destroying the group failed or took longer than the form timeout.
         """
         self.stuck.disarm()
+        self._told_waiting = False
         if self.topology is not None:
             self._last = self.topology
         self.topology = None
