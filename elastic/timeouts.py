@@ -100,6 +100,11 @@ class Timeouts:
     finish: timedelta = _entry(300, "ELASTIC_FINISH_TIMEOUT")
     """Default 300 s (``ELASTIC_FINISH_TIMEOUT``): how long a member that returned from training
     waits for the others of its round to return or go."""
+    finished_marker: timedelta = _entry(600)
+    """Default 600 s (``ELASTIC_FINISHED_MARKER``): how long the keys that say a job finished (its
+    news, its round counter and its last round's done marks) outlive the job, bound to a lease
+    of this TTL: a worker that comes within it is told the job finished; after it the job
+    id is free again."""
     progress: timedelta = _entry(0.5)
     """Default 0.5 s (``ELASTIC_PROGRESS``): how often rank 0 records a progress event."""
     storage_retry: timedelta = _entry(60)

@@ -24,6 +24,7 @@ from elastic.errors import (CutOffError, EtcdAccessError, EtcdRecordError, EtcdU
                             RendezvousTimeoutError)
 from elastic.cluster.commit_holders import other_holder
 from elastic.cluster.etcd_client import EtcdClient, parse_endpoints
+from elastic.cluster.finished_job import clear_finished_job
 from elastic.events import EventLog, Stopwatch
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.lease_file import append_committed, append_lease, append_member, heartbeat
@@ -437,7 +438,19 @@ class Cluster:
         self.links.close()
         self.stuck.disarm()
         self.topology = None
+        done = self.rendezvous.is_job_done()
         self.rendezvous.stop()
         self.membership.leave()
         self.events.emit("left")
+        if done:
+            self._clear_job()
         self.client.close()
+
+    def _clear_job(self) -> None:
+        """Deletes the finished job's keys but those that say it finished, which a lease
+        ends (``finished_job``)."""
+        try:
+            clear_finished_job(self.client, self.keys, self.settings.timeouts.finished_marker)
+        except (EtcdUnavailableError, EtcdAccessError, EtcdRecordError) as exc:
+            log.warning("could not delete the finished job's keys under %s (%s); delete them "
+                        "with `etcdctl del --prefix %s`", self.keys.prefix, exc, self.keys.prefix)
