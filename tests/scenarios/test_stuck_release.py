@@ -16,7 +16,10 @@ GRACE_S = 3.0
 
 
 def test_a_worker_blocked_after_its_round_was_released_restarts_in_place_and_rejoins(make_job):
-    job = make_job(ARGS + ["--step-ms", "100"],
+    # From step 24 on, each commit waits until the world is 2 again: the restarted process
+    # (a cold start: seconds of CPU, several times that on a loaded machine) rejoins before the
+    # job can end without it, whatever the machine's load.
+    job = make_job(ARGS + ["--step-ms", "100", "--hold-at", "24", "--hold-world", "2"],
                    {"FAULTS": "kill:1:20,stuck:2:20", "ELASTIC_RELEASE_GRACE": str(GRACE_S)})
     job.start_together(range(3))
     assert job.wait_exit(1) == -signal.SIGKILL
