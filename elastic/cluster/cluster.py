@@ -15,14 +15,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import tenacity
-
 from elastic.cluster.agreement_channel import AgreementChannel
 from elastic.cluster.ports import answers, free_port
 from elastic.errors import (CutOffError, EtcdAccessError, EtcdRecordError, EtcdUnavailableError,
-                            FencedError, LeaveInterrupt, PeerFailureError,
-                            RendezvousTimeoutError)
+                            FencedError, PeerFailureError)
 from elastic.cluster.commit_holders import other_holder
+from elastic.cluster.reconnection import await_peers
 from elastic.cluster.etcd_client import EtcdClient, parse_endpoints
 from elastic.cluster.finished_job import clear_finished_job
 from elastic.events import EventLog, Stopwatch
@@ -35,9 +33,9 @@ from elastic.cluster.process_group import ProcessGroup, cuda_device_count, resol
 from elastic.cluster.records import SkippedRecords
 from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
 from elastic.cluster.release_watchdog import ReleaseWatchdog
-from elastic.cluster.restart_in_place import restart_in_place
 from elastic.cluster.round_links import RoundLinks
-from elastic.cluster.round_store import RoundStore, StoreTimes, reach
+from elastic.cluster.round_store import RoundStore, StoreTimes
+from elastic.cluster.stuck_verdict import StuckVerdict
 from elastic.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -83,9 +81,9 @@ class Cluster:
         self._last: Topology | None = None  # the round of the retired channel
         self._probed = 0  # the round whose rank 0 this worker last checked it could reach
         self.links = RoundLinks(self.group, AgreementChannel(0, 1, self.group.timeout))
-        self._newest = newest
-        self._told_waiting = False  # said once per release that it waits as the holder
-        self.stuck = ReleaseWatchdog(timeouts.release, self._on_stuck)
+        self._verdict = StuckVerdict(events, timeouts, newest, self._other_holder,
+                                     self._leave_to_restart)
+        self.stuck = ReleaseWatchdog(timeouts.release, self._verdict)
         self.skipped = SkippedRecords()  # malformed records read from etcd, warned once each
         self._said_committed = False
         self._used_node_lease = False
@@ -137,47 +135,16 @@ class Cluster:
         self.monitor.if_armed(lambda: self.stuck.arm(reason))  # before the drop can come
         self.release(reason)
 
-    def _on_stuck(self, reason: str) -> bool:
-        """The release watchdog's verdict: restarts in place when another live member holds
-        this one's newest commit (never returns then); otherwise returns True, to be asked
-        again after another grace: leaving would lose the commit, and the step may yet end."""
-        version, topology = self._newest(), self.topology
-        try:
-            holder = None if topology is None else other_holder(
-                self.client, self.keys, self.rendezvous, self.member_id, topology.round, version)
-        except (EtcdUnavailableError, EtcdAccessError, EtcdRecordError) as exc:
-            log.warning("could not learn whether another member holds commit %d (%s)", version,
-                        exc)
-            holder = None
-        if holder is not None:
-            self._restart_in_place(reason, holder)
-        if not self._told_waiting:
-            self._told_waiting = True
-            log.warning("the training thread is still inside its step %s after the round was "
-                        "released (%s), and no other live member asked to join with its commit "
-                        "(version %d): it stays, as a restart in place would lose that commit; "
-                        "the others wait for it (up to ELASTIC_REJOIN_TIMEOUT)", self.stuck.grace,
-                        reason, version)
-            self.events.emit("stuck_holding", reason=reason, version=version)
-        return True
+    def _other_holder(self, version: int) -> str | None:
+        """A live member other than this one that asked to join a round after this one's with
+        commit ``version`` or newer (``commit_holders``; None: none, or no round)."""
+        topology = self.topology
+        return None if topology is None else other_holder(
+            self.client, self.keys, self.rendezvous, self.member_id, topology.round, version)
 
-    def _restart_in_place(self, reason: str, holder: str) -> None:
-        """Leaves the job (so that nobody waits for this member) and replaces the process
-        with a fresh run of its command, which gets the commit back from ``holder``."""
-        log.error("the training thread is still inside its step %s after the round was "
-                  "released (%s): a collective that the release did not wake, or a step with "
-                  "no collective longer than ELASTIC_RELEASE_GRACE; leaving the job and "
-                  "restarting this worker in place (%s holds its commit)", self.stuck.grace,
-                  reason, holder)
-        self.events.emit("restarting_in_place", reason=reason, holder=holder,
-                         grace_s=self.stuck.grace.total_seconds())
-        try:
-            self.rendezvous.stop()
-            self.membership.leave()
-        except (EtcdUnavailableError, EtcdAccessError, FencedError) as exc:
-            log.warning("could not leave the job before restarting (%s); the lease expires "
-                        "in %s", exc, self.settings.timeouts.lease_ttl)
-        restart_in_place(self.settings.timeouts.shutdown)
+    def _leave_to_restart(self) -> None:
+        self.rendezvous.stop()
+        self.membership.leave()
 
     def release(self, reason: str) -> None:
         """Unblocks every collective and agreement of the round now; safe from any thread."""
@@ -263,49 +230,14 @@ class Cluster:
                     self.events.emit("cut_off", reason=str(exc))
                     log.warning("%s; it comes back as a new member once it reaches them", exc)
                     self.renew_identity()
-                    self._await_peers(cancelled)
+                    await_peers(self.client, self.keys, self.rendezvous.latest_round,
+                                self.settings.timeouts, cancelled)
                     reason = "start"
                     continue
             if topology is not None:
                 return topology, reason, waited.seconds
             self.events.emit("spare", waited_s=waited.seconds)
             reason = "spare"
-
-    def _await_peers(self, cancelled: Callable[[], bool]) -> None:
-        """Waits until this member, which its peers lost, reaches rank 0 of the newest round
-        again, before it asks to join: a member still cut off would make the others re-form
-        around it and wait the form timeout for it, again and again.
-
-        Raises:
-            LeaveInterrupt: ``cancelled()`` turned true (SIGTERM) while waiting.
-            RendezvousTimeoutError: still unreachable after the admit timeout.
-        """
-        timeouts = self.settings.timeouts
-        told: list[str] = []
-
-        def tell_once(state: tenacity.RetryCallState) -> None:  # not a line per attempt
-            if not told and state.outcome is not None:
-                told.append(f"{state.outcome.exception()}")
-                log.warning("waiting to reach the job's other members again (%s)", told[0])
-
-        retrying = tenacity.Retrying(
-            stop=tenacity.stop_any(tenacity.stop_after_delay(timeouts.admit.total_seconds()),
-                                   lambda _: cancelled()),
-            retry=tenacity.retry_if_exception_type(OSError),
-            wait=tenacity.wait_exponential_jitter(initial=timeouts.backoff.total_seconds(),
-                                                  max=timeouts.backoff_max.total_seconds()),
-            before_sleep=tell_once, reraise=True)
-        try:
-            for attempt in retrying:
-                with attempt:
-                    latest = self.rendezvous.latest_round()
-                    reach(self.client, self.keys.store_address(latest), timeouts.peer)
-        except OSError as exc:
-            if cancelled():
-                raise LeaveInterrupt("asked to leave while cut off from the job") from None
-            raise RendezvousTimeoutError(
-                f"could not reach the job's other members within {timeouts.admit} ({exc}): "
-                f"check the network between this machine and theirs.") from None
 
     def _connect(self, topology: Topology, store: RoundStore) -> None:
         """Connects the round's store, then forms its group and agreement channel.
@@ -366,7 +298,7 @@ class Cluster:
             PeerFailureError: destroying the group failed or took longer than the form timeout.
         """
         self.stuck.disarm()
-        self._told_waiting = False
+        self._verdict.reset()
         if self.topology is not None:
             self._last = self.topology
         self.topology = None
