@@ -16,10 +16,11 @@ from elastic.timeouts import Timeouts
 
 REASONS = frozenset({"start", "change", "failure", "spare"})
 _JOIN_FIELDS = {"member_id": True, "version": True, "reason": True, "addr": True, "port": True,
-                "standby": False, "from_round": False, "from_world": False}
+                "standby": False, "from_round": False, "from_world": False, "node": False,
+                "node_workers": False}
 _MAX_WORLD = 10**7
 _PLAN_FIELDS = {"round": True, "ranks": True, "spares": False, "master_addr": False,
-                "master_port": False, "versions": False, "cut": False}
+                "master_port": False, "versions": False, "cut": False, "target": False}
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,10 @@ class JoinRequest:
     (``elastic run --spares``): it takes a place in a round only when a member of the previous
     round is gone, never to grow the world. ``from_round`` and ``from_world`` name the round this
     process was last in and its world size (0: none), so that a first round after etcd lost
-    its rounds waits for the old world (``roll_call.returning_short``).
+    its rounds waits for the old world (``roll_call.returning_short``). ``node`` names the
+    launcher that started this member and ``node_workers`` how many workers it started (""
+    and 0 for a worker started by hand): a job's first round waits for all of them
+    (``should_close``).
     """
 
     member_id: str
@@ -44,6 +48,8 @@ class JoinRequest:
     standby: bool = False
     from_round: int = 0
     from_world: int = 0
+    node: str = ""
+    node_workers: int = 0
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -72,7 +78,12 @@ class JoinRequest:
                            from_round=records.integer("from_round", data.get("from_round", 0), 0,
                                                       records.MAX_ROUND),
                            from_world=records.integer("from_world", data.get("from_world", 0), 0,
-                                                      _MAX_WORLD))
+                                                      _MAX_WORLD),
+                           node=records.member_id("node", data["node"]) if data.get("node")
+                           else "",
+                           node_workers=records.integer("node_workers",
+                                                        data.get("node_workers", 0), 0,
+                                                        _MAX_WORLD))
 
 
 @dataclass(frozen=True)
@@ -86,10 +97,16 @@ class Plan:
     master_port: int = 0
     versions: dict[str, int] = field(default_factory=dict)
     cut: list[str] = field(default_factory=list)  # left out, maybe alive: cut off
+    target: int = 0  # the world warm spares fill back to (0: this round's world)
 
     @property
     def world_size(self) -> int:
         return len(self.ranks)
+
+    @property
+    def is_full(self) -> bool:
+        """Whether the world is at its target: a warm spare has no place to fill."""
+        return self.world_size >= self.target
 
     def to_json(self) -> str:
         """The stored form: ``versions`` as a list in the order of ``ranks`` then ``spares``
@@ -120,7 +137,8 @@ class Plan:
                                                 data.get("master_addr", "127.0.0.1")),
                     master_port=records.integer("master_port", data.get("master_port", 0), 0,
                                                 65535),
-                    versions=versions, cut=cut)
+                    versions=versions, cut=cut,
+                    target=records.integer("target", data.get("target", 0), 0, _MAX_WORLD))
 
 
 def _versions(value: object, members: list[str]) -> dict[str, int]:
@@ -157,6 +175,8 @@ class RendezvousConfig:
     max_workers: int | None = None
     timeouts: Timeouts = Timeouts()
     standby: bool = False  # this member is a warm spare (``elastic run --spares``)
+    node: str = ""  # the launcher that started this member (``JoinRequest.node``)
+    node_workers: int = 0  # how many workers that launcher started (0: unknown)
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -173,6 +193,19 @@ class CloseRule:
     min_workers: int
     max_workers: int | None
     settle_s: float
+    local_start_s: float = 0.0  # how long a first round waits for a launcher's workers
+
+
+def has_nodes_short(requests: list[JoinRequest]) -> bool:
+    """Whether a launcher named in ``requests`` started more workers than have asked (warm
+    spares apart): the rest are still starting (importing torch, say)."""
+    asked: dict[str, int] = {}
+    expected: dict[str, int] = {}
+    for request in requests:
+        if request.node and not request.standby:
+            asked[request.node] = asked.get(request.node, 0) + 1
+            expected[request.node] = max(expected.get(request.node, 0), request.node_workers)
+    return any(asked[node] < expected[node] for node in asked)
 
 
 def should_close(requests: list[JoinRequest], live: set[str], has_previous: bool,
@@ -192,19 +225,25 @@ def should_close(requests: list[JoinRequest], live: set[str], has_previous: bool
     complete = live <= joined
     core = sum(not r.standby for r in requests)
     full = rule.max_workers is not None and core >= rule.max_workers
-    settled = quiet_s >= rule.settle_s
+    # A first round also waits for every worker the launchers named in it started, as long as
+    # something changes within ``local_start_s``: under load a node's workers reach ``run()``
+    # seconds apart, more than the settle window.
+    wait_s = rule.settle_s if has_previous or not has_nodes_short(requests) \
+        else max(rule.settle_s, rule.local_start_s)
+    settled = quiet_s >= wait_s
     # A re-formation has its own rule (``roll_call.may_close``): a window passing never leaves
     # out a member of the last round.
     return complete and (has_previous or full or settled)
 
 
 def assign_ranks(requests: list[JoinRequest], previous: list[str], round_: int,
-                 max_workers: int | None, min_workers: int = 1) -> Plan:
+                 max_workers: int | None, min_workers: int = 1, target: int = 0) -> Plan:
     """Orders the requests into ranks: the newest commit first (it becomes rank 0, the source of
     the state), then members of the previous round in their old order, then by arrival.
     Members beyond ``max_workers`` become spares. A warm spare (``standby``) that was not in the
-    previous round is taken only to fill the place of a previous member that is gone (or to
-    reach ``min_workers``); the others stay spares.
+    previous round is taken only to fill the world back to the previous round's ``target`` (the
+    largest world the job has had, within ``max_workers``), or to the previous round's size,
+    or to ``min_workers``; the others stay spares. The plan carries the new target on.
     """
     if not requests:
         raise ValueError("A round needs at least one join request.")
@@ -215,13 +254,15 @@ def assign_ranks(requests: list[JoinRequest], previous: list[str], round_: int,
     # lists hold every member of the job.
     waiting = [i for i, r in enumerate(ordered) if r.standby and r.member_id not in old_rank]
     taken = set(range(len(ordered))).difference(waiting)
-    places = max(len(previous), min_workers) - len(taken)
+    places = max(target, len(previous), min_workers) - len(taken)
     taken.update(waiting[:max(0, places)])
     candidates = [ordered[i] for i in sorted(taken)]
     cut = len(candidates) if max_workers is None else max_workers
     chosen = candidates[:cut]
     chosen_ids = {r.member_id for r in chosen}
     spares = [r for r in ordered if r.member_id not in chosen_ids]
+    most = max(target, len(chosen))
     return Plan(round=round_, ranks=[r.member_id for r in chosen],
                 spares=[r.member_id for r in spares], master_addr=chosen[0].addr,
-                master_port=chosen[0].port, versions={r.member_id: r.version for r in requests})
+                master_port=chosen[0].port, versions={r.member_id: r.version for r in requests},
+                target=most if max_workers is None else min(most, max_workers))

@@ -12,6 +12,7 @@ see it. It reads no environment variables: ``elastic.launch.cli`` hands it every
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -30,7 +31,8 @@ from elastic.launch.node_members import NodeMembers
 from elastic.launch.joined import JoinedWorkers
 from elastic.launch.output import OutputOptions, WorkerOutput
 from elastic.launch.replacements import Replacement, Replacements
-from elastic.launch.restarts import Restarts
+from elastic.launch.restarts import Restarts, import_failure
+from elastic.cluster.lease_file import RAN, SETUP_ERROR
 from elastic.launch.stop_signal import StopSignal
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership
@@ -197,7 +199,7 @@ class Launcher:
         self.spec = spec
         self.keys = JobKeys(spec.job_id)
         self.procs = WorkerProcs(spec.command, spec.env, spec.timeouts.reap,
-                                 WorkerOutput(spec.output, socket.gethostname()))
+                                 spec.timeouts.drain, WorkerOutput(spec.output, socket.gethostname()))
         self.stop = StopSignal(self.procs.changed, shutdown=spec.timeouts.shutdown)
         self.client: EtcdClient | None = None
         self.membership: EtcdMembership | None = None
@@ -206,6 +208,7 @@ class Launcher:
         self.replacements: Replacements | None = None
         self.etcd_exit: EtcdExit | None = None
         self.node_members: NodeMembers | None = None  # with --node-lease
+        self._spares: set[int] = set()  # pids of warm spares that have not taken a place
 
     def connect(self) -> bool:
         """Connects to etcd, claims or checks the job's configuration and registers.
@@ -313,14 +316,19 @@ class Launcher:
                 if code == 0:
                     if self.node_members is not None:
                         self.node_members.forget_finished(worker.pid)
+                    if not self.leases.has_mark(worker.pid, RAN):
+                        _say(restarts.never_joined(worker.local_rank, worker.pid))
                     continue
-                self._revoke(worker.pid, code)
+                setup_error = self.leases.has_mark(worker.pid, SETUP_ERROR)
+                error_line = worker.last_error_line()
+                self._revoke(worker.pid, code, hint=not setup_error
+                             and import_failure(error_line) is None)
                 committed = self.leases.has_committed(worker.pid)
                 self.leases.forget(worker.pid)
                 joined = self._has_joined(worker.pid)
                 finished = self.joined is not None and self.joined.has_finished(worker.pid)
-                refusal = restarts.refusal(worker.local_rank, worker.last_error_line(), joined,
-                                           finished, committed)
+                refusal = restarts.refusal(worker.local_rank, error_line, joined, finished,
+                                           committed, setup_error)
                 if refusal:
                     _say(refusal)
                     continue
@@ -337,7 +345,7 @@ class Launcher:
         held = self.replacements.hold(replacement, members)
         when = (f" once the others re-formed without it (at most "
                 f"{self.spec.timeouts.replace_wait.total_seconds():g} s)" if held else "")
-        if self.spec.spares:
+        if self._take_waiting_spare(pid):
             _say(f"a warm spare takes the place of worker local_rank={local_rank}; starting a "
                  f"new spare in its slot{when} (restart {restarts.used} of "
                  f"{self.spec.max_restarts})")
@@ -347,22 +355,41 @@ class Launcher:
         if not held:
             self._start(replacement.local_rank, replacement.standby)
 
+    def _take_waiting_spare(self, dead: int) -> bool:
+        """Whether a warm spare of this node was waiting (running and joined) to take the place
+        of worker ``dead``; that spare counts as placed from now on. A spare's own death takes
+        no spare's place. Otherwise the replacement fills the place when it is ready."""
+        if dead in self._spares:
+            self._spares.discard(dead)
+            return False
+        running = {w.pid for w in self.procs.running()}
+        waiting = sorted(p for p in self._spares if p in running and self._has_joined(p))
+        if not waiting:
+            return False
+        self._spares.discard(waiting[0])
+        return True
+
     def _start(self, local_rank: int, standby: bool = False) -> None:
         """Starts one worker (``standby``: a warm spare), with a file of its own to report its
         leases in."""
         path = self.leases.new_path(local_rank)
         env = {**self.spec.worker_env(local_rank, standby), "ELASTIC_LEASE_FILE": path}
+        if self.membership is not None:  # its first round waits for the launcher's workers
+            env["ELASTIC_LAUNCHER"] = self.membership.member_id
+        env["ELASTIC_LAUNCHER_PID"] = str(os.getpid())  # checked as it joins
         if self.node_members is not None:
             assert self.membership is not None, "connect() first"
             env["ELASTIC_NODE_LEASE"] = str(self.membership.lease)
         worker = self.procs.start(local_rank, env)
         self.leases.assign(worker.pid, path)
+        if standby:
+            self._spares.add(worker.pid)
 
     def _has_joined(self, pid: int) -> bool:
         """Whether worker ``pid`` ever registered as a member of the job."""
         return self.joined is not None and self.joined.has_joined(pid)
 
-    def _revoke(self, pid: int, code: int) -> None:
+    def _revoke(self, pid: int, code: int, hint: bool = True) -> None:
         assert self.client is not None
         leases = self.leases.read(pid)
         try:
@@ -376,12 +403,12 @@ class Launcher:
         elif dropped:
             _say(f"worker pid={pid} {describe_exit(code)}; removed it from the job (member "
                  f"{dropped[-1]})")
-        elif self._has_joined(pid):
+        elif self._has_joined(pid) and code > 0:
             _say(f"worker pid={pid} {describe_exit(code)} after it had joined the job and left "
                  "it (its own error; see its output above)")
-        elif leases:
+        elif leases or self._has_joined(pid):
             _say(f"worker pid={pid} {describe_exit(code)}; its lease was gone already")
-        else:
+        elif hint:  # (no hint: the refusal to restart it says what went wrong)
             _say(f"worker pid={pid} {describe_exit(code)} before it joined the job. If it is a "
                  "plain torch.distributed script (no ElasticState), run it with "
                  "`elastic run --plain`.")
