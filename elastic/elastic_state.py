@@ -357,7 +357,8 @@ class ElasticState:
             if not self._train.has_commit:
                 self._train.commit()  # the initial state is the first rollback point
             # Its version known, the registration carries the first join request.
-            self._cluster = Cluster(self._settings, events, self._train.version)
+            self._cluster = Cluster(self._settings, events, self._train.version,
+                                    lambda: self._train.version)
         except BaseException as exc:
             restore_signals()
             if isinstance(exc, ElasticError):  # every frame below is the package's

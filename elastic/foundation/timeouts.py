@@ -104,6 +104,11 @@ class Timeouts:
     finish: timedelta = _entry(300, "ELASTIC_FINISH_TIMEOUT")
     """Default 300 s (``ELASTIC_FINISH_TIMEOUT``): how long a member that returned from training
     waits for the others of its round to return or go."""
+    finished_marker: timedelta = _entry(600)
+    """Default 600 s (``ELASTIC_FINISHED_MARKER``): how long the keys that say a job finished (its
+    news, its round counter and its last round's done marks) outlive the job, bound to a lease
+    of this TTL: a worker that comes within it is told the job finished; after it the job
+    id is free again."""
     progress: timedelta = _entry(0.5)
     """Default 0.5 s (``ELASTIC_PROGRESS``): how often rank 0 records a progress event."""
     storage_retry: timedelta = _entry(60)
@@ -156,8 +161,9 @@ class Timeouts:
     shutdown: timedelta = _entry(5)
     """Default 5 s (``ELASTIC_SHUTDOWN``): how long stopping something waits for it to end:
     the etcd client's connection and thread, a watch, the signal relay thread, an embedded etcd
-    after SIGTERM (then SIGKILL); also how much longer than ``etcd_rpc`` a request waits for
-    the etcd client's thread to hand its reply back."""
+    after SIGTERM (then SIGKILL), a restarting worker's subprocesses after SIGKILL and its
+    resource tracker after its pipe closed (each); also how much longer than ``etcd_rpc`` a
+    request waits for the etcd client's thread to hand its reply back."""
     drain: timedelta = _entry(0.2)
     """Default 0.2 s (``ELASTIC_DRAIN``): how long the launcher, once a worker exited, waits
     for the last of its output to be copied before it acts on the exit (revokes its lease,

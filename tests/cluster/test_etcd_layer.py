@@ -543,6 +543,27 @@ def test_replace_clearing_prefixes_writes_and_clears_in_one_guarded_transaction(
     assert client.get("/t/clr/job/config").value == b"new"
 
 
+def test_keep_only_deletes_the_rest_of_a_prefix_and_binds_the_kept_keys_to_the_lease(client):
+    for key in ("/t/keep/job/a", "/t/keep/job/control/news", "/t/keep/job/m/1",
+                "/t/keep/job/round", "/t/keep/job/z", "/t/keep/job.launchers/a"):
+        client.put(key, key.rsplit("/", 1)[1])
+    kept = [client.get("/t/keep/job/control/news"), client.get("/t/keep/job/round")]
+    lease = client.grant(timedelta(seconds=30))
+    assert client.keep_only("/t/keep/job/", kept, lease)
+    left, _ = client.get_prefix("/t/keep/")
+    assert [(kv.key, kv.value, kv.lease) for kv in left] == [
+        ("/t/keep/job.launchers/a", b"a", 0), ("/t/keep/job/control/news", b"news", lease),
+        ("/t/keep/job/round", b"round", lease)]
+    assert client.keep_only("/t/keep/job/", kept, lease), "a retry finds its own writes"
+    client.put("/t/keep/job/round", "2")  # changed since it was read: nothing is done
+    client.put("/t/keep/job/b", "b")
+    other = client.grant(timedelta(seconds=30))
+    assert not client.keep_only("/t/keep/job/", [client.get("/t/keep/job/control/news"),
+                                                 kept[1]], other)
+    assert client.get("/t/keep/job/b").value == b"b"
+    assert client.get("/t/keep/job/control/news").lease == lease
+
+
 def test_many_puts_fit_an_etcd_that_takes_fewer_operations_per_transaction_and_say_so_once(
         small_txn_etcd, caplog):
     client = EtcdClient(small_txn_etcd.url)

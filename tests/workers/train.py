@@ -61,7 +61,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--commit-every", type=int, default=4)
     p.add_argument("--step-ms", type=float, default=20.0)
     p.add_argument("--loader-workers", type=int, default=0)
-    p.add_argument("--hold-at", type=int, default=-1, help="commit step that waits for world 3")
+    p.add_argument("--hold-at", type=int, default=-1,
+                   help="commit step from which every commit waits for world --hold-world")
+    p.add_argument("--hold-world", type=int, default=3)
     p.add_argument("--hold-for-change-at", type=int, default=-1,
                    help="commit step that waits, once, until a membership change is agreed")
     return p.parse_args()
@@ -153,7 +155,7 @@ def main() -> None:
                     fire_faults(s, out, index, "commit")
                     s.commit()
                     if args.hold_at >= 0 and s.step >= args.hold_at:
-                        hold_until_world(s, 3)
+                        hold_until_world(s, args.hold_world)
                     if 0 <= args.hold_for_change_at <= s.step:
                         hold_until_change(s, out, index)
             record(s, pending)

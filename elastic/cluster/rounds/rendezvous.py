@@ -123,6 +123,11 @@ class Rendezvous:
                 self._news = news or RoundNews(0)
             return self._news
 
+    def is_job_done(self) -> bool:
+        """Whether the newest news this member heard says a member returned from training
+        (the job is over: no round forms after it)."""
+        return self._news_now().done
+
     def latest_round(self) -> int:
         """The number of the newest planned round (0: none yet).
 
