@@ -8,7 +8,6 @@ final loss is under a threshold.
 from __future__ import annotations
 
 import signal
-import time
 from collections import Counter
 
 import pytest
@@ -178,10 +177,8 @@ def test_an_unreachable_etcd_fails_after_bounded_retries_naming_the_url(make_job
     url = f"http://127.0.0.1:{free_port()}"
     # Retries of 3 s, not the default 10 s: the bound is what is tested, not its default.
     job = make_job(ARGS, {"ELASTIC_ETCD": url, "ELASTIC_ETCD_RETRY": "3"})
-    started = time.monotonic()
     job.start(0)
-    assert job.wait_exit(0, timeout=60) != 0
-    assert time.monotonic() - started < 40
+    assert job.wait_exit(0, timeout=60) != 0  # a hang guard: unbounded retries never exit
     log = (job.out / "worker-0.log").read_text()
     assert "EtcdUnavailableError" in log and url in log
 
