@@ -125,3 +125,42 @@ def test_survivors_of_a_killed_rank_close_their_round_without_the_settle_window(
     survivors = [i for i in range(3) if i != victim_index]
     assert all(job.wait_exit(i) == 0 for i in survivors)
     check_outcome(job, survivors)
+
+
+def _sockets_of(pid: int) -> list[int]:
+    """The descriptors of process ``pid`` that are sockets."""
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"):
+                found.append(int(fd))
+        except FileNotFoundError:
+            continue  # closed meanwhile
+    return found
+
+
+def test_survivors_resume_at_once_when_a_killed_worker_left_children_made_without_fork(
+        make_job):
+    """Children started by ``os.system``, ``Popen(close_fds=False)`` and ``posix_spawn`` run no
+    fork hook: only close-on-exec keeps the round's sockets out of them."""
+    job = make_job(ARGS + ["--step-ms", "30"],
+                   {"FAULTS": "children:1:10,kill:1:20", "ELASTIC_LEASE_TTL": str(LEASE_TTL_S)})
+    pids = job.out / "children-1.pids"
+    try:
+        job.start_together(range(3))
+        assert job.wait_exit(1) == -signal.SIGKILL
+        children = [int(pid) for pid in pids.read_text().split()]
+        assert len(children) == 3, "the worker did not start its children"
+        held = {pid: _sockets_of(pid) for pid in children}
+        assert not any(held.values()), (
+            f"children of the killed worker hold sockets it had (pid: fds): {held}")
+        plan, victim = _first_plan_after(job, "kill", 1)
+        _assert_left_out_while_leased(plan, victim, "its lease (children kept its connections)")
+        assert job.wait_exit(0) == 0 and job.wait_exit(2) == 0
+        check_outcome(job, [0, 2])
+    finally:
+        for pid in map(int, pids.read_text().split() if pids.exists() else ()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
