@@ -12,7 +12,10 @@ the commit's membership agreement; ``stop-durable`` freezes it right after an ep
 ``commit(durable=True)`` returned, with the checkpoint's write in flight (``BALLAST_MB`` adds a
 tensor of that size to the state, so that the write lasts long enough to be caught); ``slow``
 makes one step last ``SLOW_STEP_MS`` (3000) longer; ``children`` starts children that outlive
-the worker without Python's fork (``tests.workers.children``; pids in ``children-{index}.pids``).
+the worker without Python's fork (``tests.workers.children``; pids in ``children-{index}.pids``);
+``kill-freezing-loaders`` stops its ``DataLoader`` workers (SIGSTOP: they never exit, and keep
+open whatever they inherited) and then kills the worker; their pids are in the marker, for the
+test to end.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import faulthandler
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import time
@@ -83,9 +87,11 @@ def fire_faults(state: ElasticState, out: Path, index: int, moment: str = "step"
         marker = out / f"fired-{kind}-{who}"
         if marker.exists():
             continue
+        loaders = [child.pid for child in multiprocessing.active_children()] \
+            if kind == "kill-freezing-loaders" else []
         write_marker(marker, {"step": state.step, "rank": state.rank, "index": index,
                               "world": state.world_size, "version": state.version,
-                              "t": time.time()})
+                              "t": time.time(), "loaders": loaders})
         if kind == "raise":
             raise RuntimeError("file closed: the user's own error (connection, socket, timeout)")
         if kind == "slow":  # one long step (no collective in it): a live member, only slow
@@ -99,8 +105,11 @@ def fire_faults(state: ElasticState, out: Path, index: int, moment: str = "step"
             os.read(wake, 1)  # nothing ever writes: only a restart in place ends this
             os.close(keep_open)
             continue
+        for pid in loaders:
+            os.kill(pid, signal.SIGSTOP)
         sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP,
-               "stop-commit": signal.SIGSTOP, "stop-durable": signal.SIGSTOP}[kind]
+               "stop-commit": signal.SIGSTOP, "stop-durable": signal.SIGSTOP,
+               "kill-freezing-loaders": signal.SIGKILL}[kind]
         os.kill(os.getpid(), sig)
 
 

@@ -1,44 +1,54 @@
-"""A TCP relay on 127.0.0.1 whose replies arrive late: every chunk the server sends is held for a
-fixed delay, so that each round trip through it costs at least that delay. For tests of how
-many round trips a client needs; bytes pass unchanged and in order."""
+"""A TCP relay on 127.0.0.1 that can hold the server's answers: while held, what the client sends
+goes through at once and what the server sends waits in the relay, in order, until let go. For
+tests of what a client sends before it hears an answer; bytes pass unchanged and in order."""
 
 from __future__ import annotations
 
 import queue
 import socket
 import threading
-import time
 from types import TracebackType
 
 _CHUNK = 65536
 
 
-class SlowLink:
-    """Relays 127.0.0.1:``port`` to ``target``, holding what ``target`` sends for ``delay_s``.
+class HeldLink:
+    """Relays 127.0.0.1:``port`` to ``target``; ``hold`` keeps what ``target`` sends in the relay
+    until ``let_go``.
 
     Use as a context manager: leaving it closes every socket, and its threads end with them.
     """
 
-    def __init__(self, target: tuple[str, int], delay_s: float) -> None:
+    def __init__(self, target: tuple[str, int]) -> None:
         self._target = target
-        self._delay_s = delay_s
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._sockets: list[socket.socket] = [self._listener]
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        threading.Thread(target=self._accept, name="slow-link-accept", daemon=True).start()
+        self._flowing = threading.Event()
+        self._flowing.set()
+        threading.Thread(target=self._accept, name="held-link-accept", daemon=True).start()
 
-    def __enter__(self) -> SlowLink:
+    def __enter__(self) -> HeldLink:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
         self._closed.set()
+        self._flowing.set()  # wakes every held release, which then sees the relay closed
         with self._lock:
             sockets, self._sockets = self._sockets, []
         for s in sockets:
             s.close()
+
+    def hold(self) -> None:
+        """From now on, the server's answers wait in the relay."""
+        self._flowing.clear()
+
+    def let_go(self) -> None:
+        """Sends the held answers, and every later one at once."""
+        self._flowing.set()
 
     def _accept(self) -> None:
         while True:
@@ -51,17 +61,15 @@ class SlowLink:
             with self._lock:
                 self._sockets += [near, far]
             threading.Thread(target=_pump, args=(near, far), daemon=True).start()
-            held: queue.Queue[tuple[float, bytes] | None] = queue.Queue()
+            held: queue.Queue[bytes | None] = queue.Queue()
             threading.Thread(target=_pump, args=(far, None, held), daemon=True).start()
             threading.Thread(target=self._release, args=(held, near), daemon=True).start()
 
-    def _release(self, held: queue.Queue[tuple[float, bytes] | None],
-                 near: socket.socket) -> None:
-        """Sends each held chunk once its delay is over (the link's latency), unless the relay
-        closes first."""
-        while (item := held.get()) is not None:
-            due, data = item
-            if self._closed.wait(max(0.0, due + self._delay_s - time.monotonic())):
+    def _release(self, held: queue.Queue[bytes | None], near: socket.socket) -> None:
+        """Sends each answer once the link flows, unless the relay closes first."""
+        while (data := held.get()) is not None:
+            self._flowing.wait()  # set again by let_go or by closing the relay
+            if self._closed.is_set():
                 return
             try:
                 near.sendall(data)
@@ -70,12 +78,12 @@ class SlowLink:
 
 
 def _pump(source: socket.socket, sink: socket.socket | None,
-          held: queue.Queue[tuple[float, bytes] | None] | None = None) -> None:
-    """Copies ``source`` to ``sink`` at once, or into ``held`` stamped with its arrival."""
+          held: queue.Queue[bytes | None] | None = None) -> None:
+    """Copies ``source`` to ``sink`` at once, or into ``held``."""
     try:
         while data := source.recv(_CHUNK):
             if held is not None:
-                held.put((time.monotonic(), data))
+                held.put(data)
             elif sink is not None:
                 sink.sendall(data)
     except OSError:
