@@ -91,6 +91,9 @@ REGISTRY: dict[str, Benchmark] = {
     "tls-formation": Benchmark(
         "bench_tls_formation.py", ("--reps", "5"), "stdout",
         "formation against a plain etcd and one with TLS and authentication"),
+    "rollback-compiled": Benchmark(
+        "rollback_compiled.py", (), "stdout",
+        "the rollback matrix's torch.compile case (CPU inductor): kills and joiners, bitwise end"),
     "gpu-check": Benchmark(
         "gpu_check.py", (), "dir", "the NCCL and CUDA paths on a real GPU (exits 1 on a failed check)"),
     "gpu-commits": Benchmark(
