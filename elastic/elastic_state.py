@@ -23,11 +23,14 @@ from elastic.agreement import MembershipAgreement
 from elastic.cluster.cluster import Cluster
 from elastic.cluster.rounds.topology import Topology
 from elastic.durable import DurableCommits
+from elastic.error_causes import drop_causes
+from elastic.foundation.errors import ElasticError
 from elastic.foundation.events import EventLog
 from elastic.loop_helpers import batches, ddp, print_main
 from elastic.outcome import RunOutcome
 from elastic.recovery import RunLoop
 from elastic.foundation.settings import WorkerSettings
+from elastic.setup_check import before_joining
 from elastic.foundation.signals import relay_signals
 from elastic.step_collectives import StepCollectives
 from elastic.state import TrainState
@@ -56,6 +59,7 @@ class ElasticState:
         self._settings = WorkerSettings.resolve(etcd=etcd, job_id=job_id,
                                                 min_workers=min_workers,
                                                 max_workers=max_workers, checkpoint=checkpoint)
+        self._checkpoint_in_script = checkpoint
         self._train = TrainState.stored_in(self.__dict__)  # registered names are attributes
         self._cluster: Cluster | None = None
         self._callbacks: list[Callable[[ElasticState], None]] = []
@@ -341,7 +345,10 @@ class ElasticState:
             NothingTrainedError: ``fn`` returned without a commit after resuming a finished
                 job from its checkpoint (unless ``ELASTIC_RESUME_FINISHED=1``).
             DurableCommitsFailedError: not one durable commit of this worker was written.
+            SystemExit: before joining, a setup mistake (two checkpoint URLs, or one that
+                cannot be written): one line, exit status 1 (``elastic.setup_check``).
         """
+        before_joining(self._checkpoint_in_script, self._settings)
         worker = f"{os.uname().nodename}-{os.getpid()}"
         events = EventLog(self._settings.log_dir, worker)
         # Before registering: a SIGTERM that lands as this worker joins asks it to leave.
@@ -350,9 +357,12 @@ class ElasticState:
             if not self._train.has_commit:
                 self._train.commit()  # the initial state is the first rollback point
             # Its version known, the registration carries the first join request.
-            self._cluster = Cluster(self._settings, events, self._train.version)
-        except BaseException:
+            self._cluster = Cluster(self._settings, events, self._train.version,
+                                    lambda: self._train.version)
+        except BaseException as exc:
             restore_signals()
+            if isinstance(exc, ElasticError):  # every frame below is the package's
+                raise drop_causes(exc, events, self._settings.debug, keep_frames=False)
             raise
         if self._durable is not None:
             self._durable.events = events
@@ -372,6 +382,9 @@ class ElasticState:
         try:
             outcome.initial_version = self._train.version
             result = loop.run(call)
+        except ElasticError as exc:
+            drop_causes(exc, events, self._settings.debug)
+            raise
         finally:
             restore_signals()
             if self._durable is not None:

@@ -21,7 +21,8 @@ from typing import Any
 
 from elastic.checkpoint import CheckpointError
 from elastic.cluster.cluster import Cluster
-from elastic.cluster.rounds.topology import Topology
+from elastic.cluster.rounds.rendezvous import Topology
+from elastic.cluster.links.restart_in_place import round_environment
 from elastic.durable import DurableCommits
 from elastic.foundation.errors import (EtcdUnavailableError, FencedError, LeaveInterrupt,
                                        MembershipChangedInterrupt, PeerFailureError,
@@ -219,8 +220,7 @@ class RunLoop:
         """
         cluster = self._cluster
         topology = cluster.form(reason, self._train.version, self._leave_requested.is_set)
-        os.environ.update(RANK=str(topology.rank), WORLD_SIZE=str(topology.world_size),
-                          MASTER_ADDR=topology.master_addr, MASTER_PORT=str(topology.master_port))
+        os.environ.update(round_environment(topology))
         # A warm spare that took a place is a member now: restarted in place, it comes back as
         # one, not as a spare that only fills a world below its target.
         os.environ.pop("ELASTIC_STANDBY", None)

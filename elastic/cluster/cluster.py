@@ -15,14 +15,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import tenacity
-
 from elastic.cluster.links.agreement_channel import AgreementChannel
 from elastic.cluster.links.channel_book import ChannelBook
 from elastic.cluster.links.ports import answers, free_port
-from elastic.foundation.errors import (CutOffError, EtcdAccessError, EtcdUnavailableError,
-                                       FencedError, LeaveInterrupt, PeerFailureError,
-                                       RendezvousTimeoutError)
+from elastic.foundation.errors import (CutOffError, EtcdAccessError, EtcdRecordError,
+                                       EtcdUnavailableError, FencedError, PeerFailureError)
 from elastic.cluster.etcd.client import EtcdClient, parse_endpoints
 from elastic.foundation.events import EventLog, Stopwatch
 from elastic.cluster.rounds.keys import JobKeys
@@ -37,10 +34,13 @@ from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig
 from elastic.cluster.rounds.topology import Topology
 from elastic.cluster.rounds.tracker import RoundTracker
 from elastic.cluster.links.release_watchdog import ReleaseWatchdog
-from elastic.cluster.links.restart_in_place import restart_in_place
 from elastic.cluster.links.round_links import RoundLinks
-from elastic.cluster.links.round_store import RoundStore, StoreTimes, reach
+from elastic.cluster.links.round_store import RoundStore, StoreTimes
 from elastic.foundation.settings import WorkerSettings
+from elastic.cluster.rounds.commit_holders import other_holder
+from elastic.cluster.links.reconnection import await_peers
+from elastic.cluster.rounds.finished_job import clear_finished_job
+from elastic.cluster.links.stuck_verdict import StuckVerdict
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +53,13 @@ class Cluster:
         events: where events are recorded.
         version: the version of the worker's newest commit, when known: its registration
             then carries its first join request (``Rendezvous.first_join``).
+        newest: the version of the worker's newest commit, asked when its training thread
+            stays inside a released step (a restart in place must not lose it).
     """
 
     def __init__(self, settings: WorkerSettings, events: EventLog,
-                 version: int | None = None) -> None:
+                 version: int | None = None,
+                 newest: Callable[[], int] = lambda: 0) -> None:
         if not settings.etcd or not settings.job_id:
             raise ValueError(
                 "ElasticState.run() needs an etcd and a job id: launch with `elastic run`, or "
@@ -77,12 +80,15 @@ class Cluster:
                                   device_index=self.device.index if self.device else None)
         self.config = RendezvousConfig(min_workers=settings.min_workers,
                                        max_workers=settings.max_workers, timeouts=timeouts,
-                                       standby=settings.standby)
+                                       standby=settings.standby, node=settings.launcher or "",
+                                       node_workers=settings.launcher_workers)
         self.topology: Topology | None = None
         self._last: Topology | None = None  # the round of the retired channel
         self._probed = 0  # the round whose rank 0 this worker last checked it could reach
         self.links = RoundLinks(self.group, AgreementChannel(0, 1, self.group.timeout))
-        self.stuck = ReleaseWatchdog(timeouts.release, self._restart_in_place)
+        self._verdict = StuckVerdict(events, timeouts, newest, self._other_holder,
+                                     self._leave_to_restart)
+        self.stuck = ReleaseWatchdog(timeouts.release, self._verdict)
         self.skipped = SkippedRecords()  # malformed records read from etcd, warned once each
         self._said_committed = False
         self._used_node_lease = False
@@ -133,22 +139,16 @@ class Cluster:
         self.tracker.if_armed(lambda: self.stuck.arm(reason))  # before the drop can come
         self.release(reason)
 
-    def _restart_in_place(self, reason: str) -> None:
-        """The release watchdog's verdict: leaves the job (so that nobody waits for this
-        member) and replaces the process with a fresh run of its command."""
-        log.error("the training thread is still inside its step %s after the round was "
-                  "released (%s): a collective that the release did not wake, or a step with "
-                  "no collective longer than ELASTIC_RELEASE_GRACE; leaving the job and "
-                  "restarting this worker in place", self.stuck.grace, reason)
-        self.events.emit("restarting_in_place", reason=reason,
-                         grace_s=self.stuck.grace.total_seconds())
-        try:
-            self.rendezvous.stop()
-            self.membership.leave()
-        except (EtcdUnavailableError, EtcdAccessError, FencedError) as exc:
-            log.warning("could not leave the job before restarting (%s); the lease expires "
-                        "in %s", exc, self.settings.timeouts.lease_ttl)
-        restart_in_place()
+    def _other_holder(self, version: int) -> str | None:
+        """A live member other than this one that asked to join a round after this one's with
+        commit ``version`` or newer (``commit_holders``; None: none, or no round)."""
+        topology = self.topology
+        return None if topology is None else other_holder(
+            self.client, self.keys, self.rendezvous, self.member_id, topology.round, version)
+
+    def _leave_to_restart(self) -> None:
+        self.rendezvous.stop()
+        self.membership.leave()
 
     def release(self, reason: str) -> None:
         """Unblocks every collective and agreement of the round now; safe from any thread."""
@@ -234,49 +234,14 @@ class Cluster:
                     self.events.emit("cut_off", reason=str(exc))
                     log.warning("%s; it comes back as a new member once it reaches them", exc)
                     self.renew_identity()
-                    self._await_peers(cancelled)
+                    await_peers(self.client, self.keys, self.rendezvous.latest_round,
+                                self.settings.timeouts, cancelled)
                     reason = "start"
                     continue
             if topology is not None:
                 return topology, reason, waited.seconds
             self.events.emit("spare", waited_s=waited.seconds)
             reason = "spare"
-
-    def _await_peers(self, cancelled: Callable[[], bool]) -> None:
-        """Waits until this member, which its peers lost, reaches rank 0 of the newest round
-        again, before it asks to join: a member still cut off would make the others re-form
-        around it and wait the form timeout for it, again and again.
-
-        Raises:
-            LeaveInterrupt: ``cancelled()`` turned true (SIGTERM) while waiting.
-            RendezvousTimeoutError: still unreachable after the admit timeout.
-        """
-        timeouts = self.settings.timeouts
-        told: list[str] = []
-
-        def tell_once(state: tenacity.RetryCallState) -> None:  # not a line per attempt
-            if not told and state.outcome is not None:
-                told.append(f"{state.outcome.exception()}")
-                log.warning("waiting to reach the job's other members again (%s)", told[0])
-
-        retrying = tenacity.Retrying(
-            stop=tenacity.stop_any(tenacity.stop_after_delay(timeouts.admit.total_seconds()),
-                                   lambda _: cancelled()),
-            retry=tenacity.retry_if_exception_type(OSError),
-            wait=tenacity.wait_exponential_jitter(initial=timeouts.backoff.total_seconds(),
-                                                  max=timeouts.backoff_max.total_seconds()),
-            before_sleep=tell_once, reraise=True)
-        try:
-            for attempt in retrying:
-                with attempt:
-                    latest = self.rendezvous.latest_round()
-                    reach(self.client, self.keys.store_address(latest), timeouts.peer)
-        except OSError as exc:
-            if cancelled():
-                raise LeaveInterrupt("asked to leave while cut off from the job") from None
-            raise RendezvousTimeoutError(
-                f"could not reach the job's other members within {timeouts.admit} ({exc}): "
-                f"check the network between this machine and theirs.") from None
 
     def _connect(self, topology: Topology, store: RoundStore) -> None:
         """Connects the round's store, then forms its group and agreement channel.
@@ -340,6 +305,7 @@ class Cluster:
             PeerFailureError: destroying the group failed or took longer than the form timeout.
         """
         self.stuck.disarm()
+        self._verdict.reset()
         if self.topology is not None:
             self._last = self.topology
         self.topology = None
@@ -411,7 +377,19 @@ class Cluster:
         self.links.close()
         self.stuck.disarm()
         self.topology = None
+        done = self.rendezvous.is_job_done()
         self.rendezvous.stop()
         self.membership.leave()
         self.events.emit("left")
+        if done:
+            self._clear_job()
         self.client.close()
+
+    def _clear_job(self) -> None:
+        """Deletes the finished job's keys but those that say it finished, which a lease
+        ends (``finished_job``)."""
+        try:
+            clear_finished_job(self.client, self.keys, self.settings.timeouts.finished_marker)
+        except (EtcdUnavailableError, EtcdAccessError, EtcdRecordError) as exc:
+            log.warning("could not delete the finished job's keys under %s (%s); delete them "
+                        "with `etcdctl del --prefix %s`", self.keys.prefix, exc, self.keys.prefix)

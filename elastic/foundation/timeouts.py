@@ -33,7 +33,7 @@ class Timeouts:
     """Every timeout and interval of a worker and its launcher; see each field.
 
     The order it enforces (``validate``): 2 x keepalive < lease_ttl; peer_probe <= peer;
-    settle and node_settle < rendezvous; settle and node_settle < rejoin; release < rejoin;
+    settle, node_settle and local_start < rendezvous; settle and node_settle < rejoin; release < rejoin;
     form < collective; sync <= collective; etcd_rpc <= etcd_retry <= etcd_outage; backoff and
     reconnect <= backoff_max. A frozen worker, or one cut from etcd, is dropped within lease_ttl (+ form
     while its survivors connect); one cut from its peers within peer + peer_probe; a killed
@@ -53,6 +53,10 @@ class Timeouts:
     for unknown joiners (live members outside the last round that have not asked yet), so that a
     node's workers starting together make one round. Never used to leave out a member of the
     last round (see ``rejoin``)."""
+    local_start: timedelta = _entry(30)
+    """Default 30 s (``ELASTIC_LOCAL_START``): how long a job's first round, while nothing
+    changes, waits for the workers a launcher started that have not asked to join yet (under
+    load a node's workers reach ``state.run()`` seconds apart). Under ``rendezvous``."""
     node_settle: timedelta = _entry(1)
     """Default 1 s (``ELASTIC_NODE_SETTLE``): the settle window of ``--plain`` generations,
     whose rounds are of whole nodes."""
@@ -100,6 +104,11 @@ class Timeouts:
     finish: timedelta = _entry(300, "ELASTIC_FINISH_TIMEOUT")
     """Default 300 s (``ELASTIC_FINISH_TIMEOUT``): how long a member that returned from training
     waits for the others of its round to return or go."""
+    finished_marker: timedelta = _entry(600)
+    """Default 600 s (``ELASTIC_FINISHED_MARKER``): how long the keys that say a job finished (its
+    news, its round counter and its last round's done marks) outlive the job, bound to a lease
+    of this TTL: a worker that comes within it is told the job finished; after it the job
+    id is free again."""
     progress: timedelta = _entry(0.5)
     """Default 0.5 s (``ELASTIC_PROGRESS``): how often rank 0 records a progress event."""
     storage_retry: timedelta = _entry(60)
@@ -152,8 +161,9 @@ class Timeouts:
     shutdown: timedelta = _entry(5)
     """Default 5 s (``ELASTIC_SHUTDOWN``): how long stopping something waits for it to end:
     the etcd client's connection and thread, a watch, the signal relay thread, an embedded etcd
-    after SIGTERM (then SIGKILL); also how much longer than ``etcd_rpc`` a request waits for
-    the etcd client's thread to hand its reply back."""
+    after SIGTERM (then SIGKILL), a restarting worker's subprocesses after SIGKILL and its
+    resource tracker after its pipe closed (each); also how much longer than ``etcd_rpc`` a
+    request waits for the etcd client's thread to hand its reply back."""
     drain: timedelta = _entry(0.2)
     """Default 0.2 s (``ELASTIC_DRAIN``): how long the launcher, once a worker exited, waits
     for the last of its output to be copied before it acts on the exit (revokes its lease,
@@ -256,6 +266,7 @@ class Timeouts:
         self._check("peer_probe", "peer", or_equal=True)
         self._check("settle", "rendezvous")
         self._check("node_settle", "rendezvous")
+        self._check("local_start", "rendezvous")
         self._check("settle", "rejoin")
         self._check("node_settle", "rejoin")
         self._check("release", "rejoin")

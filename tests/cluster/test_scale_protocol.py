@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -439,11 +438,11 @@ def test_members_whose_leases_all_ended_finish_without_waiting_for_a_coordinator
         for m in members:  # an etcd frozen past every lease: nobody can coordinate any more
             client.revoke(m.membership.lease)
         assert all(m.membership.fenced.wait(WAIT_S) for m in members)
-        started = time.monotonic()
+        # finish may wait an hour for a coordinator: one that did would hang the test until the
+        # map's bound (a hang guard) fails it.
         with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda mt: mt[0].rendezvous.finish(mt[1], timedelta(seconds=60)),
+            list(pool.map(lambda mt: mt[0].rendezvous.finish(mt[1], timedelta(hours=1)),
                           zip(members, topologies), timeout=90))
-        assert time.monotonic() - started < 20
     finally:
         for m in members:
             m.leave()

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import time
 from datetime import timedelta
 
 import pytest
@@ -97,10 +96,8 @@ def test_the_console_entry_point_rejects_an_unknown_flag_in_one_line(cli):
 
 def test_an_unreachable_etcd_fails_after_bounded_retries_naming_the_url(cli):
     url = f"http://127.0.0.1:{free_port()}"
-    started = time.monotonic()
     run = cli("run", "--etcd", url, WORKER)
-    assert run.wait(45) == 1
-    assert time.monotonic() - started < 40
+    assert run.wait(45) == 1  # a hang guard: unbounded retries never exit
     one_clear_line(run.text(), url, "Check that etcd runs")
 
 

@@ -9,7 +9,7 @@ unchanged) and the member registration that also takes a lease-bound key if nobo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -183,7 +183,7 @@ class CompareAndSwap:
         """
         data = value.encode() if isinstance(value, str) else value
         raw_key = key.encode()
-        ranges = [r for prefix in clearing for r in _ranges_without(prefix.encode(), raw_key)]
+        ranges = [r for prefix in clearing for r in _ranges_without(prefix.encode(), [raw_key])]
 
         async def txn(c: aetcd.Client) -> Replaced:
             ops = c.transactions
@@ -207,16 +207,42 @@ class CompareAndSwap:
         return self._call(txn, f"replace {key}")
 
 
+    def keep_only(self, prefix: str, kept: Sequence[KeyValue], lease: int) -> bool:
+        """Deletes every key under ``prefix`` but ``kept``, which it writes again as they were
+        read, bound to ``lease``: one transaction, only if none of ``kept`` changed since it was
+        read. Returns whether the keys are kept so (a retry after a lost reply finds its own
+        writes)."""
+        raw = sorted(kv.key.encode() for kv in kept)
+        ranges = _ranges_without(prefix.encode(), raw)
+
+        async def txn(c: aetcd.Client) -> bool:
+            ops = c.transactions
+            ok, _ = await c.transaction(
+                compare=[ops.mod(kv.key.encode()) == kv.mod_revision for kv in kept],
+                success=[*(ops.delete(start, range_end=end) for start, end in ranges),
+                         *(ops.put(kv.key.encode(), kv.value, lease=lease) for kv in kept)],
+                failure=[])
+            return bool(ok)
+
+        if self._call(txn, f"delete {prefix}* but {len(kept)} keys"):
+            return True
+        found = [self.get(kv.key) for kv in kept]
+        return all(kv is not None and kv.lease == lease for kv in found)
+
+
 def _only(response: Any) -> KeyValue | None:
     """The one key of a transaction's get of one key (None: absent)."""
     found = utf8_keys([kv for _, kv in response])
     return found[0] if found else None
 
 
-def _ranges_without(prefix: bytes, key: bytes) -> list[tuple[bytes, bytes]]:
-    """The key ranges of ``prefix`` minus ``key`` itself (etcd refuses a transaction that
-    deletes and puts the same key)."""
+def _ranges_without(prefix: bytes, keys: Sequence[bytes]) -> list[tuple[bytes, bytes]]:
+    """The key ranges of ``prefix`` minus ``keys`` themselves (sorted; etcd refuses a
+    transaction that deletes and puts the same key)."""
+    ranges, start = [], prefix
+    for key in sorted(k for k in keys if k.startswith(prefix)):
+        if start < key:
+            ranges.append((start, key))
+        start = key + b"\0"
     end = aetcd.utils.prefix_range_end(prefix)
-    if not key.startswith(prefix):
-        return [(prefix, end)]
-    return [(prefix, key), (key + b"\0", end)]
+    return ranges + [(start, end)] if start < end else ranges

@@ -1,10 +1,11 @@
 """Replaces this worker process with a fresh run of the same command.
 
 For a worker whose training thread cannot be woken (``release_watchdog``): the process keeps
-its id, its command line, its environment and its standard streams, so a launcher watching it
-(``elastic run``) goes on watching the new run, which registers as a new member and receives
-the newest state like any joiner. Before the exec, the children this process started (a
-DataLoader's workers) are ended and every descriptor but the standard streams is made
+its id, its command line, its standard streams and the environment it was started with (less
+the round's variables, ``ROUND_VARIABLES``, which the run loop sets at every formation), so a
+launcher watching it (``elastic run``) goes on watching the new run, which registers as a new
+member and receives the newest state like any joiner. Before the exec, every process this one
+started is ended (``process_tree``) and every descriptor but the standard streams is made
 close-on-exec: gloo's sockets are not, and a connection kept open by the new run would hide
 this worker's departure from its peers.
 """
@@ -13,31 +14,23 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-from pathlib import Path
-from typing import NoReturn
+from datetime import timedelta
+from typing import TYPE_CHECKING, NoReturn
+
+from elastic.cluster.links.process_tree import end_tree
+
+if TYPE_CHECKING:
+    from elastic.cluster.rounds.rendezvous import Topology
+
+#: What the run loop sets for a plain DDP script at every formation (``round_environment``).
+ROUND_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _children() -> list[int]:
-    """The ids of this process's children (every thread's), from /proc."""
-    pids: list[int] = []
-    for task in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
-        try:
-            pids += [int(pid) for pid in task.read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # the thread ended meanwhile
-    return pids
-
-
-def end_children() -> None:
-    """Ends (SIGKILL) and reaps the processes this process started."""
-    for pid in _children():
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            continue  # it ended, or was reaped, meanwhile
+def round_environment(topology: "Topology") -> dict[str, str]:
+    """The round's variables (``ROUND_VARIABLES``) for ``topology``."""
+    return dict(zip(ROUND_VARIABLES, (str(topology.rank), str(topology.world_size),
+                                      topology.master_addr, str(topology.master_port))))
 
 
 def close_on_exec() -> None:
@@ -55,12 +48,14 @@ def close_on_exec() -> None:
             continue  # closed meanwhile (the listing's own descriptor among them)
 
 
-def restart_in_place() -> NoReturn:
-    """Execs ``sys.orig_argv`` with ``sys.executable`` (never returns)."""
-    end_children()
+def restart_in_place(end_within: timedelta) -> NoReturn:
+    """Execs ``sys.orig_argv`` with ``sys.executable`` (never returns), once every process
+    this one started ended (each of the two waits bounded by ``end_within``: ``end_tree``)."""
+    end_tree(end_within)
     logging.shutdown()  # flushes every handler
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:
             stream.flush()
     close_on_exec()
-    os.execv(sys.executable, sys.orig_argv)
+    environment = {k: v for k, v in os.environ.items() if k not in ROUND_VARIABLES}
+    os.execve(sys.executable, sys.orig_argv, environment)
