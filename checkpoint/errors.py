@@ -48,5 +48,10 @@ class CheckpointStorageError(CheckpointError):
     """A storage call failed with the store's own error (after the retries of transient ones)."""
 
 
+class CheckpointReadError(CheckpointError):
+    """The storage failed while a checkpoint's files were read (after retries); unlike a corrupt
+    checkpoint, it may read fine once the storage answers again."""
+
+
 class CheckpointLocationError(CheckpointError):
     """The checkpoint location cannot be written (permissions, a file in the way, no bucket)."""

@@ -23,6 +23,8 @@ from elastic.checkpoint.errors import (
     CheckpointError,
     CheckpointFencedError,
     CheckpointNotFoundError,
+    CheckpointReadError,
+    CheckpointStorageError,
     CheckpointWriteError,
 )
 from elastic.checkpoint.listing import CheckpointRef, Scan, scan_checkpoints
@@ -307,16 +309,18 @@ class CheckpointStore:
 
         Args:
             ref: The checkpoint to read. ``None`` reads the newest one that verifies, skipping
-                (with a warning) newer ones that are torn or corrupt.
+                (with a warning) newer ones that are torn, corrupt or cannot be read.
 
         Returns:
             The checkpoint's state dict (tensors on the CPU) and metadata.
 
         Raises:
-            CheckpointNotFoundError: ``ref`` is None and no checkpoint can be read.
+            CheckpointNotFoundError: ``ref`` is None and no checkpoint exists that verifies.
             CheckpointCorruptError: ``ref`` was given and does not verify or decode.
             CheckpointUnsafeError: ``ref`` was given and its payload would run code.
-            CheckpointError: The storage failed while listing or reading.
+            CheckpointReadError: the storage failed while reading ``ref``, or (``ref`` None)
+                while reading every checkpoint that did not turn out corrupt.
+            CheckpointError: The storage failed while listing.
         """
         if ref is not None:
             return self._read(ref)
@@ -325,13 +329,18 @@ class CheckpointStore:
                    if s != self._writing_step and (not scan.valid or s > scan.valid[-1].step)]
         for reason in skipped:
             logger.warning("skipping checkpoint %s", reason)
+        unread: CheckpointReadError | None = None
         for candidate in reversed(scan.valid):
             try:
                 return self._read(candidate)
-            except CheckpointCorruptError as exc:
+            except (CheckpointCorruptError, CheckpointReadError) as exc:
                 logger.warning("skipping checkpoint %s: %s; falling back to an older one",
                                candidate.url, exc)
                 skipped.append(f"{candidate.url}: {exc}")
+                if isinstance(exc, CheckpointReadError):
+                    unread = unread or exc
+        if unread is not None:  # may read fine later: never "not found", which starts over
+            raise unread
         raise CheckpointNotFoundError(
             f"no readable checkpoint under {self._url}"
             + (f"; skipped: {'; '.join(skipped)}" if skipped else "")
@@ -346,8 +355,10 @@ class CheckpointStore:
         try:
             state = read_payload(self._storage, f"{step_dir}/{PAYLOAD_NAME}",
                                  ref.manifest.files[PAYLOAD_NAME])
-        except OSError as exc:
-            raise CheckpointError(f"reading checkpoint {ref.url} failed: {exc!r}.") from exc
+        except (OSError, CheckpointStorageError) as exc:
+            raise CheckpointReadError(
+                f"reading checkpoint {ref.url} failed: {exc!r}. Check that the storage is "
+                "reachable; the checkpoint itself may be intact.") from exc
         return LoadedCheckpoint(ref=ref, state_dict=state, metadata=ref.manifest.metadata)
 
     def _dir_url(self, step: int) -> str:

@@ -182,7 +182,8 @@ class DurableCommits:
         return (refs[-1].step if refs else 0), next_epoch(refs)
 
     def load_latest(self, live: Mapping[str, Any]) -> Mapping[str, Any] | None:
-        """Reads the newest checkpoint that verifies (older ones if newer are corrupt).
+        """Reads the newest checkpoint that verifies and reads (older ones, with a warning, if
+        newer are corrupt or their reads fail).
 
         Args:
             live: the committed payload of this worker, to check the loaded one against.
@@ -192,7 +193,8 @@ class DurableCommits:
 
         Raises:
             CheckpointIncompatibleError: a model's keys or shapes differ from the live ones.
-            CheckpointError: the storage failed, or did not answer in time (``_answered``).
+            CheckpointError: the storage failed while listing, or while reading every
+                checkpoint, or did not answer in time (``_answered``).
         """
         try:
             loaded = self._answered(self.store.load, "loading the newest checkpoint of")

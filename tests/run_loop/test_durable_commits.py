@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import threading
 from datetime import timedelta
@@ -150,3 +151,19 @@ def test_a_durable_commit_while_storage_hangs_is_skipped_after_the_retry_bound(f
     kinds = [json.loads(line)["event"] for line in events.path.read_text().splitlines()]
     assert kinds == ["checkpoint_skipped", "checkpoint_written"]
     assert durable.survey()[0] == 1
+
+
+def test_a_failed_read_of_the_newest_checkpoint_costs_a_warning_and_loads_the_one_before(
+        faulty_fs, caplog):
+    durable = DurableCommits(URL)
+    for version in (1, 2):
+        durable.write(payload(float(version)), version, {"epoch": version})
+        durable.store.wait()
+    faulty_fs.plan.read_target = "state.pt"
+    faulty_fs.plan.read_failures = 1  # an input/output error: not worth another try
+    faulty_fs.plan.read_error = lambda: OSError(errno.EIO, "injected: input/output error")
+    loaded = durable.load_latest(payload(0.0))
+    assert faulty_fs.plan.reads_failed == 1
+    assert torch.equal(loaded["objects"]["model"]["w"], torch.full((64, 1024), 1.0))
+    assert "falling back to an older one" in caplog.text and "injected" in caplog.text
+    durable.close()

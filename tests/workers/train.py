@@ -11,7 +11,8 @@ error;
 the commit's membership agreement; ``stop-durable`` freezes it right after an epoch's
 ``commit(durable=True)`` returned, with the checkpoint's write in flight (``BALLAST_MB`` adds a
 tensor of that size to the state, so that the write lasts long enough to be caught); ``slow``
-makes one step last ``SLOW_STEP_MS`` (3000) longer.
+makes one step last ``SLOW_STEP_MS`` (3000) longer. ``FAULTFS_PLAN`` makes ``faultfile://``
+checkpoint URLs fail reads or stall writes (``tests/support/faulty_fs.py``).
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ def main() -> None:
     logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "WARNING").upper(),
                         format="%(asctime)s %(threadName)s %(name)s %(message)s")
     args = parse()
+    if os.environ.get("FAULTFS_PLAN"):  # registers faultfile:// with the plan it names
+        import tests.support.faulty_fs  # noqa: F401, PLC0415
     out = Path(args.out)
     index = int(os.environ["TEST_WORKER_INDEX"])
     torch.manual_seed(index)  # different initial weights: the sync must make them equal

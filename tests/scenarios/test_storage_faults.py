@@ -1,0 +1,24 @@
+"""Checkpoint storage that fails while a job resumes: retried, or one line; never a fresh start.
+
+The workers see the checkpoint URL through ``faultfile://`` (``tests/support/faulty_fs.py``):
+local files whose first reads fail the way S3 answers a 503 (``OSError(EBUSY)`` from s3fs).
+"""
+
+from __future__ import annotations
+
+import json
+
+from elastic.checkpoint import CheckpointStore
+from tests.support.faulty_fs import PLAN_VARIABLE
+from tests.support.resume_scenario import model_params, resume, run_until_checkpoint
+
+
+def test_a_resume_whose_first_reads_fail_goes_on_from_the_newest_checkpoint(make_job, tmp_path):
+    path = tmp_path / "ckpt"
+    store = CheckpointStore(str(path))
+    run_until_checkpoint(make_job, {"ELASTIC_CHECKPOINT": str(path)}, store, epoch=2)
+    saved = store.latest()
+    flaky = {"ELASTIC_CHECKPOINT": f"faultfile://{path}",
+             PLAN_VARIABLE: json.dumps({"read_failures": 2, "read_error": "busy"})}
+    resume(make_job, flaky, saved.epoch, model_params(store, saved))
+
