@@ -66,6 +66,11 @@ class DurableCommitsFailedError(ElasticError):
     """The job asked for durable commits and not one of them was written."""
 
 
+class CheckpointResumeError(ElasticError):
+    """A resume (no commit in memory) could not read the checkpoint URL: the job stopped rather
+    than start from scratch while that URL may hold its checkpoints."""
+
+
 class ElasticInterrupt(Exception):
     """Base class of the expected control-flow signals of the run loop."""
 

@@ -10,7 +10,8 @@ import json
 
 from elastic.checkpoint import CheckpointStore
 from tests.support.faulty_fs import PLAN_VARIABLE
-from tests.support.resume_scenario import model_params, resume, run_until_checkpoint
+from tests.support.resume_scenario import (ARGS, model_params, resume, run_until_checkpoint,
+                                           start_and_expect_refusal)
 
 
 def test_a_resume_whose_first_reads_fail_goes_on_from_the_newest_checkpoint(make_job, tmp_path):
@@ -22,3 +23,10 @@ def test_a_resume_whose_first_reads_fail_goes_on_from_the_newest_checkpoint(make
              PLAN_VARIABLE: json.dumps({"read_failures": 2, "read_error": "busy"})}
     resume(make_job, flaky, saved.epoch, model_params(store, saved))
 
+
+def test_a_resume_whose_storage_stays_unreadable_stops_with_one_line_naming_the_url(make_job,
+                                                                                  tmp_path):
+    url = f"faultfile://{tmp_path / 'ckpt'}"
+    job = make_job(ARGS, {"ELASTIC_CHECKPOINT": url, "ELASTIC_STORAGE_RETRY": "1",
+                          PLAN_VARIABLE: json.dumps({"read_failures": 10**6, "read_error": "busy"})})
+    assert "injected: 503" in start_and_expect_refusal(job, url)
