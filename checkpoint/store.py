@@ -11,8 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -81,8 +80,7 @@ class CheckpointStore:
         self._keep = keep
         self._retention = Retention(self._storage, keep, url)
         self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
-        self._in_flight: Future[CheckpointRef] | None = None
+        self._writer: threading.Thread | None = None  # the in-flight save_async
         self._writing_step: int | None = None
         self._staging = HostStaging()
         self._closed = False
@@ -158,12 +156,15 @@ class CheckpointStore:
         with self._lock:
             self._check_open()
             self._wait_in_flight(None)
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
             snapshot = self._staging.snapshot(state_dict)
-            self._in_flight = self._executor.submit(self._write, step, snapshot, meta,
-                                                  before_publish)
-            return self._in_flight
+            future: Future[CheckpointRef] = Future()
+            # A daemon thread: a write that hangs (a stuck mount) never holds the process at
+            # exit; whoever waits for it bounds the wait (``wait(timeout)``).
+            self._writer = threading.Thread(
+                target=self._write_into, name="checkpoint-writer", daemon=True,
+                args=(future, step, snapshot, meta, before_publish))
+            self._writer.start()
+            return future
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Waits for the in-flight asynchronous write, if any.
@@ -174,23 +175,18 @@ class CheckpointStore:
         Returns:
             True if nothing is in flight any more.
         """
-        future = self._in_flight
-        if future is None:
-            return True
-        done, _ = wait_futures([future], None if timeout is None else timeout.total_seconds())
-        return bool(done)
+        self._wait_in_flight(None if timeout is None else timeout.total_seconds())
+        writer = self._writer
+        return writer is None or not writer.is_alive()
 
     def close(self) -> None:
-        """Waits for the in-flight write, stops the background writer, frees staging memory.
+        """Waits for the in-flight write and frees staging memory.
 
         Reading (``list``, ``latest``, ``load``) still works afterwards; saving does not.
         """
         with self._lock:
             self._closed = True
             self._wait_in_flight(None)
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
             self._staging.clear()
 
     def _check_open(self) -> None:
@@ -198,8 +194,18 @@ class CheckpointStore:
             raise CheckpointError(f"{self!r} is closed; create a new store to save again.")
 
     def _wait_in_flight(self, timeout_s: float | None) -> None:
-        if self._in_flight is not None:
-            wait_futures([self._in_flight], timeout_s)
+        """Joins the writer thread: once it ended, its future's callbacks have run too."""
+        writer = self._writer
+        if writer is not None:
+            writer.join(timeout_s)
+
+    def _write_into(self, future: Future[CheckpointRef], *args: Any) -> None:
+        """Runs ``_write(*args)`` on the writer thread and settles ``future`` with its end."""
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(self._write(*args))
+        except Exception as exc:  # noqa: BLE001 (handed to whoever holds the future)
+            future.set_exception(exc)
 
     def _write(self, step: int, payload: Any, meta: dict[str, Any],
                before_publish: Callable[[], None] | None) -> CheckpointRef:

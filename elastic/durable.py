@@ -75,6 +75,7 @@ class DurableCommits:
         self._round = 0
         self._claim_epoch: Callable[[int], int] | None = None
         self._confirm_lease: Callable[[], bool] | None = None
+        self._caller: threading.Thread | None = None  # the storage call of ``_answered``
 
     def arm(self, round_: int, claim_epoch: Callable[[int], int],
             confirm_lease: Callable[[], bool], floor: int | None) -> None:
@@ -212,8 +213,14 @@ class DurableCommits:
         """``call()``'s result, for no longer than twice the time one storage call may retry:
         a storage that never answers (a black-holed endpoint, a hung mount) costs that long
         and a ``CheckpointStorageError``, never the whole job waiting on its rank 0. The call
-        runs on a daemon thread, left to end on its own when it does not answer.
+        runs on a daemon thread, left to end on its own when it does not answer; while it has
+        not, no other is started (one thread at most, however many rounds form meanwhile).
         """
+        if self._caller is not None and self._caller.is_alive():
+            raise CheckpointStorageError(
+                f"{what} {self.url} was not tried: the storage has not answered an earlier call "
+                "yet. Check that it is reachable from this machine, or raise "
+                "ELASTIC_STORAGE_RETRY if it is this slow.")
         result: Future[T] = Future()
 
         def run() -> None:
@@ -222,7 +229,8 @@ class DurableCommits:
             except Exception as exc:  # noqa: BLE001 (handed to the caller, typed there)
                 result.set_exception(exc)
 
-        threading.Thread(target=run, name="checkpoint-call", daemon=True).start()
+        self._caller = threading.Thread(target=run, name="checkpoint-call", daemon=True)
+        self._caller.start()
         deadline = self._hung_after * 2
         try:
             return result.result(timeout=deadline.total_seconds())
@@ -231,6 +239,23 @@ class DurableCommits:
                 f"{what} {self.url} did not answer within {deadline}. Check that the storage "
                 "is reachable from this machine, or raise ELASTIC_STORAGE_RETRY if it is this "
                 "slow.") from None
+
+    def finish(self, timeout: timedelta) -> bool:
+        """Waits for the in-flight write for up to ``timeout``; closes the store if it ended.
+
+        Returns:
+            False when the write was still running at the deadline (it is abandoned: its
+            thread is a daemon, so it never holds the process at exit).
+        """
+        if not self.store.wait(timeout):
+            log.error("the last checkpoint write to %s did not finish within %s", self.url,
+                      timeout)
+            if self.events:
+                self.events.emit("checkpoint_unfinished", url=self.url,
+                                 waited_s=timeout.total_seconds())
+            return False
+        self.store.close()
+        return True
 
     def close(self) -> None:
         """Waits for the in-flight write and closes the store."""

@@ -23,6 +23,7 @@ from elastic.agreement import MembershipAgreement
 from elastic.cluster.cluster import Cluster
 from elastic.cluster.rendezvous import Topology
 from elastic.durable import DurableCommits
+from elastic.errors import UnfinishedWriteError
 from elastic.events import EventLog
 from elastic.loop_helpers import batches, ddp, print_main
 from elastic.outcome import RunOutcome
@@ -329,6 +330,8 @@ class ElasticState:
             NothingTrainedError: ``fn`` returned without a commit after resuming a finished
                 job from its checkpoint (unless ``ELASTIC_RESUME_FINISHED=1``).
             DurableCommitsFailedError: not one durable commit of this worker was written.
+            UnfinishedWriteError: the last durable write did not finish within
+                ``final_write`` (``ELASTIC_FINAL_WRITE_TIMEOUT``).
         """
         worker = f"{os.uname().nodename}-{os.getpid()}"
         events = EventLog(self._settings.log_dir, worker)
@@ -357,15 +360,20 @@ class ElasticState:
             returned.append(True)
             return result
 
+        final_write = self._settings.timeouts.final_write
         try:
             outcome.initial_version = self._train.version
             result = loop.run(call)
         finally:
             restore_signals()
-            if self._durable is not None:
-                self._durable.store.wait()
+            finished = self._durable is None or self._durable.finish(final_write)
             self._cluster.close()
             self._cluster = None
+        if not finished:
+            raise UnfinishedWriteError(
+                f"the last checkpoint write did not finish within {final_write} (storage "
+                f"{self._settings.checkpoint}); the checkpoint before it is intact. Check the "
+                "storage, or raise ELASTIC_FINAL_WRITE_TIMEOUT if its writes are this slow.")
         if returned:
             outcome.check(self._train.version, self._durable)
         return result

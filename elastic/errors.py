@@ -71,6 +71,10 @@ class CheckpointResumeError(ElasticError):
     than start from scratch while that URL may hold its checkpoints."""
 
 
+class UnfinishedWriteError(ElasticError):
+    """The last durable write had not finished when the worker was done (``final_write``)."""
+
+
 class ElasticInterrupt(Exception):
     """Base class of the expected control-flow signals of the run loop."""
 

@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from elastic.checkpoint import (CheckpointIncompatibleError,
+from elastic.checkpoint import (CheckpointIncompatibleError, CheckpointStorageError,
                                 CheckpointStore, CheckpointWriteError)
 from elastic.cluster.etcd_client import EtcdClient
 from elastic.cluster.keys import JobKeys
@@ -167,3 +167,18 @@ def test_a_failed_read_of_the_newest_checkpoint_costs_a_warning_and_loads_the_on
     assert torch.equal(loaded["objects"]["model"]["w"], torch.full((64, 1024), 1.0))
     assert "falling back to an older one" in caplog.text and "injected" in caplog.text
     durable.close()
+
+
+def test_storage_that_never_answers_holds_at_most_one_thread_however_often_it_is_asked(
+        faulty_fs):
+    durable = DurableCommits(URL, retry_for=timedelta(seconds=0.2))
+    faulty_fs.plan.read_gate = threading.Event()  # every listing hangs, as on a hard mount
+    for _ in range(3):  # three formations
+        with pytest.raises(CheckpointStorageError, match="did not answer|earlier call"):
+            durable.survey()
+    hung = [t for t in threading.enumerate() if t.name == "checkpoint-call"]
+    assert len(hung) == 1, f"{len(hung)} threads wait on the storage"
+    faulty_fs.plan.read_gate.set()
+    hung[0].join(10)
+    assert not hung[0].is_alive()
+    assert durable.survey() == (0, 1)  # answered again: asked afresh

@@ -7,6 +7,7 @@ local files whose first reads fail the way S3 answers a 503 (``OSError(EBUSY)`` 
 from __future__ import annotations
 
 import json
+import os
 
 from elastic.checkpoint import CheckpointStore
 from tests.support.faulty_fs import PLAN_VARIABLE
@@ -30,3 +31,20 @@ def test_a_resume_whose_storage_stays_unreadable_stops_with_one_line_naming_the_
     job = make_job(ARGS, {"ELASTIC_CHECKPOINT": url, "ELASTIC_STORAGE_RETRY": "1",
                           PLAN_VARIABLE: json.dumps({"read_failures": 10**6, "read_error": "busy"})})
     assert "injected: 503" in start_and_expect_refusal(job, url)
+
+
+def test_a_checkpoint_write_that_hangs_at_exit_ends_the_worker_with_one_line_in_bounded_time(
+        make_job, tmp_path):
+    gate, started = tmp_path / "gate", tmp_path / "write-started"
+    os.mkfifo(gate)  # never opened for writing: every payload write hangs, as on a hard mount
+    plan = {"target": "state.pt", "gate_fifo": str(gate), "started_marker": str(started)}
+    job = make_job(["--epochs", "1", "--samples", "96"],
+                   {"ELASTIC_CHECKPOINT": f"faultfile://{tmp_path / 'ckpt'}",
+                    PLAN_VARIABLE: json.dumps(plan), "ELASTIC_FINAL_WRITE_TIMEOUT": "2"})
+    job.start(0)
+    assert job.wait_exit(0, timeout=90) == 1, job.tails()
+    assert started.exists(), "the checkpoint write never started"
+    last = (job.out / "worker-0.log").read_text(errors="replace").strip().splitlines()[-1]
+    assert "the last checkpoint write did not finish" in last, job.tails()
+    waited = [e for e in job.events() if e["event"] == "checkpoint_unfinished"]
+    assert [e["waited_s"] for e in waited] == [2.0]

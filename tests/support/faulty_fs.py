@@ -56,6 +56,8 @@ class FaultPlan:
             filesystem heals.
         read_error: Builds the exception a failing read raises.
         read_target: Only reads of files of this name fail (None: every read, listings too).
+        read_gate: If set, reads (of ``read_target``) block until this Event is set (a hung
+            mount).
         fail_while: Reads fail only while a file exists at this path (the switch that crosses
             processes); None: from the first read.
         reads_failed: How many reads failed.
@@ -77,6 +79,7 @@ class FaultPlan:
     reads_failed: int = 0
     read_target: str | None = None
     fail_while: str | None = None
+    read_gate: threading.Event | None = None
     gate_fifo: str | None = None
     started_marker: str | None = None
 
@@ -84,6 +87,8 @@ class FaultPlan:
         """Fails this read of ``path`` if reads (of it) are still to fail."""
         if self.read_target is not None and path.rsplit("/", 1)[-1] != self.read_target:
             return
+        if self.read_gate is not None:
+            assert self.read_gate.wait(30), "test never released the gated read"
         if self.fail_while is not None and not os.path.exists(self.fail_while):
             return
         if self.reads_failed < self.read_failures:
@@ -207,6 +212,7 @@ def faulty_fs() -> Iterator[type[FaultyMemoryFileSystem]]:
     FaultyMemoryFileSystem.pseudo_dirs[:] = [""]
     FaultyMemoryFileSystem.plan = FaultPlan()
     yield FaultyMemoryFileSystem
-    if FaultyMemoryFileSystem.plan.gate is not None:
-        FaultyMemoryFileSystem.plan.gate.set()  # never leave a writer thread blocked
+    for gate in (FaultyMemoryFileSystem.plan.gate, FaultyMemoryFileSystem.plan.read_gate):
+        if gate is not None:
+            gate.set()  # never leave a thread blocked
     FaultyMemoryFileSystem.store.clear()
