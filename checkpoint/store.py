@@ -281,12 +281,15 @@ class CheckpointStore:
     def _check_fence(self, scan: Scan, generation: int | None, step: int) -> None:
         if generation is None:
             return
-        newest = max((r.generation for r in scan.valid if r.generation is not None), default=None)
-        if newest is not None and newest > generation:
+        fenced = [r for r in scan.valid if r.generation is not None and r.generation > generation]
+        if fenced:
+            newer = max(fenced, key=lambda r: (r.generation, r.step))
+            writer = newer.metadata.get("job_id")
             raise CheckpointFencedError(
                 f"step {step} from generation {generation} was not published: generation "
-                f"{newest} has already written to {self._url}. This writer is stale; rejoin the "
-                f"job to get the current generation.")
+                f"{newer.generation}{f' of job {writer!r}' if writer else ''} has already "
+                f"written to {self._url}. This writer is stale; rejoin the job to get the "
+                "current generation.", newer=newer)
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -57,16 +57,18 @@ class DurableCommits:
         events: where writes and failures are recorded.
         keep: how many complete checkpoints to keep.
         retry_for: how long a failing storage operation is retried.
+        job_id: recorded in every manifest, to name this job to another one that is fenced.
 
     Raises:
         CheckpointBackendError: the URL's scheme is unknown or its fsspec package is missing.
     """
 
     def __init__(self, url: str, events: EventLog | None = None, keep: int = 3,
-                 retry_for: timedelta = DEFAULT_RETRY_FOR) -> None:
+                 retry_for: timedelta = DEFAULT_RETRY_FOR, job_id: str | None = None) -> None:
         self.store = CheckpointStore(url, keep=keep, retry_for=retry_for)
         self._hung_after = retry_for  # a write still running this long after the next is due
         self.url = url
+        self.job_id = job_id
         self.events = events
         self.last_error: Exception | None = None
         self.written = 0
@@ -137,6 +139,8 @@ class DurableCommits:
             token = self._token()
             if token is not None:
                 metadata = {**metadata, "generation": token}
+            if self.job_id is not None:
+                metadata = {**metadata, "job_id": self.job_id}
             future = self.store.save_async(version, payload, metadata, self._before_publish)
         except (CheckpointError, EtcdUnavailableError) as exc:
             self._failed(version, exc)
@@ -159,17 +163,51 @@ class DurableCommits:
             self._published(ref)
 
     def _failed(self, version: int, exc: Exception) -> None:
-        """Records a write that did not land. A fenced one is no failure of the storage: a
-        newer rank 0 took over (it is not ``last_error``, which says nothing was saved)."""
+        """Records a write that did not land. A fenced one is no failure of the storage when a
+        newer rank 0 of this job took over (it is not ``last_error``, which says nothing was
+        saved); it is one when another job, or another claim of this job's fencing epoch,
+        wrote to the URL while this worker is still current (``_overtaken``)."""
         fenced = isinstance(exc, CheckpointFencedError)
+        if fenced and self._overtaken(exc):
+            self._overtaken_by(version, exc)
+            return
         if not fenced:
             self.last_error = exc
         log.warning("durable commit of version %d %s (training goes on; the previous "
                     "checkpoint stays valid): %s: %s", version,
                     "was discarded" if fenced else "failed", type(exc).__name__, exc)
         if self.events:
-            self.events.emit("checkpoint_failed", version=version, fenced=fenced,
+            self.events.emit("checkpoint_failed", version=version, fenced=fenced, stale=False,
                              error=str(exc)[:300])
+
+    def _overtaken(self, exc: CheckpointFencedError) -> bool:
+        """Whether the store refused this worker's write for a checkpoint of another job or
+        another fencing epoch while this worker's lease is alive: two writers on one URL."""
+        newer = exc.newer
+        if not isinstance(newer, CheckpointRef) or newer.generation is None:
+            return False
+        if self.generation is None or (self._confirm_lease and not self._confirm_lease()):
+            return False
+        other_job = newer.metadata.get("job_id")
+        return (newer.generation // ROUNDS_PER_EPOCH != self.generation // ROUNDS_PER_EPOCH
+                or (other_job is not None and self.job_id is not None
+                    and other_job != self.job_id))
+
+    def _overtaken_by(self, version: int, exc: CheckpointFencedError) -> None:
+        """Records a write refused for another writer's newer checkpoint: a failure, loudly."""
+        newer = exc.newer
+        assert isinstance(newer, CheckpointRef)
+        other_job = newer.metadata.get("job_id")
+        self.last_error = exc
+        log.warning("durable commit of version %d was refused: job %r wrote generation %s to "
+                    "%s while this worker (job %r, generation %s) is still current, so nothing "
+                    "of this job is saved there. Two jobs write to one checkpoint URL: stop "
+                    "one, or give each its own URL.", version, other_job, newer.generation,
+                    self.url, self.job_id, self.generation)
+        if self.events:
+            self.events.emit("checkpoint_failed", version=version, fenced=True, stale=True,
+                             level="error", newer_job=other_job,
+                             newer_generation=newer.generation, error=str(exc)[:300])
 
     def survey(self) -> tuple[int, int]:
         """Lists the store once: the newest complete checkpoint's version (0: none) and the

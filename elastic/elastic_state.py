@@ -62,8 +62,8 @@ class ElasticState:
         self._leave_requested = threading.Event()
         self._generation = 0
         self._durable = DurableCommits(
-            self._settings.checkpoint, retry_for=self._settings.timeouts.storage_retry) \
-            if self._settings.checkpoint else None
+            self._settings.checkpoint, retry_for=self._settings.timeouts.storage_retry,
+            job_id=self._settings.job_id) if self._settings.checkpoint else None
         self._warned_not_durable = False
         self._progress_at: float | None = None
         self._progress_every_s = self._settings.timeouts.progress.total_seconds()

@@ -10,7 +10,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from elastic.checkpoint import (CheckpointIncompatibleError, CheckpointStorageError,
+from elastic.checkpoint import (CheckpointFencedError, CheckpointIncompatibleError,
+                                CheckpointStorageError,
                                 CheckpointStore, CheckpointWriteError)
 from elastic.cluster.etcd_client import EtcdClient
 from elastic.cluster.keys import JobKeys
@@ -182,3 +183,26 @@ def test_storage_that_never_answers_holds_at_most_one_thread_however_often_it_is
     hung[0].join(10)
     assert not hung[0].is_alive()
     assert durable.survey() == (0, 1)  # answered again: asked afresh
+
+
+def test_a_write_fenced_by_another_job_on_the_url_is_a_failure_naming_that_job(tmp_path,
+                                                                              caplog):
+    url = str(tmp_path / "ckpt")
+    events = EventLog(str(tmp_path), "a")
+    ours = DurableCommits(url, events)
+    ours.arm(3, claim_epoch=lambda floor: floor, confirm_lease=lambda: True, floor=1)
+    ours.write(payload(1.0), 1, {"epoch": 1})
+    ours.store.wait()
+    theirs = DurableCommits(url)  # a second job on the same URL: one epoch above ours
+    theirs.arm(1, claim_epoch=lambda floor: floor, confirm_lease=lambda: True,
+               floor=theirs.survey()[1])
+    theirs.write(payload(2.0), 2, {"epoch": 2, "job_id": "job-b"})
+    theirs.close()
+    ours.write(payload(3.0), 3, {"epoch": 3})  # this worker's lease is alive: it is current
+    ours.close()
+    assert isinstance(ours.last_error, CheckpointFencedError)
+    assert "'job-b'" in caplog.text and str(fencing_generation(2, 1)) in caplog.text
+    failed = [json.loads(line) for line in events.path.read_text().splitlines()
+              if json.loads(line)["event"] == "checkpoint_failed"]
+    assert [(e["version"], e["fenced"], e["stale"]) for e in failed] == [(3, True, True)]
+    assert failed[0]["newer_job"] == "job-b"
