@@ -223,6 +223,9 @@ class RunLoop:
         topology = cluster.form(reason, self._train.version, self._leave_requested.is_set)
         os.environ.update(RANK=str(topology.rank), WORLD_SIZE=str(topology.world_size),
                           MASTER_ADDR=topology.master_addr, MASTER_PORT=str(topology.master_port))
+        # A warm spare that took a place is a member now: restarted in place, it comes back as
+        # one, not as a spare that only fills a world below its target.
+        os.environ.pop("ELASTIC_STANDBY", None)
         with Stopwatch() as synced:
             try:
                 src, moved = self._sync_newest(topology)

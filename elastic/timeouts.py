@@ -158,6 +158,11 @@ class Timeouts:
     the etcd client's connection and thread, a watch, the signal relay thread, an embedded etcd
     after SIGTERM (then SIGKILL); also how much longer than ``etcd_rpc`` a request waits for
     the etcd client's thread to hand its reply back."""
+    drain: timedelta = _entry(0.2)
+    """Default 0.2 s (``ELASTIC_DRAIN``): how long the launcher, once a worker exited, waits
+    for the last of its output to be copied before it acts on the exit (revokes its lease,
+    starts its replacement). A child of the worker holding its output pipes keeps them open;
+    their lines go on being shown."""
     reap: timedelta = _entry(10)
     """Default 10 s (``ELASTIC_REAP``): how long the launcher waits for a worker it killed
     (SIGKILL) to be reaped before it reports the worker as a survivor."""

@@ -1,11 +1,13 @@
-"""Connections that a forked child must not keep alive: the round's group and channel sockets.
+"""Connections that no child may keep alive: the round's group and channel sockets.
 
 When a worker dies, its kernel closes its sockets, and that is how its peers learn of the death
 at once (gloo's connections reset, the agreement channel ends). A process forked from the
 worker (a ``DataLoader`` worker with ``num_workers > 0``, forked after the group formed) holds
 copies of those sockets, and while any copy is open the kernel closes nothing: the peers would
-learn of the death only at the lease TTL. So every holder of such a socket registers it here,
-and in every forked child the registered descriptors are pointed at ``/dev/null`` (``dup2``)
+learn of the death only at the lease TTL. So every holder of such a socket registers it here.
+A registered descriptor is made close-on-exec (gloo's sockets are not), so that a child that
+runs another program (``os.system``, ``subprocess``, ``posix_spawn``: no fork hook runs for
+those) drops it at its ``exec``; and in every forked child the registered descriptors are pointed at ``/dev/null`` (``dup2``)
 right after the fork: the child's copies are gone, and a Python socket object in the child that
 later closes its number closes only ``/dev/null``. The parent's sockets are untouched.
 
@@ -64,8 +66,11 @@ class ForkGuard:
             self._hooked = True
 
     def hold(self, fds: list[int]) -> None:
-        """Registers ``fds`` (open descriptors of this process) to be let go of in children."""
+        """Registers ``fds`` (open descriptors of this process) to be let go of in children,
+        and makes each close-on-exec."""
         found = [_Held(fd, inode) for fd in fds if (inode := _inode(fd)) is not None]
+        for entry in found:
+            os.set_inheritable(entry.fd, False)
         with self._lock:
             self._hook()
             known = {h.fd for h in found}

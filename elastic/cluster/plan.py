@@ -19,7 +19,7 @@ _JOIN_FIELDS = {"member_id": True, "version": True, "reason": True, "addr": True
                 "standby": False, "from_round": False, "from_world": False}
 _MAX_WORLD = 10**7
 _PLAN_FIELDS = {"round": True, "ranks": True, "spares": False, "master_addr": False,
-                "master_port": False, "versions": False, "cut": False}
+                "master_port": False, "versions": False, "cut": False, "target": False}
 
 
 @dataclass(frozen=True)
@@ -86,10 +86,16 @@ class Plan:
     master_port: int = 0
     versions: dict[str, int] = field(default_factory=dict)
     cut: list[str] = field(default_factory=list)  # left out, maybe alive: cut off
+    target: int = 0  # the world warm spares fill back to (0: this round's world)
 
     @property
     def world_size(self) -> int:
         return len(self.ranks)
+
+    @property
+    def is_full(self) -> bool:
+        """Whether the world is at its target: a warm spare has no place to fill."""
+        return self.world_size >= self.target
 
     def to_json(self) -> str:
         """The stored form: ``versions`` as a list in the order of ``ranks`` then ``spares``
@@ -120,7 +126,8 @@ class Plan:
                                                 data.get("master_addr", "127.0.0.1")),
                     master_port=records.integer("master_port", data.get("master_port", 0), 0,
                                                 65535),
-                    versions=versions, cut=cut)
+                    versions=versions, cut=cut,
+                    target=records.integer("target", data.get("target", 0), 0, _MAX_WORLD))
 
 
 def _versions(value: object, members: list[str]) -> dict[str, int]:
@@ -199,12 +206,13 @@ def should_close(requests: list[JoinRequest], live: set[str], has_previous: bool
 
 
 def assign_ranks(requests: list[JoinRequest], previous: list[str], round_: int,
-                 max_workers: int | None, min_workers: int = 1) -> Plan:
+                 max_workers: int | None, min_workers: int = 1, target: int = 0) -> Plan:
     """Orders the requests into ranks: the newest commit first (it becomes rank 0, the source of
     the state), then members of the previous round in their old order, then by arrival.
     Members beyond ``max_workers`` become spares. A warm spare (``standby``) that was not in the
-    previous round is taken only to fill the place of a previous member that is gone (or to
-    reach ``min_workers``); the others stay spares.
+    previous round is taken only to fill the world back to the previous round's ``target`` (the
+    largest world the job has had, within ``max_workers``), or to the previous round's size,
+    or to ``min_workers``; the others stay spares. The plan carries the new target on.
     """
     if not requests:
         raise ValueError("A round needs at least one join request.")
@@ -215,13 +223,15 @@ def assign_ranks(requests: list[JoinRequest], previous: list[str], round_: int,
     # lists hold every member of the job.
     waiting = [i for i, r in enumerate(ordered) if r.standby and r.member_id not in old_rank]
     taken = set(range(len(ordered))).difference(waiting)
-    places = max(len(previous), min_workers) - len(taken)
+    places = max(target, len(previous), min_workers) - len(taken)
     taken.update(waiting[:max(0, places)])
     candidates = [ordered[i] for i in sorted(taken)]
     cut = len(candidates) if max_workers is None else max_workers
     chosen = candidates[:cut]
     chosen_ids = {r.member_id for r in chosen}
     spares = [r for r in ordered if r.member_id not in chosen_ids]
+    most = max(target, len(chosen))
     return Plan(round=round_, ranks=[r.member_id for r in chosen],
                 spares=[r.member_id for r in spares], master_addr=chosen[0].addr,
-                master_port=chosen[0].port, versions={r.member_id: r.version for r in requests})
+                master_port=chosen[0].port, versions={r.member_id: r.version for r in requests},
+                target=most if max_workers is None else min(most, max_workers))

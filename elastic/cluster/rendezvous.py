@@ -23,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
-from elastic.errors import (CutOffError, LeaveInterrupt, RendezvousClosedError,
+from elastic.errors import (CutOffError, EtcdAccessError, EtcdRecordError,
+                            EtcdUnavailableError, LeaveInterrupt, RendezvousClosedError,
                             RendezvousTimeoutError)
 from elastic.cluster.etcd_client import EtcdClient, WatchEvent
 from elastic.cluster.keys import JobKeys
@@ -233,8 +234,9 @@ class Rendezvous:
                 went_on = self.read_plan(self._last_round + 1)
                 me = self._membership.member_id
                 self._check_not_cut(None if went_on is None else seat_in(went_on, me))
+            waits = self.standby and self._is_world_full()
             request = self._request(self._membership.member_id, reason, version, port,
-                                    came_from).to_json()
+                                    came_from, waits).to_json()
             reported: set[str] = set()  # before asking: a split is seen whole when all asked
             self._report_gone(n, gone(n), reported)
             carried, self._carried = self._carried, None
@@ -254,11 +256,22 @@ class Rendezvous:
             return Topology.of(seat, self._membership.member_id, self._keys.store(n))
 
     def _request(self, member_id: str, reason: str, version: int, port: int,
-                 came_from: tuple[int, int]) -> JoinRequest:
-        # A warm spare's joins never ask the running members to re-form.
-        return JoinRequest(member_id, version, "spare" if self.standby else reason,
+                 came_from: tuple[int, int], waits: bool) -> JoinRequest:
+        # A warm spare that ``waits`` never asks the running members to re-form; one that does
+        # not (their world is below its target: deaths took places no spare filled) is taken.
+        return JoinRequest(member_id, version, "spare" if waits else reason,
                            self._membership.advertise_addr, port, standby=self.standby,
                            from_round=came_from[0], from_world=came_from[1])
+
+    def _is_world_full(self) -> bool:
+        """Whether the newest round's world is at its target (True when none formed yet, or
+        its plan cannot be read: a spare then waits, as before)."""
+        newest = self._newest_told()
+        try:
+            plan = self.read_plan(newest) if newest else None
+        except (EtcdUnavailableError, EtcdAccessError, EtcdRecordError):
+            plan = None
+        return plan is None or plan.is_full
 
     def first_join(self, reason: str, version: int, port: int,
                    came_from: tuple[int, int] = (0, 0)) -> Callable[[str], Carried]:
@@ -267,7 +280,8 @@ class Rendezvous:
         job's first round costs each member one write fewer. ``join`` then writes it only if
         the registration did not, or if it asks with other arguments or for another round."""
         def carry(member_id: str) -> Carried:
-            request = self._request(member_id, reason, version, port, came_from).to_json()
+            request = self._request(member_id, reason, version, port, came_from,
+                                    self.standby).to_json()
             self._carried = request
             return Carried(self._keys.join(FIRST_ROUND, member_id), request, self._keys.round)
 
@@ -380,7 +394,8 @@ class Rendezvous:
         deletes the keys of round ``n - 2``."""
         plan = assign_ranks([r for r in requests if r.member_id not in cut],
                             previous.ranks if previous else [], n,
-                            self.config.max_workers, self.config.min_workers)
+                            self.config.max_workers, self.config.min_workers,
+                            previous.target if previous else 0)
         plan = replace(plan, cut=sorted(cut))
         stored = plan.to_json()
         if self._client.create(self._keys.plan(n), stored, also={self._keys.round: str(n)},

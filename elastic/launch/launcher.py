@@ -197,7 +197,7 @@ class Launcher:
         self.spec = spec
         self.keys = JobKeys(spec.job_id)
         self.procs = WorkerProcs(spec.command, spec.env, spec.timeouts.reap,
-                                 WorkerOutput(spec.output, socket.gethostname()))
+                                 spec.timeouts.drain, WorkerOutput(spec.output, socket.gethostname()))
         self.stop = StopSignal(self.procs.changed, shutdown=spec.timeouts.shutdown)
         self.client: EtcdClient | None = None
         self.membership: EtcdMembership | None = None
@@ -206,6 +206,7 @@ class Launcher:
         self.replacements: Replacements | None = None
         self.etcd_exit: EtcdExit | None = None
         self.node_members: NodeMembers | None = None  # with --node-lease
+        self._spares: set[int] = set()  # pids of warm spares that have not taken a place
 
     def connect(self) -> bool:
         """Connects to etcd, claims or checks the job's configuration and registers.
@@ -337,7 +338,7 @@ class Launcher:
         held = self.replacements.hold(replacement, members)
         when = (f" once the others re-formed without it (at most "
                 f"{self.spec.timeouts.replace_wait.total_seconds():g} s)" if held else "")
-        if self.spec.spares:
+        if self._take_waiting_spare(pid):
             _say(f"a warm spare takes the place of worker local_rank={local_rank}; starting a "
                  f"new spare in its slot{when} (restart {restarts.used} of "
                  f"{self.spec.max_restarts})")
@@ -346,6 +347,20 @@ class Launcher:
                  f"{self.spec.max_restarts})")
         if not held:
             self._start(replacement.local_rank, replacement.standby)
+
+    def _take_waiting_spare(self, dead: int) -> bool:
+        """Whether a warm spare of this node was waiting (running and joined) to take the place
+        of worker ``dead``; that spare counts as placed from now on. A spare's own death takes
+        no spare's place. Otherwise the replacement fills the place when it is ready."""
+        if dead in self._spares:
+            self._spares.discard(dead)
+            return False
+        running = {w.pid for w in self.procs.running()}
+        waiting = sorted(p for p in self._spares if p in running and self._has_joined(p))
+        if not waiting:
+            return False
+        self._spares.discard(waiting[0])
+        return True
 
     def _start(self, local_rank: int, standby: bool = False) -> None:
         """Starts one worker (``standby``: a warm spare), with a file of its own to report its
@@ -357,6 +372,8 @@ class Launcher:
             env["ELASTIC_NODE_LEASE"] = str(self.membership.lease)
         worker = self.procs.start(local_rank, env)
         self.leases.assign(worker.pid, path)
+        if standby:
+            self._spares.add(worker.pid)
 
     def _has_joined(self, pid: int) -> bool:
         """Whether worker ``pid`` ever registered as a member of the job."""
@@ -376,10 +393,10 @@ class Launcher:
         elif dropped:
             _say(f"worker pid={pid} {describe_exit(code)}; removed it from the job (member "
                  f"{dropped[-1]})")
-        elif self._has_joined(pid):
+        elif self._has_joined(pid) and code > 0:
             _say(f"worker pid={pid} {describe_exit(code)} after it had joined the job and left "
                  "it (its own error; see its output above)")
-        elif leases:
+        elif leases or self._has_joined(pid):
             _say(f"worker pid={pid} {describe_exit(code)}; its lease was gone already")
         else:
             _say(f"worker pid={pid} {describe_exit(code)} before it joined the job. If it is a "

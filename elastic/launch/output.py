@@ -15,6 +15,7 @@ import collections
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,9 +89,11 @@ class OutputTail:
         return ""
 
     def join(self, timeout_s: float) -> None:
-        """Waits (bounded) until everything the worker wrote has been copied."""
+        """Waits, ``timeout_s`` at most in all, until both streams ended (everything the
+        worker and its children wrote has been copied)."""
+        deadline = time.monotonic() + timeout_s
         for reader in self.readers:
-            reader.join(timeout_s)
+            reader.join(max(0.0, deadline - time.monotonic()))
 
 
 class WorkerOutput:

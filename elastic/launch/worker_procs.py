@@ -2,7 +2,9 @@
 
 Each worker runs in its own session (process group), so that a Ctrl-C in the terminal reaches
 only the launcher, which then asks every worker to leave. A waiter thread per process sets
-``changed`` when it exits; the launcher waits on that Event, never on a sleep. Stragglers are
+``changed`` when the process exits (``waitpid``), not when its output pipes close: a child of
+the worker (a shell's background job, a DataLoader worker) may hold them open for long after,
+and its lines go on being shown. The launcher waits on that Event, never on a sleep. Stragglers are
 killed with their whole process group (DataLoader workers included), by PID.
 """
 
@@ -61,17 +63,20 @@ class WorkerProcs:
         command: the worker command line (``python script.py args`` or ``python -m mod args``).
         env: the environment every worker starts from.
         reap: how long a worker killed with SIGKILL gets to be reaped before it is reported as
-            a survivor (``Timeouts.reap``); also bounds copying the last of its output.
+            a survivor (``Timeouts.reap``).
+        drain: how long an exited worker's last output may take to be copied before its exit
+            is reported (``Timeouts.drain``).
         output: where the workers' stdout and stderr go, line by line (None: they inherit ours).
     """
 
     def __init__(self, command: Sequence[str], env: Mapping[str, str], reap: timedelta,
-                 output: WorkerOutput | None = None) -> None:
+                 drain: timedelta, output: WorkerOutput | None = None) -> None:
         if not command:
             raise ValueError("The worker command is empty.")
         self.command = list(command)
         self.env = dict(env)
         self.reap = reap
+        self.drain = drain
         self.output = output
         self.changed = threading.Event()
         self.workers: list[Worker] = []
@@ -104,7 +109,7 @@ class WorkerProcs:
     def _wait(self, worker: Worker) -> None:
         worker.proc.wait()
         if worker.tail is not None:  # its last words are printed before its exit is reported
-            worker.tail.join(self.reap.total_seconds())
+            worker.tail.join(self.drain.total_seconds())
         worker.reaped.set()
         self.changed.set()
 

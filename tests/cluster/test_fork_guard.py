@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -69,3 +71,16 @@ def test_a_released_descriptor_is_no_longer_let_go_of():
     assert guard.held == [b.fileno()]
     a.close()
     b.close()
+
+
+def test_a_registered_descriptor_is_not_inherited_by_a_program_the_worker_runs():
+    guard = ForkGuard()
+    registered, peer = socket.socketpair()
+    with registered, peer:
+        os.set_inheritable(registered.fileno(), True)  # as gloo leaves its sockets
+        guard.hold([registered.fileno()])
+        fd = registered.fileno()
+        probe = f"import os; print(os.path.exists('/proc/self/fd/{fd}'))"
+        child = subprocess.run([sys.executable, "-c", probe], close_fds=False,
+                               capture_output=True, text=True, timeout=20, check=True)
+        assert child.stdout.strip() == "False", "the child's program inherited the socket"

@@ -191,6 +191,22 @@ def test_warm_spares_fill_up_to_min_workers_and_never_past_max_workers():
     assert assign_ranks([req("a"), spare("s")], ["a", "x", "y"], 2, 2).ranks == ["a", "s"]
 
 
+def test_warm_spares_fill_a_shrunken_world_back_to_its_target_and_no_further():
+    first = assign_ranks([req("a"), req("b", revision=1)], [], 1, None)
+    assert first.target == 2 and first.is_full
+    alone = assign_ranks([spare("s")], ["a", "b"], 2, None, target=first.target)
+    assert alone.ranks == ["s"] and alone.target == 2 and not alone.is_full
+    refilled = assign_ranks([req("s", 3), spare("t", revision=1), spare("u", revision=2)],
+                            alone.ranks, 3, None, target=alone.target)
+    assert refilled.ranks == ["s", "t"] and refilled.spares == ["u"] and refilled.is_full
+    assert Plan.from_json(refilled.to_json().encode(), 3).target == 2
+
+
+def test_a_target_never_exceeds_max_workers():
+    plan = assign_ranks([req("a"), req("b", revision=1), req("c", revision=2)], [], 1, 2)
+    assert plan.ranks == ["a", "b"] and plan.target == 2
+
+
 def test_warm_spares_do_not_make_a_first_round_full():
     rule = CloseRule(min_workers=1, max_workers=2, settle_s=5.0)
     requests = [req("a"), spare("s", revision=1)]

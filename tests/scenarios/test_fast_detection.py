@@ -8,6 +8,7 @@ any recovery that waited for a lease shows plainly.
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -18,6 +19,18 @@ LEASE_TTL_S = 6.0
 # A recovery that saw the death directly takes well under a second on this machine; one that
 # fell back to the lease (or to the DataLoader's own 5 s parent check) takes seconds.
 FAST_S = LEASE_TTL_S / 4
+
+
+def _sockets_of(pid: int) -> list[int]:
+    """The descriptors of process ``pid`` that are sockets."""
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"):
+                found.append(int(fd))
+        except FileNotFoundError:
+            continue  # closed meanwhile
+    return found
 
 
 def _recovery_after(job, kind: str, index: int) -> float:
@@ -87,3 +100,32 @@ def test_survivors_of_a_killed_rank_close_their_round_without_the_settle_window(
     survivors = [i for i in range(3) if i != victim]
     assert all(job.wait_exit(i) == 0 for i in survivors)
     check_outcome(job, survivors)
+
+
+def test_survivors_resume_at_once_when_a_killed_worker_left_children_made_without_fork(
+        make_job):
+    """Children started by ``os.system``, ``Popen(close_fds=False)`` and ``posix_spawn`` run no
+    fork hook: only close-on-exec keeps the round's sockets out of them."""
+    job = make_job(ARGS + ["--step-ms", "30"],
+                   {"FAULTS": "children:1:10,kill:1:20", "ELASTIC_LEASE_TTL": str(LEASE_TTL_S)})
+    pids = job.out / "children-1.pids"
+    try:
+        job.start_together(range(3))
+        assert job.wait_exit(1) == -signal.SIGKILL
+        children = [int(pid) for pid in pids.read_text().split()]
+        assert len(children) == 3, "the worker did not start its children"
+        held = {pid: _sockets_of(pid) for pid in children}
+        assert not any(held.values()), (
+            f"children of the killed worker hold sockets it had (pid: fds): {held}")
+        recovery_s = _recovery_after(job, "kill", 1)
+        assert recovery_s < FAST_S, (
+            f"the survivors resumed {recovery_s:.2f} s after the kill: the dead worker's "
+            "children kept its connections open")
+        assert job.wait_exit(0) == 0 and job.wait_exit(2) == 0
+        check_outcome(job, [0, 2])
+    finally:
+        for pid in map(int, pids.read_text().split() if pids.exists() else ()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -11,8 +11,10 @@ error;
 the commit's membership agreement; ``stop-durable`` freezes it right after an epoch's
 ``commit(durable=True)`` returned, with the checkpoint's write in flight (``BALLAST_MB`` adds a
 tensor of that size to the state, so that the write lasts long enough to be caught); ``slow``
-makes one step last ``SLOW_STEP_MS`` (3000) longer. ``FAULTFS_PLAN`` makes ``faultfile://``
-checkpoint URLs fail reads or stall writes (``tests/support/faulty_fs.py``).
+makes one step last ``SLOW_STEP_MS`` (3000) longer; ``children`` starts children that outlive
+the worker without Python's fork (``tests.workers.children``; pids in ``children-{index}.pids``).
+``FAULTFS_PLAN`` makes ``faultfile://`` checkpoint URLs fail reads or stall writes
+(``tests/support/faulty_fs.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from elastic import ElasticSampler, ElasticState
 from tests.workers.sync_points import hold_until_change, hold_until_world, wait_for_peers
+from tests.workers.children import start_children
 from tests.workers.markers import write_marker
 from tests.workers.pacing import compute_for
 
@@ -87,6 +90,9 @@ def fire_faults(state: ElasticState, out: Path, index: int, moment: str = "step"
             raise RuntimeError("file closed: the user's own error (connection, socket, timeout)")
         if kind == "slow":  # one long step (no collective in it): a live member, only slow
             compute_for(float(os.environ.get("SLOW_STEP_MS", "3000")))
+            continue
+        if kind == "children":
+            start_children(out / f"children-{index}.pids")
             continue
         if kind == "stuck":  # blocked like a collective that its release did not wake
             wake, keep_open = os.pipe()

@@ -1,0 +1,47 @@
+"""The launcher sees a worker's exit when the process exits, not when its output pipes close."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.cli import WORKERS, is_alive, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+LEAVES_CHILD = str(WORKERS / "leaves_child.py")
+REVOKE_BOUND_S = 0.5  # generous: the revoke follows the exit at once
+
+
+def test_a_killed_worker_whose_child_keeps_its_output_open_is_revoked_at_once(
+        cli, etcd, tmp_path: Path):
+    os.mkfifo(tmp_path / "go")
+    run = cli("run", "--etcd", etcd.url, "--job-id", f"child-{os.getpid()}",
+              "--max-restarts", "1", LEAVES_CHILD, str(tmp_path))
+    revoked = "worker pid="
+    try:
+        wait_until(lambda: (tmp_path / "killed").exists(), 90, "the worker to kill itself",
+                   [run])
+        killed_at = float((tmp_path / "killed").read_text())
+        wait_until(lambda: "killed by SIGKILL; revoked its lease" in run.text(), 30,
+                   "the launcher to revoke the lease", [run])
+        seen_s = time.time() - killed_at
+        assert seen_s < REVOKE_BOUND_S, (
+            f"the lease was revoked {seen_s:.2f} s after the kill: the launcher waited for "
+            f"the output pipes that the worker's child holds\n{run.text()}")
+        assert "own error" not in run.text()
+        child = int((tmp_path / "child.pid").read_text())
+        with open(tmp_path / "go", "w") as go:  # the child prints only after the revoke
+            go.write("now\n")
+        wait_until(lambda: "child-output-after-death" in run.text(), 30,
+                   "the dead worker's child's output to be shown", [run])
+        text = run.text()
+        assert text.index("killed by SIGKILL; revoked") < text.index("child-output-after-death")
+        assert run.wait(90) == 0, run.text()
+    finally:
+        pid_file = tmp_path / "child.pid"
+        if pid_file.exists() and is_alive(child := int(pid_file.read_text())):
+            os.kill(child, signal.SIGKILL)
