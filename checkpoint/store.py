@@ -294,7 +294,7 @@ class CheckpointStore:
     # -- reading -----------------------------------------------------------------------------
 
     def list(self) -> list[CheckpointRef]:
-        """Returns the complete checkpoints, oldest first.
+        """Returns the complete checkpoints, oldest first by (generation, step).
 
         A checkpoint is complete when its manifest is valid and every file it lists exists with
         the recorded size; checksums are verified by :meth:`load`.
@@ -335,7 +335,8 @@ class CheckpointStore:
             return self._read(ref)
         scan = self._scan()
         skipped = [f"{self._dir_url(s)}: {why}" for s, why in sorted(scan.invalid.items())
-                   if s != self._writing_step and (not scan.valid or s > scan.valid[-1].step)]
+                   if s != self._writing_step
+                   and (not scan.valid or s > max(r.step for r in scan.valid))]
         for reason in skipped:
             logger.warning("skipping checkpoint %s", reason)
         unread: CheckpointReadError | None = None
