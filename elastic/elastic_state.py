@@ -30,6 +30,7 @@ from elastic.outcome import RunOutcome
 from elastic.recovery import RunLoop
 from elastic.settings import WorkerSettings
 from elastic.signals import relay_signals
+from elastic.step_collectives import StepCollectives
 from elastic.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class ElasticState:
         self._warned_not_durable = False
         self._progress_at: float | None = None
         self._progress_every_s = self._settings.timeouts.progress.total_seconds()
+        self._step_collectives = StepCollectives()
         for name, obj in objects.items():
             self.register(name, obj)
 
@@ -177,6 +179,13 @@ class ElasticState:
         """Calls ``callback(state)`` after every re-formation (e.g. to scale the LR)."""
         self._callbacks.append(callback)
 
+    def track_collective(self, work: Any) -> None:
+        """Has the next agreement wait for ``work``, an asynchronous collective of this step
+        (what ``async_op=True`` returns, or a communication hook's ``Future``): one that failed
+        fails the vote, and the step is rolled back. DDP's own all-reduce needs no tracking (see
+        ``elastic.step_collectives``)."""
+        self._step_collectives.track(work)
+
     def request_leave(self) -> None:
         """Asks this worker to leave at its next commit (what SIGTERM/SIGINT do)."""
         self._leave_requested.set()
@@ -225,8 +234,9 @@ class ElasticState:
                 state.sampler.record_batch(len(x))
                 state.step += 1
 
-        On entry, the membership agreement of ``commit()`` is taken: every rank reaching it
-        means every rank's collectives of this step succeeded. If a peer failed, the block is
+        On entry, the membership agreement of ``commit()`` is taken, each rank voting only once
+        its step's collectives completed (``track_collective``): reaching it means every rank's
+        collectives of this step succeeded. If a peer failed, the block is
         skipped on every rank (``PeerFailureError``), so the parameters and optimizer state
         were never half-updated: they are the rollback point themselves, and are not copied.
         On leaving the block, everything else registered (sampler, plain values, schedulers,
@@ -273,10 +283,12 @@ class ElasticState:
             agreement.finish()
 
     def _start_agreement(self) -> MembershipAgreement | None:
-        """Starts the membership agreement; None when not in a formed group."""
+        """Votes once this step's collectives completed; None when not in a formed group."""
         cluster = self._cluster
         if cluster is None or cluster.topology is None:
             return None
+        self._step_collectives.wait(cluster.group.device_index,
+                                    lambda: cluster.group.is_released, cluster.group.timeout)
         return MembershipAgreement.start(cluster, self._leave_requested)
 
     def _report_progress(self, version: int) -> None:
@@ -381,6 +393,7 @@ class ElasticState:
     def _on_formed(self, topology: Topology) -> None:
         """After every formation: count it and run the user's ``on_reset`` callbacks."""
         self._generation += 1
+        self._step_collectives.forget()  # the last round's, rolled back with it
         log.debug("formed round %d as rank %d of %d (generation %d)", topology.round,
                   topology.rank, topology.world_size, self._generation)
         for callback in self._callbacks:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.state.errors import NoCommitError, StateError, StateKeyError
+from elastic.state.half_step import reset_half_step
 from elastic.state.live_commit import (fill_live, holds_live, is_optimizer,
                                        live_tensor_addresses, mark_live, require_optimizers)
 from elastic.state.plain_values import check_plain, restore_value
@@ -222,7 +223,9 @@ class TrainState:
 
         Stateful objects get ``load_state_dict`` of a fresh copy (so the commit stays
         untouched by later training); plain-value tensors go back to the device of the
-        live tensor they replace.
+        live tensor they replace. What the state dicts do not carry is reset too
+        (``state.half_step``): every GradScaler's per-optimizer stage, and the ``.grad`` of
+        every parameter of every registered module and optimizer.
 
         Raises:
             NoCommitError: There is no commit.
@@ -237,6 +240,7 @@ class TrainState:
                 obj.load_state_dict(fill_live(saved, obj.state_dict(), copy=True, path=name))
             else:
                 obj.load_state_dict(snapshot(saved))
+        reset_half_step(self._stateful.values())
         objects = self._objects()
         for name in self._value_names:
             objects[name] = restore_value(self._commit[name], objects[name])

@@ -22,10 +22,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -224,6 +226,8 @@ class ProcessGroup:
         self._held: list[int] = []  # every socket the formation opened, let go of in children
         self._lock = threading.Lock()
         self._released = threading.Event()
+        # sys.excepthook before and after torch wrapped it with "[rankN]: " at a formation.
+        self._excepthooks: tuple[Any, Any] | None = None
 
     @property
     def is_released(self) -> bool:
@@ -256,8 +260,11 @@ class ProcessGroup:
             device = torch.device("cuda", self.device_index)
             torch.cuda.set_device(device)
         _reset_group_names()
+        self._unwrap_excepthook()
+        hook_before = sys.excepthook
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
                                 timeout=self.form_timeout, device_id=device)
+        self._excepthooks = (hook_before, sys.excepthook)
         if self.backend == "gloo":
             # gloo connects the full mesh lazily on some builds: one collective forces it.
             dist.barrier()
@@ -325,4 +332,13 @@ class ProcessGroup:
         if dist.is_initialized():
             dist.destroy_process_group()
             fork_guard.collect_before_next_fork()  # an old DDP may still hold the group
+        self._unwrap_excepthook()
         self._released.clear()
+
+    def _unwrap_excepthook(self) -> None:
+        """Puts back the excepthook torch wrapped at the formation, so that the next formation
+        wraps it once with its own rank instead of stacking a prefix per round; a hook the
+        user installed since is left alone."""
+        hooks, self._excepthooks = self._excepthooks, None
+        if hooks is not None and sys.excepthook is hooks[1]:
+            sys.excepthook = hooks[0]

@@ -1,0 +1,58 @@
+"""The wait before a vote (``elastic.step_collectives``), in-process with plain futures."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+
+from elastic.errors import PeerFailureError
+from elastic.step_collectives import StepCollectives
+
+pytestmark = [pytest.mark.timeout(30), pytest.mark.unit]
+LONG = timedelta(seconds=10)
+
+
+def test_the_wait_returns_only_once_a_tracked_future_completed_on_another_thread():
+    collectives, future, completed = StepCollectives(), torch.futures.Future(), []
+    collectives.track(future)
+    later = threading.Timer(0.2, lambda: (completed.append(True), future.set_result(None)))
+    later.start()
+    collectives.wait(None, lambda: False, LONG)
+    assert completed == [True]
+    later.join()
+
+
+def test_a_tracked_collective_that_failed_fails_the_wait_with_its_error():
+    collectives, future = StepCollectives(), torch.futures.Future()
+    collectives.track(future)
+    future.set_exception(RuntimeError("Connection closed by peer"))
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        collectives.wait(None, lambda: False, LONG)
+    collectives.wait(None, lambda: False, LONG)  # waited for once: the next vote is free
+
+
+def test_a_released_group_fails_the_wait_as_a_peer_failure():
+    with pytest.raises(PeerFailureError, match="released"):
+        StepCollectives().wait(None, lambda: True, LONG)
+
+
+def test_a_tracked_collective_that_never_completes_fails_the_wait_at_the_timeout():
+    collectives = StepCollectives()
+    collectives.track(torch.futures.Future())
+    with pytest.raises(PeerFailureError, match="ELASTIC_COLLECTIVE_TIMEOUT"):
+        collectives.wait(None, lambda: False, timedelta(milliseconds=50))
+
+
+def test_forget_drops_what_a_broken_round_tracked():
+    collectives = StepCollectives()
+    collectives.track(torch.futures.Future())
+    collectives.forget()
+    collectives.wait(None, lambda: False, timedelta(milliseconds=50))
+
+
+def test_track_names_what_it_takes_when_given_something_else():
+    with pytest.raises(TypeError, match="Work or a torch.futures.Future"):
+        StepCollectives().track(object())
