@@ -29,7 +29,7 @@ from elastic.checkpoint import (CheckpointError, CheckpointFencedError, Checkpoi
                                 CheckpointRef, CheckpointStorageError, CheckpointStore,
                                 check_compatible)
 from elastic.checkpoint.backend import DEFAULT_RETRY_FOR
-from elastic.errors import EtcdUnavailableError
+from elastic.errors import EtcdUnavailableError, UnfinishedWriteError
 from elastic.events import EventLog
 
 log = logging.getLogger(__name__)
@@ -278,22 +278,24 @@ class DurableCommits:
                 "is reachable from this machine, or raise ELASTIC_STORAGE_RETRY if it is this "
                 "slow.") from None
 
-    def finish(self, timeout: timedelta) -> bool:
+    def finish(self, timeout: timedelta) -> UnfinishedWriteError | None:
         """Waits for the in-flight write for up to ``timeout``; closes the store if it ended.
 
         Returns:
-            False when the write was still running at the deadline (it is abandoned: its
-            thread is a daemon, so it never holds the process at exit).
+            None, or (the write still running at the deadline, abandoned: its thread is a
+            daemon, so it never holds the process at exit) the error for ``run()`` to raise.
         """
-        if not self.store.wait(timeout):
-            log.error("the last checkpoint write to %s did not finish within %s", self.url,
-                      timeout)
-            if self.events:
-                self.events.emit("checkpoint_unfinished", url=self.url,
-                                 waited_s=timeout.total_seconds())
-            return False
-        self.store.close()
-        return True
+        if self.store.wait(timeout):
+            self.store.close()
+            return None
+        log.error("the last checkpoint write to %s did not finish within %s", self.url, timeout)
+        if self.events:
+            self.events.emit("checkpoint_unfinished", url=self.url,
+                             waited_s=timeout.total_seconds())
+        return UnfinishedWriteError(
+            f"the last checkpoint write did not finish within {timeout} (storage {self.url}); "
+            "the checkpoint before it is intact. Check the storage, or raise "
+            "ELASTIC_FINAL_WRITE_TIMEOUT if its writes are this slow.")
 
     def close(self) -> None:
         """Waits for the in-flight write and closes the store."""

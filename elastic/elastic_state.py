@@ -23,12 +23,14 @@ from elastic.agreement import MembershipAgreement
 from elastic.cluster.cluster import Cluster
 from elastic.cluster.rendezvous import Topology
 from elastic.durable import DurableCommits
-from elastic.errors import UnfinishedWriteError
+from elastic.error_causes import drop_causes
+from elastic.errors import ElasticError
 from elastic.events import EventLog
 from elastic.loop_helpers import batches, ddp, print_main
 from elastic.outcome import RunOutcome
 from elastic.recovery import RunLoop
 from elastic.settings import WorkerSettings
+from elastic.setup_check import before_joining
 from elastic.signals import relay_signals
 from elastic.step_collectives import StepCollectives
 from elastic.state import TrainState
@@ -57,6 +59,7 @@ class ElasticState:
         self._settings = WorkerSettings.resolve(etcd=etcd, job_id=job_id,
                                                 min_workers=min_workers,
                                                 max_workers=max_workers, checkpoint=checkpoint)
+        self._checkpoint_in_script = checkpoint
         self._train = TrainState.stored_in(self.__dict__)  # registered names are attributes
         self._cluster: Cluster | None = None
         self._callbacks: list[Callable[[ElasticState], None]] = []
@@ -342,9 +345,11 @@ class ElasticState:
             NothingTrainedError: ``fn`` returned without a commit after resuming a finished
                 job from its checkpoint (unless ``ELASTIC_RESUME_FINISHED=1``).
             DurableCommitsFailedError: not one durable commit of this worker was written.
-            UnfinishedWriteError: the last durable write did not finish within
-                ``final_write`` (``ELASTIC_FINAL_WRITE_TIMEOUT``).
+            UnfinishedWriteError: the last durable write did not finish in ``final_write``.
+            SystemExit: before joining, a setup mistake (two checkpoint URLs, or one that
+                cannot be written): one line, exit status 1 (``elastic.setup_check``).
         """
+        before_joining(self._checkpoint_in_script, self._settings)
         worker = f"{os.uname().nodename}-{os.getpid()}"
         events = EventLog(self._settings.log_dir, worker)
         # Before registering: a SIGTERM that lands as this worker joins asks it to leave.
@@ -354,8 +359,10 @@ class ElasticState:
                 self._train.commit()  # the initial state is the first rollback point
             # Its version known, the registration carries the first join request.
             self._cluster = Cluster(self._settings, events, self._train.version)
-        except BaseException:
+        except BaseException as exc:
             restore_signals()
+            if isinstance(exc, ElasticError):  # every frame below is the package's
+                raise drop_causes(exc, events, self._settings.debug, keep_frames=False)
             raise
         if self._durable is not None:
             self._durable.events = events
@@ -376,16 +383,16 @@ class ElasticState:
         try:
             outcome.initial_version = self._train.version
             result = loop.run(call)
+        except ElasticError as exc:
+            drop_causes(exc, events, self._settings.debug)
+            raise
         finally:
             restore_signals()
-            finished = self._durable is None or self._durable.finish(final_write)
+            unfinished = self._durable.finish(final_write) if self._durable else None
             self._cluster.close()
             self._cluster = None
-        if not finished:
-            raise UnfinishedWriteError(
-                f"the last checkpoint write did not finish within {final_write} (storage "
-                f"{self._settings.checkpoint}); the checkpoint before it is intact. Check the "
-                "storage, or raise ELASTIC_FINAL_WRITE_TIMEOUT if its writes are this slow.")
+        if unfinished is not None:
+            raise unfinished
         if returned:
             outcome.check(self._train.version, self._durable)
         return result

@@ -66,6 +66,14 @@ class DurableCommitsFailedError(ElasticError):
     """The job asked for durable commits and not one of them was written."""
 
 
+class SetupError(ElasticError):
+    """A mistake in the job's setup, found before the worker joined: no restart fixes it."""
+
+
+class CheckpointUnusableError(SetupError):
+    """The checkpoint URL names a location this worker cannot write; the message says why."""
+
+
 class CheckpointResumeError(ElasticError):
     """A resume (no commit in memory) could not read the checkpoint URL: the job stopped rather
     than start from scratch while that URL may hold its checkpoints."""

@@ -24,6 +24,11 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"{name}={raw!r} must be an integer.") from None
 
 
+def is_debug() -> bool:
+    """Whether ``ELASTIC_DEBUG`` asks for every error's whole chain of causes and traceback."""
+    return os.environ.get("ELASTIC_DEBUG", "") not in ("", "0")
+
+
 @dataclass(frozen=True)
 class EtcdSecurity:
     """How to reach a TLS and authentication enabled etcd (etcdctl's names).
@@ -138,6 +143,11 @@ class WorkerSettings:
     node_lease: int | None = None  # the launcher's lease, shared by its workers (--node-lease)
     resume_finished: bool = False
     standby: bool = False
+    checkpoint_from_env: str | None = None  # ELASTIC_CHECKPOINT (--checkpoint under `elastic run`)
+    debug: bool = False  # ELASTIC_DEBUG=1: errors keep their causes and tracebacks
+    launcher: str | None = None  # ELASTIC_LAUNCHER: the launcher that started this worker
+    launcher_workers: int = 0  # LOCAL_WORLD_SIZE under that launcher (0: started by hand)
+    launcher_pid: int | None = None  # ELASTIC_LAUNCHER_PID: this worker's parent, the launcher
 
     @staticmethod
     def resolve(*, etcd: str | None, job_id: str | None, min_workers: int | None,
@@ -166,6 +176,12 @@ class WorkerSettings:
             node_lease=_env_int("ELASTIC_NODE_LEASE"),
             resume_finished=env.get("ELASTIC_RESUME_FINISHED", "") not in ("", "0"),
             standby=env.get("ELASTIC_STANDBY", "") not in ("", "0"),
+            checkpoint_from_env=env.get("ELASTIC_CHECKPOINT") or None,
+            debug=is_debug(),
+            launcher=env.get("ELASTIC_LAUNCHER") or None,
+            launcher_workers=(_env_int("LOCAL_WORLD_SIZE") or 0) if env.get("ELASTIC_LAUNCHER")
+            else 0,
+            launcher_pid=_env_int("ELASTIC_LAUNCHER_PID"),
         )
         settings.validate()
         return settings

@@ -33,7 +33,7 @@ class Timeouts:
     """Every timeout and interval of a worker and its launcher; see each field.
 
     The order it enforces (``validate``): 2 x keepalive < lease_ttl; peer_probe <= peer;
-    settle and node_settle < rendezvous; settle and node_settle < rejoin; release < rejoin;
+    settle, node_settle and local_start < rendezvous; settle and node_settle < rejoin; release < rejoin;
     form < collective; sync <= collective; etcd_rpc <= etcd_retry <= etcd_outage; backoff and
     reconnect <= backoff_max. A frozen worker, or one cut from etcd, is dropped within lease_ttl (+ form
     while its survivors connect); one cut from its peers within peer + peer_probe; a killed
@@ -53,6 +53,10 @@ class Timeouts:
     for unknown joiners (live members outside the last round that have not asked yet), so that a
     node's workers starting together make one round. Never used to leave out a member of the
     last round (see ``rejoin``)."""
+    local_start: timedelta = _entry(30)
+    """Default 30 s (``ELASTIC_LOCAL_START``): how long a job's first round, while nothing
+    changes, waits for the workers a launcher started that have not asked to join yet (under
+    load a node's workers reach ``state.run()`` seconds apart). Under ``rendezvous``."""
     node_settle: timedelta = _entry(1)
     """Default 1 s (``ELASTIC_NODE_SETTLE``): the settle window of ``--plain`` generations,
     whose rounds are of whole nodes."""
@@ -260,6 +264,7 @@ class Timeouts:
         self._check("peer_probe", "peer", or_equal=True)
         self._check("settle", "rendezvous")
         self._check("node_settle", "rendezvous")
+        self._check("local_start", "rendezvous")
         self._check("settle", "rejoin")
         self._check("node_settle", "rejoin")
         self._check("release", "rejoin")

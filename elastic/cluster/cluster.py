@@ -73,7 +73,8 @@ class Cluster:
                                   device_index=self.device.index if self.device else None)
         self.config = RendezvousConfig(min_workers=settings.min_workers,
                                        max_workers=settings.max_workers, timeouts=timeouts,
-                                       standby=settings.standby)
+                                       standby=settings.standby, node=settings.launcher or "",
+                                       node_workers=settings.launcher_workers)
         self.topology: Topology | None = None
         self._last: Topology | None = None  # the round of the retired channel
         self._probed = 0  # the round whose rank 0 this worker last checked it could reach

@@ -6,7 +6,9 @@ only its user can read; the worker appends the id of every lease it is granted, 
 is bound to it. When the worker dies, its launcher revokes exactly these leases: never a lease
 found by matching a host name and pid in etcd (containers can share both). The worker also
 appends one ``committed`` line after its first commit: a worker that fails the same way twice
-before that line is a bug no restart fixes.
+before that line is a bug no restart fixes. A worker appends ``run`` when ``ElasticState.run``
+is called (a script that exits 0 without that line never joined the job), and ``setup-error``
+when it stopped on a mistake in its setup (``elastic.errors.SetupError``): no restart fixes it.
 
 Under the node's lease (``elastic run --node-lease``) a worker grants no lease for its first
 identity: it appends ``member ID`` instead (the launcher deletes that member's key when the
@@ -19,6 +21,8 @@ from __future__ import annotations
 import os
 
 COMMITTED = "committed"
+RAN = "run"
+SETUP_ERROR = "setup-error"
 _MEMBER = "member "
 
 
@@ -30,6 +34,17 @@ def append_lease(path: str, lease: int) -> None:
 def append_committed(path: str) -> None:
     """Records at ``path`` that the worker made its first commit."""
     _append_line(path, COMMITTED)
+
+
+def append_mark(path: str, mark: str) -> None:
+    """Records at ``path`` that the worker reached a point the launcher asks about (``RAN``,
+    ``SETUP_ERROR``)."""
+    _append_line(path, mark)
+
+
+def has_mark(path: str, mark: str) -> bool:
+    """Whether the worker reporting at ``path`` recorded ``mark``."""
+    return mark in _lines(path)
 
 
 def append_member(path: str, member_id: str) -> None:

@@ -16,7 +16,8 @@ from elastic.timeouts import Timeouts
 
 REASONS = frozenset({"start", "change", "failure", "spare"})
 _JOIN_FIELDS = {"member_id": True, "version": True, "reason": True, "addr": True, "port": True,
-                "standby": False, "from_round": False, "from_world": False}
+                "standby": False, "from_round": False, "from_world": False, "node": False,
+                "node_workers": False}
 _MAX_WORLD = 10**7
 _PLAN_FIELDS = {"round": True, "ranks": True, "spares": False, "master_addr": False,
                 "master_port": False, "versions": False, "cut": False, "target": False}
@@ -32,7 +33,10 @@ class JoinRequest:
     (``elastic run --spares``): it takes a place in a round only when a member of the previous
     round is gone, never to grow the world. ``from_round`` and ``from_world`` name the round this
     process was last in and its world size (0: none), so that a first round after etcd lost
-    its rounds waits for the old world (``roll_call.returning_short``).
+    its rounds waits for the old world (``roll_call.returning_short``). ``node`` names the
+    launcher that started this member and ``node_workers`` how many workers it started (""
+    and 0 for a worker started by hand): a job's first round waits for all of them
+    (``should_close``).
     """
 
     member_id: str
@@ -44,6 +48,8 @@ class JoinRequest:
     standby: bool = False
     from_round: int = 0
     from_world: int = 0
+    node: str = ""
+    node_workers: int = 0
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -72,7 +78,12 @@ class JoinRequest:
                            from_round=records.integer("from_round", data.get("from_round", 0), 0,
                                                       records.MAX_ROUND),
                            from_world=records.integer("from_world", data.get("from_world", 0), 0,
-                                                      _MAX_WORLD))
+                                                      _MAX_WORLD),
+                           node=records.member_id("node", data["node"]) if data.get("node")
+                           else "",
+                           node_workers=records.integer("node_workers",
+                                                        data.get("node_workers", 0), 0,
+                                                        _MAX_WORLD))
 
 
 @dataclass(frozen=True)
@@ -164,6 +175,8 @@ class RendezvousConfig:
     max_workers: int | None = None
     timeouts: Timeouts = Timeouts()
     standby: bool = False  # this member is a warm spare (``elastic run --spares``)
+    node: str = ""  # the launcher that started this member (``JoinRequest.node``)
+    node_workers: int = 0  # how many workers that launcher started (0: unknown)
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -180,6 +193,19 @@ class CloseRule:
     min_workers: int
     max_workers: int | None
     settle_s: float
+    local_start_s: float = 0.0  # how long a first round waits for a launcher's workers
+
+
+def has_nodes_short(requests: list[JoinRequest]) -> bool:
+    """Whether a launcher named in ``requests`` started more workers than have asked (warm
+    spares apart): the rest are still starting (importing torch, say)."""
+    asked: dict[str, int] = {}
+    expected: dict[str, int] = {}
+    for request in requests:
+        if request.node and not request.standby:
+            asked[request.node] = asked.get(request.node, 0) + 1
+            expected[request.node] = max(expected.get(request.node, 0), request.node_workers)
+    return any(asked[node] < expected[node] for node in asked)
 
 
 def should_close(requests: list[JoinRequest], live: set[str], has_previous: bool,
@@ -199,7 +225,12 @@ def should_close(requests: list[JoinRequest], live: set[str], has_previous: bool
     complete = live <= joined
     core = sum(not r.standby for r in requests)
     full = rule.max_workers is not None and core >= rule.max_workers
-    settled = quiet_s >= rule.settle_s
+    # A first round also waits for every worker the launchers named in it started, as long as
+    # something changes within ``local_start_s``: under load a node's workers reach ``run()``
+    # seconds apart, more than the settle window.
+    wait_s = rule.settle_s if has_previous or not has_nodes_short(requests) \
+        else max(rule.settle_s, rule.local_start_s)
+    settled = quiet_s >= wait_s
     # A re-formation has its own rule (``roll_call.may_close``): a window passing never leaves
     # out a member of the last round.
     return complete and (has_previous or full or settled)

@@ -106,7 +106,8 @@ class Rendezvous:
         self._keys: JobKeys = membership.keys
         self.config = config
         self.rule = CloseRule(config.min_workers, config.max_workers,
-                              config.timeouts.settle.total_seconds())
+                              config.timeouts.settle.total_seconds(),
+                              config.timeouts.local_start.total_seconds())
         self._changed = threading.Condition()
         self._epoch = 0
         self.standby = config.standby  # a warm spare until a round takes it
@@ -261,7 +262,8 @@ class Rendezvous:
         # not (their world is below its target: deaths took places no spare filled) is taken.
         return JoinRequest(member_id, version, "spare" if waits else reason,
                            self._membership.advertise_addr, port, standby=self.standby,
-                           from_round=came_from[0], from_world=came_from[1])
+                           from_round=came_from[0], from_world=came_from[1],
+                           node=self.config.node, node_workers=self.config.node_workers)
 
     def _is_world_full(self) -> bool:
         """Whether the newest round's world is at its target (True when none formed yet, or

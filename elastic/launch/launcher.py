@@ -12,6 +12,7 @@ see it. It reads no environment variables: ``elastic.launch.cli`` hands it every
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -30,7 +31,8 @@ from elastic.launch.node_members import NodeMembers
 from elastic.launch.joined import JoinedWorkers
 from elastic.launch.output import OutputOptions, WorkerOutput
 from elastic.launch.replacements import Replacement, Replacements
-from elastic.launch.restarts import Restarts
+from elastic.launch.restarts import Restarts, import_failure
+from elastic.cluster.lease_file import RAN, SETUP_ERROR
 from elastic.launch.stop_signal import StopSignal
 from elastic.cluster.keys import JobKeys
 from elastic.cluster.membership import EtcdMembership
@@ -314,14 +316,19 @@ class Launcher:
                 if code == 0:
                     if self.node_members is not None:
                         self.node_members.forget_finished(worker.pid)
+                    if not self.leases.has_mark(worker.pid, RAN):
+                        _say(restarts.never_joined(worker.local_rank, worker.pid))
                     continue
-                self._revoke(worker.pid, code)
+                setup_error = self.leases.has_mark(worker.pid, SETUP_ERROR)
+                error_line = worker.last_error_line()
+                self._revoke(worker.pid, code, hint=not setup_error
+                             and import_failure(error_line) is None)
                 committed = self.leases.has_committed(worker.pid)
                 self.leases.forget(worker.pid)
                 joined = self._has_joined(worker.pid)
                 finished = self.joined is not None and self.joined.has_finished(worker.pid)
-                refusal = restarts.refusal(worker.local_rank, worker.last_error_line(), joined,
-                                           finished, committed)
+                refusal = restarts.refusal(worker.local_rank, error_line, joined, finished,
+                                           committed, setup_error)
                 if refusal:
                     _say(refusal)
                     continue
@@ -367,6 +374,9 @@ class Launcher:
         leases in."""
         path = self.leases.new_path(local_rank)
         env = {**self.spec.worker_env(local_rank, standby), "ELASTIC_LEASE_FILE": path}
+        if self.membership is not None:  # its first round waits for the launcher's workers
+            env["ELASTIC_LAUNCHER"] = self.membership.member_id
+        env["ELASTIC_LAUNCHER_PID"] = str(os.getpid())  # checked as it joins
         if self.node_members is not None:
             assert self.membership is not None, "connect() first"
             env["ELASTIC_NODE_LEASE"] = str(self.membership.lease)
@@ -379,7 +389,7 @@ class Launcher:
         """Whether worker ``pid`` ever registered as a member of the job."""
         return self.joined is not None and self.joined.has_joined(pid)
 
-    def _revoke(self, pid: int, code: int) -> None:
+    def _revoke(self, pid: int, code: int, hint: bool = True) -> None:
         assert self.client is not None
         leases = self.leases.read(pid)
         try:
@@ -398,7 +408,7 @@ class Launcher:
                  "it (its own error; see its output above)")
         elif leases or self._has_joined(pid):
             _say(f"worker pid={pid} {describe_exit(code)}; its lease was gone already")
-        else:
+        elif hint:  # (no hint: the refusal to restart it says what went wrong)
             _say(f"worker pid={pid} {describe_exit(code)} before it joined the job. If it is a "
                  "plain torch.distributed script (no ElasticState), run it with "
                  "`elastic run --plain`.")

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import itertools
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
-from elastic.cluster.lease_file import has_committed, last_heartbeat, read_leases, read_members
+from elastic.launch.parent_death import OwnedDirs
+from elastic.cluster.lease_file import (has_committed, has_mark, last_heartbeat, read_leases,
+                                        read_members)
+
+
+LEASES_PREFIX = "elastic-leases-"
 
 
 class LeaseFiles:
@@ -27,7 +31,7 @@ class LeaseFiles:
     def new_path(self, local_rank: int) -> str:
         """A fresh path for the next worker (the directory is made 0700 on first use)."""
         if self._dir is None:
-            self._dir = Path(tempfile.mkdtemp(prefix="elastic-leases-"))
+            self._dir = OwnedDirs.make(LEASES_PREFIX)
         return str(self._dir / f"worker-{local_rank}-{next(self._numbers)}")
 
     def assign(self, pid: int, path: str) -> None:
@@ -61,6 +65,11 @@ class LeaseFiles:
         """Whether worker ``pid`` reported a commit."""
         path = self._paths.get(pid)
         return has_committed(path) if path else False
+
+    def has_mark(self, pid: int, mark: str) -> bool:
+        """Whether worker ``pid`` recorded ``mark`` (``elastic.cluster.lease_file``)."""
+        path = self._paths.get(pid)
+        return has_mark(path, mark) if path else False
 
     def forget(self, pid: int) -> None:
         self._dropped.difference_update(self.node_members(pid))

@@ -7,12 +7,10 @@ started, instead of every worker failing (or warning at every epoch) the same wa
 
 from __future__ import annotations
 
-from elastic.errors import ElasticError
+from elastic.errors import CheckpointUnusableError
 from elastic.timeouts import Timeouts
 
-
-class CheckpointUnusableError(ElasticError):
-    """``--checkpoint`` names a location this node cannot write; the message says why."""
+__all__ = ["CheckpointUnusableError", "check_checkpoint"]
 
 
 def check_checkpoint(url: str, timeouts: Timeouts) -> None:

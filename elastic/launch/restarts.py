@@ -7,6 +7,19 @@ returns for not restarting.
 
 from __future__ import annotations
 
+# Python errors that end a script before it can join the job: its file or an import is broken.
+_IMPORT_FAILURES = frozenset({"SyntaxError", "IndentationError", "TabError", "ImportError",
+                              "ModuleNotFoundError"})
+
+
+def import_failure(error_line: str) -> str | None:
+    """The type of the Python error named by a traceback's last line (``SyntaxError: ...``)
+    when it is one that a broken script file or import raises; None otherwise."""
+    while error_line.startswith("[") and "]: " in error_line:  # torch's "[rank0]: " prefix
+        error_line = error_line.split("]: ", 1)[1]
+    name = error_line.split(":", 1)[0].strip()
+    return name if name in _IMPORT_FAILURES else None
+
 
 class Restarts:
     """Which crashed workers the launcher restarts: at most ``max_restarts`` in all, and never
@@ -24,8 +37,16 @@ class Restarts:
         self.failed = 0
         self._last: dict[int, str] = {}
 
+    def never_joined(self, local_rank: int, pid: int) -> str:
+        """Counts a worker that exited 0 without calling ``ElasticState.run``; says so."""
+        self.failed += 1
+        return (f"worker local_rank={local_rank} pid={pid} exited 0 but never joined the job "
+                "(ElasticState.run was not called): call state.run(train) in the script, or run "
+                "a plain torch.distributed script with `elastic run --plain`.")
+
     def refusal(self, local_rank: int, error_line: str, joined: bool,
-                finished: bool = False, committed: bool = False) -> str:
+                finished: bool = False, committed: bool = False,
+                setup_error: bool = False) -> str:
         """Counts one crash of the worker in slot ``local_rank``.
 
         Args:
@@ -34,6 +55,7 @@ class Restarts:
             joined: whether it ever joined the job.
             committed: whether it ever committed (a worker that committed made progress).
             finished: whether it had returned from the training function (the job is over).
+            setup_error: whether it stopped on a mistake in its setup (it said which).
 
         Returns:
             "" when it is to be restarted (a restart is used), else why it is not.
@@ -42,6 +64,15 @@ class Restarts:
             self.failed += 1
             return (f"worker local_rank={local_rank} failed after the job had finished (its "
                     "error is above); not restarting it: nothing is left to train.")
+        if setup_error:
+            self.failed += 1
+            return (f"worker local_rank={local_rank} stopped on a mistake in its setup (its "
+                    "line is above); not restarting it.")
+        if not joined and import_failure(error_line) is not None:
+            self.failed += 1
+            return (f"worker local_rank={local_rank} failed before it joined the job "
+                    f"({error_line}): the script or one of its imports is broken; not restarting "
+                    "it: fix the script (see its output above) and run it again.")
         repeated = bool(error_line) and not committed and self._last.get(local_rank) == error_line
         self._last[local_rank] = "" if committed else error_line
         if repeated:

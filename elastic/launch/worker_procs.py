@@ -1,7 +1,8 @@
 """The local worker processes of one launcher: start, watch, signal, and always reap.
 
 Each worker runs in its own session (process group), so that a Ctrl-C in the terminal reaches
-only the launcher, which then asks every worker to leave. A waiter thread per process sets
+only the launcher, which then asks every worker to leave; it dies with the launcher
+(``parent_death``). A waiter thread per process sets
 ``changed`` when the process exits (``waitpid``), not when its output pipes close: a child of
 the worker (a shell's background job, a DataLoader worker) may hold them open for long after,
 and its lines go on being shown. The launcher waits on that Event, never on a sleep. Stragglers are
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from elastic.launch.output import OutputTail, WorkerOutput
+from elastic.launch.parent_death import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,8 @@ class WorkerProcs:
         env = {**self.env, **extra_env}
         pipe = subprocess.PIPE if self.output is not None else None
         proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=pipe,
-                                stderr=pipe, start_new_session=True)
+                                stderr=pipe, start_new_session=True,
+                                preexec_fn=die_with_parent())  # noqa: PLW1509 (prctl only)
         tail = None
         if self.output is not None:
             tail = self.output.attach(proc, local_rank, label or f"local{local_rank}")

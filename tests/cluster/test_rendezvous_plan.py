@@ -229,3 +229,35 @@ def test_the_round_a_process_was_last_in_travels_in_its_join_request():
     assert JoinRequest.from_json(older, 0, "a").from_round == 0
     with pytest.raises(RecordError, match="from_world is -1"):
         JoinRequest.from_json(older.replace(b"}", b', "from_world": -1}'), 0, "a")
+
+
+def node_req(member: str, node: str, workers: int, standby: bool = False) -> JoinRequest:
+    return JoinRequest(member, 0, "start", f"addr-{member}", 1000, standby=standby, node=node,
+                       node_workers=workers)
+
+
+def test_a_first_round_waits_up_to_local_start_for_the_workers_its_launcher_started():
+    rule = CloseRule(min_workers=1, max_workers=None, settle_s=0.5, local_start_s=30.0)
+    one_of_two = [node_req("a", "launcher-1", 2)]
+    assert not should_close(one_of_two, {"a"}, False, 5.0, rule)
+    assert should_close(one_of_two, {"a"}, False, 30.0, rule), "bounded by local_start"
+    both = one_of_two + [node_req("b", "launcher-1", 2)]
+    assert should_close(both, {"a", "b"}, False, 0.6, rule)
+
+
+def test_warm_spares_and_workers_started_by_hand_are_not_waited_for():
+    rule = CloseRule(min_workers=1, max_workers=None, settle_s=0.5, local_start_s=30.0)
+    joins = [node_req("a", "launcher-1", 1), node_req("s", "launcher-1", 1, standby=True),
+             req("by-hand")]
+    assert should_close(joins, {"a", "s", "by-hand"}, False, 0.6, rule)
+
+
+def test_a_reformation_never_waits_for_a_launchers_missing_workers():
+    rule = CloseRule(min_workers=1, max_workers=None, settle_s=0.5, local_start_s=30.0)
+    joins = [JoinRequest("a", 0, "failure", "addr-a", 1000, node="l", node_workers=2)]
+    assert should_close(joins, {"a"}, True, 0.0, rule)
+
+
+def test_a_join_request_keeps_its_launcher_through_json():
+    request = node_req("a", "launcher-1", 2)
+    assert JoinRequest.from_json(request.to_json().encode(), 0, "a") == request

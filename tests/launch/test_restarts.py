@@ -7,15 +7,16 @@ import pytest
 from elastic.launch.restarts import Restarts
 
 pytestmark = pytest.mark.unit
+BAD_ARGUMENT = "ValueError: --data /nope does not exist"
 IMPORT_ERROR = "ModuleNotFoundError: No module named 'missing'"
 
 
 def test_a_worker_failing_before_joining_the_same_way_twice_is_not_restarted_a_third_time():
     restarts = Restarts(max_restarts=5)
-    assert restarts.refusal(0, IMPORT_ERROR, joined=False) == ""
-    said = restarts.refusal(0, IMPORT_ERROR, joined=False)
+    assert restarts.refusal(0, BAD_ARGUMENT, joined=False) == ""
+    said = restarts.refusal(0, BAD_ARGUMENT, joined=False)
     assert "failed the same way again before it joined the job" in said
-    assert IMPORT_ERROR in said and "fix the script" in said
+    assert BAD_ARGUMENT in said and "fix the script" in said
     assert restarts.failed == 1 and restarts.used == 1
 
 
@@ -35,8 +36,8 @@ def test_a_worker_that_joined_but_fails_the_same_way_before_its_first_commit_is_
 
 def test_different_errors_or_different_slots_do_not_count_as_a_repeat():
     restarts = Restarts(max_restarts=5)
-    assert restarts.refusal(0, IMPORT_ERROR, joined=False) == ""
-    assert restarts.refusal(1, IMPORT_ERROR, joined=False) == ""
+    assert restarts.refusal(0, BAD_ARGUMENT, joined=False) == ""
+    assert restarts.refusal(1, BAD_ARGUMENT, joined=False) == ""
     assert restarts.refusal(0, "ValueError: other", joined=False) == ""
     assert restarts.refusal(0, "", joined=False) == ""
     assert restarts.refusal(0, "", joined=False) == "", "an unknown error is not a repeat"
@@ -48,3 +49,24 @@ def test_restarts_stop_when_max_restarts_is_used_up():
     assert "--max-restarts (1) is used up" in restarts.refusal(1, "b", joined=True,
                                                                 committed=True)
     assert restarts.failed == 1
+
+
+@pytest.mark.parametrize("line", [IMPORT_ERROR, "SyntaxError: invalid syntax",
+                                  "IndentationError: unexpected indent",
+                                  "[rank0]: ImportError: cannot import name 'x' from 'y'"])
+def test_a_broken_script_or_import_before_joining_is_never_restarted(line):
+    restarts = Restarts(max_restarts=5)
+    said = restarts.refusal(0, line, joined=False)
+    assert "not restarting it" in said and line.split("]: ")[-1] in said
+    assert restarts.failed == 1 and restarts.used == 0
+
+
+def test_an_import_error_after_joining_is_restarted_like_any_other_error():
+    restarts = Restarts(max_restarts=5)
+    assert restarts.refusal(0, IMPORT_ERROR, joined=True, committed=True) == ""
+
+
+def test_a_setup_mistake_is_never_restarted():
+    restarts = Restarts(max_restarts=5)
+    assert "not restarting it" in restarts.refusal(0, "", joined=False, setup_error=True)
+    assert restarts.failed == 1 and restarts.used == 0

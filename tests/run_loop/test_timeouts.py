@@ -23,7 +23,7 @@ S = timedelta(seconds=1)
 REPO = Path(__file__).resolve().parents[2]
 
 DEFAULTS_S = {
-    "lease_ttl": 3, "keepalive": 0.75, "settle": 0.5, "node_settle": 1, "rejoin": 120,
+    "lease_ttl": 3, "keepalive": 0.75, "settle": 0.5, "node_settle": 1, "local_start": 30, "rejoin": 120,
     "release": 30, "rendezvous": 300, "peer": 2.5, "peer_probe": 1,
     "admit": 1800, "form": 20, "store": 60, "collective": 1800, "sync": 300, "finish": 300,
     "progress": 0.5, "storage_retry": 60, "final_write": 300, "etcd_rpc": 3, "etcd_retry": 10, "etcd_outage": 600,
@@ -35,7 +35,8 @@ DEFAULTS_S = {
 }
 # (shorter, longer, may they be equal): the hierarchy, as README.md states it.
 ORDER = [("keepalive", "lease_ttl", False), ("peer_probe", "peer", True), ("settle", "rendezvous", False),
-         ("node_settle", "rendezvous", False), ("settle", "rejoin", False),
+         ("node_settle", "rendezvous", False), ("local_start", "rendezvous", False),
+         ("settle", "rejoin", False),
          ("node_settle", "rejoin", False), ("release", "rejoin", False),
          ("form", "collective", False),
          ("sync", "collective", True), ("etcd_rpc", "etcd_retry", True),
