@@ -1,10 +1,11 @@
-# The README's two commands: `make demo` and `make test`. Both install on first use.
+# The README's commands: `make demo`, `make test` (every tier: CI), one tier (`make test-unit`,
+# `test-integration`, `test-scenario`) and `make bench NAME=...`. All install on first use.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: install test demo clean
+.PHONY: install test test-unit test-integration test-scenario bench demo clean
 
 install: $(STAMP)
 
@@ -21,8 +22,24 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 	@echo "==> installed; next time this step is skipped"
 
+PYTEST := $(PY) -m pytest -p no:cacheprovider
+
 test: install
-	$(PY) -m pytest -p no:cacheprovider --durations=15 tests
+	$(PYTEST) --durations=15 tests
+
+# One tier each (tests/conftest.py gives every test its marker).
+test-unit: install
+	$(PYTEST) -q -m unit tests
+
+test-integration: install
+	$(PYTEST) --durations=15 -m integration tests
+
+test-scenario: install
+	$(PYTEST) --durations=15 -m scenario tests
+
+# `make bench NAME=recovery [ARGS="--reps 3"]`; `make bench` lists the names.
+bench: install
+	$(PY) -m benchmarks $(NAME) $(ARGS)
 
 demo: install
 	$(PY) examples/demo.py

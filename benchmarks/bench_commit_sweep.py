@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE))
 
 from bench_interleaved import Job, rate  # noqa: E402
 from bench_recovery import env_for, read_progress, wait_for  # noqa: E402
-from elastic.cluster.ports import free_port  # noqa: E402
+from elastic.cluster.links.ports import free_port  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 JOBS = ("torchrun", "copy-free", "snapshot", "no-commits")  # the first named is the anchor

@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_recovery import env_for, read_progress  # noqa: E402
-from elastic.cluster.ports import free_port  # noqa: E402
+from elastic.cluster.links.ports import free_port  # noqa: E402
 
 JOBS = ("torchrun", "copy-free", "snapshot")  # the first is the anchor
 STEPS = {"1m": 1500, "10m": 800, "100m": 200}

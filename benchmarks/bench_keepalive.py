@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.bench_membership import etcd_cpu_s, etcd_metrics  # noqa: E402
-from elastic.cluster.etcd_client import EtcdClient  # noqa: E402
+from elastic.cluster.etcd.client import EtcdClient  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 

@@ -22,7 +22,7 @@ K clients (K connections, K loop threads): a real worker process has one member 
 of its own, while here 250 members' requests, watch creates and renewals go through one.
 
 Every member is a real one: its own lease (or its node's), renewed as a worker's is (by its
-client's renewal thread, ``elastic.cluster.lease_renewals``, which here batches the renewals of
+client's renewal thread, ``elastic.cluster.etcd.lease_renewals``, which here batches the renewals of
 the process's members), its own member key, its own join requests, the same classes a worker uses (``SimMember`` below mirrors
 the etcd half of ``elastic.cluster.cluster.Cluster``); the members of one process share one
 etcd client (one gRPC connection). No torch collectives are run.
@@ -77,15 +77,17 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from elastic.cluster.etcd_client import EtcdClient  # noqa: E402
-from elastic.cluster.keys import JobKeys  # noqa: E402
-from elastic.cluster.lease_file import heartbeat  # noqa: E402
-from elastic.cluster.membership import EtcdMembership, NodeLease, drop_member  # noqa: E402
-from elastic.cluster.news import NewsMonitor, RoundNews  # noqa: E402
-from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology  # noqa: E402
-from elastic.errors import FencedError  # noqa: E402
+from elastic.cluster.etcd.client import EtcdClient  # noqa: E402
+from elastic.cluster.rounds.keys import JobKeys  # noqa: E402
+from elastic.cluster.worker_lease_file import heartbeat  # noqa: E402
+from elastic.cluster.rounds.membership import EtcdMembership, NodeLease, drop_member  # noqa: E402
+from elastic.cluster.rounds.news import NewsReader, RoundNews  # noqa: E402
+from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig  # noqa: E402
+from elastic.cluster.rounds.topology import Topology  # noqa: E402
+from elastic.cluster.rounds.tracker import RoundTracker  # noqa: E402
+from elastic.foundation.errors import FencedError  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
-from elastic.timeouts import Timeouts  # noqa: E402
+from elastic.foundation.timeouts import Timeouts  # noqa: E402
 
 JOB = "bench-membership"
 _WRITES = ("put", "create", "replace", "register", "delete", "lease grant", "lease revoke")
@@ -159,14 +161,14 @@ class SimMember:
         keys = JobKeys(JOB)
         self.client = client
         self.node = node
-        self.membership = EtcdMembership(client, keys, "127.0.0.1", timeouts.lease_ttl,
-                                         timeouts.keepalive, claim=keys.coordinator)
+        self.membership = EtcdMembership(client, keys, "127.0.0.1", timeouts,
+                                         claim=keys.coordinator)
         self.registered = threading.Event()
         self.rendezvous = Rendezvous(client, self.membership,
                                      RendezvousConfig(min_workers=max(1, (max_workers or 0) - 1),
                                                       max_workers=max_workers, timeouts=timeouts))
         self.broken = threading.Event()
-        self.monitor = NewsMonitor(keys, lambda reason: self.broken.set())
+        self.monitor = RoundTracker(NewsReader(keys), lambda reason: self.broken.set())
         self.membership.add_listener(self.monitor.on_events)
         self.topology: Topology | None = None
 
@@ -278,7 +280,7 @@ def worker_main(conn: Any, url: str, count: int, limit_s: float, lease_ttl_s: fl
                        "plans": [(m.membership.member_id, m.topology.rank if m.topology else -1)
                                  for m in members]})
         elif command == "told":  # arg: the round whose news every member (but victims) heard
-            wait_for(lambda: all(m.monitor.told >= arg
+            wait_for(lambda: all(m.monitor.reader.told >= arg
                                  for m, v in zip(members, victims) if not v.is_set()),
                      limit_s, stop)
             conn.send(None)

@@ -45,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from elastic.cluster.ports import free_port  # noqa: E402
+from elastic.cluster.links.ports import free_port  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 POLL_S = 0.02

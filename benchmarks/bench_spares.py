@@ -31,8 +31,8 @@ sys.path.insert(0, str(HERE))
 
 from bench_recovery import REPO, Procs, env_for, read_progress, wait_for  # noqa: E402
 
-from elastic.cluster.etcd_client import EtcdClient  # noqa: E402
-from elastic.cluster.keys import JobKeys  # noqa: E402
+from elastic.cluster.etcd.client import EtcdClient  # noqa: E402
+from elastic.cluster.rounds.keys import JobKeys  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 ELASTIC = str(Path(sys.executable).with_name("elastic"))

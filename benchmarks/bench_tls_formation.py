@@ -32,9 +32,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from elastic.cluster.etcd_client import EtcdClient  # noqa: E402
+from elastic.cluster.etcd.client import EtcdClient  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
-from elastic.settings import EtcdSecurity  # noqa: E402
+from elastic.foundation.settings import EtcdSecurity  # noqa: E402
 from tests.support.tls_etcd import SecureEtcd, make_pki  # noqa: E402
 
 WORKER = REPO / "tests" / "workers" / "elastic_worker.py"

@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elastic.cluster.ports import free_port
-from elastic.cluster.process_group import ProcessGroup
+from elastic.cluster.links.ports import free_port
+from elastic.cluster.links.process_group import ProcessGroup
 from elastic.state import TrainState
 
 PARTS = ("versions", "cycles", "release", "state", "sync")

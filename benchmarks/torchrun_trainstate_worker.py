@@ -68,7 +68,7 @@ def agreement_channel():
     """ElasticState's agreement transport, connected over torchrun's store (after init_group)."""
     from datetime import timedelta
 
-    from elastic.cluster.agreement_channel import AgreementChannel
+    from elastic.cluster.links.agreement_channel import AgreementChannel
 
     channel = AgreementChannel(dist.get_rank(), dist.get_world_size(), timedelta(minutes=5))
     channel.connect(dist.distributed_c10d._get_default_store(), "127.0.0.1", 0,
@@ -80,12 +80,13 @@ def register_membership(url: str) -> None:
     """Starts what an ElasticState worker runs beside training: client, keepalive, watch."""
     from datetime import timedelta
 
-    from elastic.cluster.etcd_client import EtcdClient
-    from elastic.cluster.keys import JobKeys
-    from elastic.cluster.membership import EtcdMembership
+    from elastic.cluster.etcd.client import EtcdClient
+    from elastic.cluster.rounds.keys import JobKeys
+    from elastic.cluster.rounds.membership import EtcdMembership
+    from elastic.foundation.timeouts import Timeouts
 
     membership = EtcdMembership(EtcdClient(url), JobKeys("threads-cost"), "127.0.0.1",
-                                timedelta(seconds=3))
+                                Timeouts.from_env({}, lease_ttl=timedelta(seconds=3)))
     membership.register()
 
 

@@ -62,9 +62,11 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, TRANSIENT_ERRORS) or (
         isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS)
 
-#: How long one storage call retries transient errors before its error is raised, unless the
-#: caller chooses (``CheckpointStore(retry_for=...)``; ``ElasticState`` passes its timeout
-#: table's ``storage_retry``). The one place this layer names it.
+#: How long one storage call retries transient errors before its error is raised when the
+#: caller does not say: only for a ``CheckpointStore`` used outside a job (its public signature
+#: is fixed by DESIGN.md). Inside a job every caller passes its timeout table's
+#: ``storage_retry``; a test keeps this equal to that field's default. This layer may not
+#: import the table, so this is the one duration it names.
 DEFAULT_RETRY_FOR = timedelta(seconds=60)
 _ATTEMPTS = 5  # at most, within the deadline
 _FIRST_PAUSE_S, _LONGEST_PAUSE_S, _JITTER_S = 1.0, 5.0, 0.5  # 1 s, 2 s, 4 s (+ up to 0.5 s)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 
 from elastic.cluster.cluster import Cluster
-from elastic.errors import LeaveInterrupt, MembershipChangedInterrupt, PeerFailureError
+from elastic.foundation.errors import LeaveInterrupt, MembershipChangedInterrupt, PeerFailureError
 
 __all__ = ["MembershipAgreement"]
 
@@ -35,7 +35,7 @@ class MembershipAgreement:
     def start(cls, cluster: Cluster, leave_requested: threading.Event) -> "MembershipAgreement":
         """Reads this worker's flags and hands them to the round's channel."""
         try:
-            cluster.channel.start(cluster.monitor.pending.is_set(), leave_requested.is_set())
+            cluster.channel.start(cluster.tracker.pending.is_set(), leave_requested.is_set())
         except PeerFailureError as exc:
             return cls(cluster, leave_requested, exc)
         return cls(cluster, leave_requested, None)
@@ -65,4 +65,4 @@ class MembershipAgreement:
         if leaving and self._leave_requested.is_set():
             raise LeaveInterrupt("this worker leaves the job")
         if pending or leaving:
-            raise MembershipChangedInterrupt(self._cluster.monitor.reason or "a member leaves")
+            raise MembershipChangedInterrupt(self._cluster.tracker.reason or "a member leaves")

@@ -28,9 +28,9 @@ import torch
 from elastic.checkpoint import (CheckpointError, CheckpointFencedError, CheckpointNotFoundError,
                                 CheckpointRef, CheckpointStorageError, CheckpointStore,
                                 check_compatible)
-from elastic.checkpoint.backend import DEFAULT_RETRY_FOR
-from elastic.errors import EtcdUnavailableError, UnfinishedWriteError
-from elastic.events import EventLog
+from elastic.foundation.errors import EtcdUnavailableError, UnfinishedWriteError
+from elastic.foundation.events import EventLog
+from elastic.foundation.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,7 +56,8 @@ class DurableCommits:
         url: any fsspec URL (local path, file://, s3://, memory://, ...).
         events: where writes and failures are recorded.
         keep: how many complete checkpoints to keep.
-        retry_for: how long a failing storage operation is retried.
+        retry_for: how long a failing storage operation is retried (the job's
+            ``Timeouts.storage_retry``).
         job_id: recorded in every manifest, to name this job to another one that is fenced.
 
     Raises:
@@ -64,7 +65,8 @@ class DurableCommits:
     """
 
     def __init__(self, url: str, events: EventLog | None = None, keep: int = 3,
-                 retry_for: timedelta = DEFAULT_RETRY_FOR, job_id: str | None = None) -> None:
+                 retry_for: timedelta = Timeouts().storage_retry,
+                 job_id: str | None = None) -> None:
         self.store = CheckpointStore(url, keep=keep, retry_for=retry_for)
         self._hung_after = retry_for  # a write still running this long after the next is due
         self.url = url

@@ -21,17 +21,17 @@ from typing import Any
 
 from elastic.agreement import MembershipAgreement
 from elastic.cluster.cluster import Cluster
-from elastic.cluster.rendezvous import Topology
+from elastic.cluster.rounds.topology import Topology
 from elastic.durable import DurableCommits
 from elastic.error_causes import drop_causes
-from elastic.errors import ElasticError
-from elastic.events import EventLog
+from elastic.foundation.errors import ElasticError
+from elastic.foundation.events import EventLog
 from elastic.loop_helpers import batches, ddp, print_main
 from elastic.outcome import RunOutcome
 from elastic.recovery import RunLoop
-from elastic.settings import WorkerSettings
+from elastic.foundation.settings import WorkerSettings
 from elastic.setup_check import before_joining
-from elastic.signals import relay_signals
+from elastic.foundation.signals import relay_signals
 from elastic.step_collectives import StepCollectives
 from elastic.state import TrainState
 
@@ -143,7 +143,7 @@ class ElasticState:
     @property
     def local_rank(self) -> int:
         """The GPU index of this worker: ``LOCAL_RANK``, or for an NCCL worker started by hand
-        without it, the GPU it claimed (``elastic.cluster.device``)."""
+        without it, the GPU it claimed (``elastic.cluster.links.device``)."""
         device = self._cluster.device if self._cluster else None
         return device.index if device is not None else self._settings.local_rank
 
@@ -358,7 +358,8 @@ class ElasticState:
             if not self._train.has_commit:
                 self._train.commit()  # the initial state is the first rollback point
             # Its version known, the registration carries the first join request.
-            self._cluster = Cluster(self._settings, events, self._train.version)
+            self._cluster = Cluster(self._settings, events, self._train.version,
+                                    lambda: self._train.version)
         except BaseException as exc:
             restore_signals()
             if isinstance(exc, ElasticError):  # every frame below is the package's

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import traceback
 
-from elastic.errors import ElasticError
-from elastic.events import EventLog
+from elastic.foundation.errors import ElasticError
+from elastic.foundation.events import EventLog
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ word. This module notices them and raises a typed error naming the fix; it owns 
 from __future__ import annotations
 
 from elastic.durable import DurableCommits
-from elastic.errors import DurableCommitsFailedError, NothingTrainedError
+from elastic.foundation.errors import DurableCommitsFailedError, NothingTrainedError
 
 FIRST_ROUND = 1  # the number of a job's first round (``Rendezvous`` counts from the last + 1)
 

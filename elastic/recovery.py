@@ -22,15 +22,17 @@ from typing import Any
 
 from elastic.checkpoint import CheckpointError, CheckpointIncompatibleError
 from elastic.cluster.cluster import Cluster
-from elastic.cluster.rendezvous import Topology
+from elastic.cluster.rounds.rendezvous import Topology
+from elastic.cluster.links.restart_in_place import round_environment
 from elastic.durable import DurableCommits
-from elastic.errors import (CheckpointResumeError, EtcdUnavailableError, FencedError, LeaveInterrupt,
-                            MembershipChangedInterrupt, PeerFailureError, RendezvousClosedError)
-from elastic.events import EventLog, Stopwatch
+from elastic.foundation.errors import (CheckpointResumeError, EtcdUnavailableError, FencedError,
+                                       LeaveInterrupt, MembershipChangedInterrupt,
+                                       PeerFailureError, RendezvousClosedError)
+from elastic.foundation.events import EventLog, Stopwatch
 from elastic.state import ElasticSampler, StateError, TrainState
 from elastic.state.errors import PayloadFormatError
 from elastic.state.sync import DURABLE_UNREADABLE, Source, newest_source
-from elastic.timeouts import Timeouts
+from elastic.foundation.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
 
@@ -221,8 +223,7 @@ class RunLoop:
         """
         cluster = self._cluster
         topology = cluster.form(reason, self._train.version, self._leave_requested.is_set)
-        os.environ.update(RANK=str(topology.rank), WORLD_SIZE=str(topology.world_size),
-                          MASTER_ADDR=topology.master_addr, MASTER_PORT=str(topology.master_port))
+        os.environ.update(round_environment(topology))
         # A warm spare that took a place is a member now: restarted in place, it comes back as
         # one, not as a spare that only fills a world below its target.
         os.environ.pop("ELASTIC_STANDBY", None)

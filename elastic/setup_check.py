@@ -15,9 +15,9 @@ import os
 import sys
 from collections.abc import Iterator
 
-from elastic.cluster.lease_file import RAN, SETUP_ERROR, append_mark
-from elastic.errors import CheckpointUnusableError, SetupError
-from elastic.settings import WorkerSettings
+from elastic.cluster.worker_lease_file import RAN, SETUP_ERROR, append_mark
+from elastic.foundation.errors import CheckpointUnusableError, SetupError
+from elastic.foundation.settings import WorkerSettings
 
 SCRIPT = "ElasticState(checkpoint={!r})"
 FLAG = "--checkpoint / ELASTIC_CHECKPOINT {}"

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic.errors import PeerFailureError
+from elastic.foundation.errors import PeerFailureError
 
 __all__ = ["StepCollectives"]
 

@@ -23,8 +23,8 @@ import uuid
 from pathlib import Path
 
 from elastic.launch.embedded_etcd import EmbeddedEtcd
-from elastic.cluster.etcd_client import EtcdClient
-from elastic.cluster.keys import JobKeys
+from elastic.cluster.etcd.client import EtcdClient
+from elastic.cluster.rounds.keys import JobKeys
 from elastic.launch.report import build_timeline, load_events, plot
 from elastic.launch.status import collect
 

@@ -1,5 +1,6 @@
 """Shared fixtures: a real etcd on 127.0.0.1, worker jobs that always clean up, an S3 server
-and a fault-injecting filesystem."""
+and a fault-injecting filesystem; and the tier of every test (``unit``, ``integration``,
+``scenario``), given here so that a new test gets one without asking."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from elastic.cluster.etcd_client import EtcdClient
-from elastic.errors import EtcdAccessError
+from elastic.cluster.etcd.client import EtcdClient
+from elastic.foundation.errors import EtcdAccessError
 from elastic.launch.embedded_etcd import EmbeddedEtcd
 from tests.support.faulty_fs import faulty_fs  # noqa: F401 (a fixture)
 from tests.support.harness import Job
@@ -24,6 +25,37 @@ from tests.support.tls_etcd import JOB_A, JOB_USERS, Pki, SecureEtcd, make_pki, 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 _job_ids = itertools.count()
+
+# Fixtures that start etcd, a server or worker processes: a test that asks for one of them
+# cannot be a unit test.
+_INTEGRATION_FIXTURES = frozenset({
+    "etcd", "client", "small_txn_etcd", "full_etcd", "private_etcd", "make_job",
+    "secure_etcd", "secure_job", "make_private_job", "s3_server", "s3_url", "faulty_fs"})
+
+
+def _tier(item: pytest.Item) -> str:
+    """A test's tier: ``scenario`` under tests/scenarios/; ``unit`` where its file or the test
+    says ``pytest.mark.unit`` (pure logic and in-process parts); otherwise ``integration``
+    (real etcd, servers or processes), the safe default for a test that says nothing."""
+    if "scenarios" in Path(str(item.path)).relative_to(Path(__file__).parent).parts[:1]:
+        return "scenario"
+    if item.get_closest_marker("unit") is not None:
+        wants = _INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        if wants:
+            raise pytest.UsageError(
+                f"{item.nodeid} is marked unit but starts {sorted(wants)}: remove its "
+                "pytest.mark.unit (it is then an integration test) or drop the fixture.")
+        return "unit"
+    return "integration"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks each test with its tier, so that ``-m unit`` / ``integration`` / ``scenario``
+    select the tiers of ``make test-unit``, ``test-integration`` and ``test-scenario``."""
+    for item in items:
+        tier = _tier(item)
+        if tier != "unit":
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""One worker's connection to the job: etcd client, membership, rendezvous, monitor and group.
+"""One worker's connection to the job: etcd client, membership, rendezvous, round tracker and group.
 
 ``form()`` is the cluster half of a re-formation: stop watching the old round, release and
 destroy its group, agree on the next round (waiting as a spare if left out), and form the new
@@ -15,28 +15,32 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import tenacity
-
-from elastic.cluster.agreement_channel import AgreementChannel
-from elastic.cluster.ports import answers, free_port
-from elastic.errors import (CutOffError, EtcdAccessError, EtcdUnavailableError, FencedError,
-                            LeaveInterrupt, PeerFailureError, RendezvousTimeoutError)
-from elastic.cluster.etcd_client import EtcdClient, parse_endpoints
-from elastic.events import EventLog, Stopwatch
+from elastic.cluster.links.agreement_channel import AgreementChannel
+from elastic.cluster.links.ports import answers, free_port
+from elastic.foundation.errors import (CutOffError, EtcdAccessError, EtcdRecordError,
+                                       EtcdUnavailableError, FencedError, PeerFailureError)
+from elastic.cluster.etcd.client import EtcdClient, parse_endpoints
+from elastic.foundation.events import EventLog, Stopwatch
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.worker_lease_file import (append_committed, append_lease, append_member,
+                                               heartbeat)
+from elastic.cluster.rounds.membership import EtcdMembership, NodeLease
+from elastic.cluster.links.device import claim_device, default_lock_dir
+from elastic.cluster.rounds.news import NewsReader
+from elastic.cluster.links.process_group import ProcessGroup, cuda_device_count, resolve_backend
+from elastic.cluster.rounds.records import SkippedRecords
+from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig
+from elastic.cluster.rounds.topology import Topology
+from elastic.cluster.rounds.tracker import RoundTracker
+from elastic.cluster.links.release_watchdog import ReleaseWatchdog
+from elastic.cluster.links.round_links import RoundLinks
+from elastic.cluster.links.round_store import RoundStore, StoreTimes
+from elastic.foundation.settings import WorkerSettings
+from elastic.cluster.rounds.commit_holders import other_holder
+from elastic.cluster.links.reconnection import await_peers
+from elastic.cluster.rounds.finished_job import clear_finished_job
+from elastic.cluster.links.stuck_verdict import StuckVerdict
 from elastic.cluster.fencing import claim_fencing_epoch
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.lease_file import append_committed, append_lease, append_member, heartbeat
-from elastic.cluster.membership import EtcdMembership, NodeLease
-from elastic.cluster.device import claim_device, default_lock_dir
-from elastic.cluster.news import NewsMonitor
-from elastic.cluster.process_group import ProcessGroup, cuda_device_count, resolve_backend
-from elastic.cluster.records import SkippedRecords
-from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
-from elastic.cluster.release_watchdog import ReleaseWatchdog
-from elastic.cluster.restart_in_place import restart_in_place
-from elastic.cluster.round_links import RoundLinks
-from elastic.cluster.round_store import RoundStore, StoreTimes, reach
-from elastic.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +53,13 @@ class Cluster:
         events: where events are recorded.
         version: the version of the worker's newest commit, when known: its registration
             then carries its first join request (``Rendezvous.first_join``).
+        newest: the version of the worker's newest commit, asked when its training thread
+            stays inside a released step (a restart in place must not lose it).
     """
 
     def __init__(self, settings: WorkerSettings, events: EventLog,
-                 version: int | None = None) -> None:
+                 version: int | None = None,
+                 newest: Callable[[], int] = lambda: 0) -> None:
         if not settings.etcd or not settings.job_id:
             raise ValueError(
                 "ElasticState.run() needs an etcd and a job id: launch with `elastic run`, or "
@@ -79,13 +86,15 @@ class Cluster:
         self._last: Topology | None = None  # the round of the retired channel
         self._probed = 0  # the round whose rank 0 this worker last checked it could reach
         self.links = RoundLinks(self.group, AgreementChannel(0, 1, self.group.timeout))
-        self.stuck = ReleaseWatchdog(timeouts.release, self._restart_in_place)
+        self._verdict = StuckVerdict(events, timeouts, newest, self._other_holder,
+                                     self._leave_to_restart)
+        self.stuck = ReleaseWatchdog(timeouts.release, self._verdict)
         self.skipped = SkippedRecords()  # malformed records read from etcd, warned once each
         self._said_committed = False
         self._used_node_lease = False
         self.membership: EtcdMembership
         self.rendezvous: Rendezvous
-        self.monitor: NewsMonitor
+        self.tracker: RoundTracker
         self._port: int | None = None  # the port the registration's join request offers
         self._register(version)
 
@@ -93,13 +102,12 @@ class Cluster:
         timeouts = self.settings.timeouts
         lease_file = self.settings.lease_file
         self.membership = EtcdMembership(
-            self.client, self.keys, self.settings.advertise_addr, timeouts.lease_ttl,
-            timeouts.keepalive,
+            self.client, self.keys, self.settings.advertise_addr, timeouts,
             on_lease=None if lease_file is None else lambda lease: append_lease(lease_file, lease),
             claim=self.keys.coordinator, node_lease=self._node_lease())
         self.rendezvous = Rendezvous(self.client, self.membership, self.config, self.skipped)
-        self.monitor = NewsMonitor(self.keys, self._on_broken, self.skipped)
-        self.membership.add_listener(self.monitor.on_events)
+        self.tracker = RoundTracker(NewsReader(self.keys, self.skipped), self._on_broken)
+        self.membership.add_listener(self.tracker.on_events)
         self.membership.on_fenced(lambda: self._release_for_peers("this member was fenced"))
         carry = None
         if version is not None:
@@ -128,25 +136,19 @@ class Cluster:
         """Releases the round because the others go on without it (a member is gone, or this
         one was fenced); the training thread must now drop the round within the release
         grace."""
-        self.monitor.if_armed(lambda: self.stuck.arm(reason))  # before the drop can come
+        self.tracker.if_armed(lambda: self.stuck.arm(reason))  # before the drop can come
         self.release(reason)
 
-    def _restart_in_place(self, reason: str) -> None:
-        """The release watchdog's verdict: leaves the job (so that nobody waits for this
-        member) and replaces the process with a fresh run of its command."""
-        log.error("the training thread is still inside its step %s after the round was "
-                  "released (%s): a collective that the release did not wake, or a step with "
-                  "no collective longer than ELASTIC_RELEASE_GRACE; leaving the job and "
-                  "restarting this worker in place", self.stuck.grace, reason)
-        self.events.emit("restarting_in_place", reason=reason,
-                         grace_s=self.stuck.grace.total_seconds())
-        try:
-            self.rendezvous.stop()
-            self.membership.leave()
-        except (EtcdUnavailableError, EtcdAccessError, FencedError) as exc:
-            log.warning("could not leave the job before restarting (%s); the lease expires "
-                        "in %s", exc, self.settings.timeouts.lease_ttl)
-        restart_in_place()
+    def _other_holder(self, version: int) -> str | None:
+        """A live member other than this one that asked to join a round after this one's with
+        commit ``version`` or newer (``commit_holders``; None: none, or no round)."""
+        topology = self.topology
+        return None if topology is None else other_holder(
+            self.client, self.keys, self.rendezvous, self.member_id, topology.round, version)
+
+    def _leave_to_restart(self) -> None:
+        self.rendezvous.stop()
+        self.membership.leave()
 
     def release(self, reason: str) -> None:
         """Unblocks every collective and agreement of the round now; safe from any thread."""
@@ -188,7 +190,7 @@ class Cluster:
             LeaveInterrupt: ``cancelled()`` turned true while waiting for a round.
             EtcdUnavailableError: etcd stayed unreachable past the retry deadline.
         """
-        self.monitor.disarm()
+        self.tracker.disarm()
         self.release(f"re-forming ({reason})")
         dropped = self._drop_group()
         try:
@@ -207,7 +209,7 @@ class Cluster:
                                                     self.group.timeout, timeouts.peer,
                                                     timeouts.peer_probe))
             self.topology = topology
-            self.monitor.arm(topology, self.client)  # a member dying now aborts the forming
+            self.tracker.arm(topology, self.client)  # a member dying now aborts the forming
             self._connect(topology, store)
         self.events.emit("group_formed", backend=self.group.backend, form_s=formed.seconds)
         return topology
@@ -232,49 +234,14 @@ class Cluster:
                     self.events.emit("cut_off", reason=str(exc))
                     log.warning("%s; it comes back as a new member once it reaches them", exc)
                     self.renew_identity()
-                    self._await_peers(cancelled)
+                    await_peers(self.client, self.keys, self.rendezvous.latest_round,
+                                self.settings.timeouts, cancelled)
                     reason = "start"
                     continue
             if topology is not None:
                 return topology, reason, waited.seconds
             self.events.emit("spare", waited_s=waited.seconds)
             reason = "spare"
-
-    def _await_peers(self, cancelled: Callable[[], bool]) -> None:
-        """Waits until this member, which its peers lost, reaches rank 0 of the newest round
-        again, before it asks to join: a member still cut off would make the others re-form
-        around it and wait the form timeout for it, again and again.
-
-        Raises:
-            LeaveInterrupt: ``cancelled()`` turned true (SIGTERM) while waiting.
-            RendezvousTimeoutError: still unreachable after the admit timeout.
-        """
-        timeouts = self.settings.timeouts
-        told: list[str] = []
-
-        def tell_once(state: tenacity.RetryCallState) -> None:  # not a line per attempt
-            if not told and state.outcome is not None:
-                told.append(f"{state.outcome.exception()}")
-                log.warning("waiting to reach the job's other members again (%s)", told[0])
-
-        retrying = tenacity.Retrying(
-            stop=tenacity.stop_any(tenacity.stop_after_delay(timeouts.admit.total_seconds()),
-                                   lambda _: cancelled()),
-            retry=tenacity.retry_if_exception_type(OSError),
-            wait=tenacity.wait_exponential_jitter(initial=timeouts.backoff.total_seconds(),
-                                                  max=timeouts.backoff_max.total_seconds()),
-            before_sleep=tell_once, reraise=True)
-        try:
-            for attempt in retrying:
-                with attempt:
-                    latest = self.rendezvous.latest_round()
-                    reach(self.client, self.keys.store_address(latest), timeouts.peer)
-        except OSError as exc:
-            if cancelled():
-                raise LeaveInterrupt("asked to leave while cut off from the job") from None
-            raise RendezvousTimeoutError(
-                f"could not reach the job's other members within {timeouts.admit} ({exc}): "
-                f"check the network between this machine and theirs.") from None
 
     def _connect(self, topology: Topology, store: RoundStore) -> None:
         """Connects the round's store, then forms its group and agreement channel.
@@ -288,7 +255,7 @@ class Cluster:
             self.group.form(store, topology.rank, topology.world_size)
             self.channel.connect(store, self.settings.advertise_addr, topology.round,
                                  self.group.form_timeout)
-            self.channel.watch(lambda rank: self.monitor.on_peer_gone(topology.member(rank)),
+            self.channel.watch(lambda rank: self.tracker.on_peer_gone(topology.member(rank)),
                                self.settings.timeouts.wake)
         except RuntimeError as exc:  # torch's DistError family derives from RuntimeError
             raise PeerFailureError(f"forming the group of round {topology.round} failed: "
@@ -335,6 +302,7 @@ class Cluster:
             PeerFailureError: destroying the group failed or took longer than the form timeout.
         """
         self.stuck.disarm()
+        self._verdict.reset()
         if self.topology is not None:
             self._last = self.topology
         self.topology = None
@@ -381,16 +349,28 @@ class Cluster:
     def finish(self) -> None:
         """Says this member returned from the training function and waits for the others."""
         if self.topology is not None:
-            self.monitor.disarm()
+            self.tracker.disarm()
             self.rendezvous.finish(self.topology, timeout=self.settings.timeouts.finish)
 
     def close(self) -> None:
         """Destroys the group, leaves the job (revoking the lease) and closes the client."""
-        self.monitor.disarm()
+        self.tracker.disarm()
         self.links.close()
         self.stuck.disarm()
         self.topology = None
+        done = self.rendezvous.is_job_done()
         self.rendezvous.stop()
         self.membership.leave()
         self.events.emit("left")
+        if done:
+            self._clear_job()
         self.client.close()
+
+    def _clear_job(self) -> None:
+        """Deletes the finished job's keys but those that say it finished, which a lease
+        ends (``finished_job``)."""
+        try:
+            clear_finished_job(self.client, self.keys, self.settings.timeouts.finished_marker)
+        except (EtcdUnavailableError, EtcdAccessError, EtcdRecordError) as exc:
+            log.warning("could not delete the finished job's keys under %s (%s); delete them "
+                        "with `etcdctl del --prefix %s`", self.keys.prefix, exc, self.keys.prefix)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 
-from elastic.cluster.etcd_client import EtcdClient
-from elastic.cluster.etcd_values import KeyValue
-from elastic.errors import EtcdRecordError
+from elastic.cluster.etcd.client import EtcdClient
+from elastic.cluster.etcd.values import KeyValue
+from elastic.foundation.errors import EtcdRecordError
 
 log = logging.getLogger(__name__)
 

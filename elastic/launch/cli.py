@@ -1,8 +1,8 @@
 """The ``elastic`` command: ``run``, ``status``, ``report`` and ``etcd``.
 
-Owns argument parsing and, with ``elastic.settings``, the only reads of ``os.environ``. Bad
-input ends in one line that says what to do and a non-zero exit (2 for usage, 1 otherwise),
-never a traceback.
+Owns argument parsing and, with ``elastic.foundation.settings``, the only reads of
+``os.environ``. Bad input ends in one line that says what to do and a non-zero exit (2 for
+usage, 1 otherwise), never a traceback.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
-from elastic.errors import ElasticError
-from elastic.settings import EtcdSecurity
-from elastic.timeouts import Timeouts  # the standard library only: keeps `--help` fast
+from elastic.foundation.errors import ElasticError
+from elastic.foundation.settings import EtcdSecurity
+from elastic.foundation.timeouts import Timeouts  # the standard library only: keeps `--help` fast
 
 USAGE_ERROR = 2
-# The flags of the timeout table (elastic/timeouts.py), in seconds: field -> flag.
+# The flags of the timeout table (elastic/foundation/timeouts.py), in seconds: field -> flag.
 _TIMEOUT_FLAGS = {field: str(Timeouts.flag_name(field)) for field in Timeouts.FLAGS}
 _VALUE_OPTIONS = {"--etcd", "--job-id", "-n", "--nproc-per-node", "--spares", "--min-workers",
                   "--max-workers", "--max-restarts", "--checkpoint", "--backend",
@@ -96,7 +96,7 @@ def _security(args: argparse.Namespace) -> EtcdSecurity:
 
 
 def _check_job_id(job_id: str, command: str) -> str:
-    from elastic.cluster.keys import check_job_id  # noqa: PLC0415 (keeps `--help` fast)
+    from elastic.cluster.rounds.keys import check_job_id  # noqa: PLC0415 (keeps `--help` fast)
     try:
         return check_job_id(job_id)
     except ValueError as exc:
@@ -198,7 +198,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     args = _run_parser().parse_args(options)
     command, target = _worker_command(rest, module)
     job_id = _check_job_id(args.job_id, "elastic run") if args.job_id else _fresh_job_id()
-    from elastic.launch.launcher import LaunchSpec  # noqa: PLC0415 (keeps `--help` fast)
+    from elastic.launch.launch_spec import LaunchSpec  # noqa: PLC0415 (keeps `--help` fast)
     from elastic.launch.output import OutputOptions  # noqa: PLC0415
     log_dir = str(Path(args.log_dir).resolve()) if args.log_dir else None
     try:
@@ -236,7 +236,7 @@ def cmd_run(argv: Sequence[str]) -> int:
 
 def _remove_leftovers() -> None:
     """Removes the etcd data and lease-file directories of launchers that were killed."""
-    from elastic.launch.lease_files import LEASES_PREFIX  # noqa: PLC0415
+    from elastic.launch.launcher_lease_files import LEASES_PREFIX  # noqa: PLC0415
     from elastic.launch.parent_death import OwnedDirs  # noqa: PLC0415
     removed = OwnedDirs.remove_leftovers("elastic-etcd-", LEASES_PREFIX)
     if removed:
@@ -245,7 +245,7 @@ def _remove_leftovers() -> None:
 
 
 def _check_etcd(urls: str, security: EtcdSecurity, command: str) -> None:
-    from elastic.cluster.etcd_client import uses_tls  # noqa: PLC0415
+    from elastic.cluster.etcd.client import uses_tls  # noqa: PLC0415
     try:
         uses_tls(urls, security)
     except ValueError as exc:

@@ -27,10 +27,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from elastic.cluster.ports import free_port
+from elastic.cluster.links.ports import free_port
 from elastic.launch.parent_death import OwnedDirs, die_with_parent
-from elastic.errors import EtcdUnavailableError
-from elastic.timeouts import Timeouts
+from elastic.foundation.errors import EtcdUnavailableError
+from elastic.foundation.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from elastic.errors import ElasticError
-from elastic.cluster.etcd_client import EtcdClient
-from elastic.cluster.keys import JobKeys
+from elastic.foundation.errors import ElasticError
+from elastic.cluster.etcd.client import EtcdClient
+from elastic.cluster.rounds.keys import JobKeys
 
 
 class JobConfigError(ElasticError):

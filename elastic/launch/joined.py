@@ -19,10 +19,10 @@ import socket
 import threading
 from collections.abc import Callable
 
-from elastic.cluster import records
-from elastic.cluster.etcd_client import EtcdClient, WatchEvent
-from elastic.cluster.keys import JobKeys
-from elastic.errors import EtcdAccessError, EtcdRecordError, EtcdUnavailableError
+from elastic.cluster.rounds import records
+from elastic.cluster.etcd.client import EtcdClient, WatchEvent
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.foundation.errors import EtcdAccessError, EtcdRecordError, EtcdUnavailableError
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Such a worker cannot lose its registration by the end of a lease of its own, so its launcher
 ends it: it deletes the worker's member key (``drop_member``, with the coordinator key if the
 worker held it) when the worker exits, and when the worker's heartbeats (its lease file,
-touched once per keepalive interval: ``elastic.cluster.lease_file``) stop for a lease TTL.
+touched once per keepalive interval: ``elastic.cluster.worker_lease_file``) stop for a lease TTL.
 Knows the lease files and etcd; nothing of restarts or of what the launcher prints.
 """
 
@@ -13,11 +13,11 @@ import logging
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 
-from elastic.cluster.etcd_client import EtcdClient
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.membership import drop_member
-from elastic.errors import EtcdUnavailableError
-from elastic.launch.lease_files import LeaseFiles
+from elastic.cluster.etcd.client import EtcdClient
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.rounds.membership import drop_member
+from elastic.foundation.errors import EtcdUnavailableError
+from elastic.launch.launcher_lease_files import LeaseFiles
 
 log = logging.getLogger(__name__)
 

@@ -17,21 +17,35 @@ import socket
 import threading
 from dataclasses import replace
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.distributed as dist
 
-from elastic.errors import LeaveInterrupt, RendezvousClosedError
-from elastic.cluster.etcd_client import WatchEvent
-from elastic.cluster.news import read_news
-from elastic.cluster.records import SkippedRecords
-from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
-from elastic.launch.worker_procs import describe_exit
-
-if TYPE_CHECKING:
-    from elastic.launch.launcher import Launcher
+from elastic.foundation.errors import LeaveInterrupt, RendezvousClosedError
+from elastic.cluster.etcd.client import EtcdClient, WatchEvent
+from elastic.cluster.rounds.news import read_news
+from elastic.cluster.rounds.records import SkippedRecords
+from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig
+from elastic.cluster.rounds.topology import Topology
+from elastic.cluster.rounds.membership import EtcdMembership
+from elastic.launch.launch_spec import LaunchSpec
+from elastic.launch.stop_signal import StopSignal
+from elastic.launch.worker_procs import WorkerProcs, describe_exit
 
 log = logging.getLogger(__name__)
+
+
+class PlainHost(Protocol):
+    """What plain mode uses of the launcher that runs it (``elastic.launch.launcher``)."""
+
+    spec: LaunchSpec
+    client: EtcdClient | None
+    membership: EtcdMembership | None
+    procs: WorkerProcs
+    stop: StopSignal
+
+    def is_etcd_lost(self) -> bool:
+        """Whether the embedded etcd exited (nothing can go on without it)."""
 
 
 class PlainGenerations:
@@ -41,7 +55,7 @@ class PlainGenerations:
         launcher: the connected launcher (its etcd client, membership, workers and signals).
     """
 
-    def __init__(self, launcher: "Launcher") -> None:
+    def __init__(self, launcher: PlainHost) -> None:
         self.launcher = launcher
         self.spec = launcher.spec
         assert launcher.client is not None and launcher.membership is not None
@@ -181,7 +195,7 @@ class PlainGenerations:
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         """The coordinator's news of this generation: a launcher asks to join the next one, or
-        a launcher of this one is gone (``cluster/news.py``): restart."""
+        a launcher of this one is gone (``cluster/rounds/news.py``): restart."""
         with self._lock:
             armed = self._armed
         read = read_news(self.keys, events, self._skipped)

@@ -7,8 +7,8 @@ started, instead of every worker failing (or warning at every epoch) the same wa
 
 from __future__ import annotations
 
-from elastic.errors import CheckpointUnusableError
-from elastic.timeouts import Timeouts
+from elastic.foundation.errors import CheckpointUnusableError
+from elastic.foundation.timeouts import Timeouts
 
 __all__ = ["CheckpointUnusableError", "check_checkpoint"]
 

@@ -22,12 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
-from elastic.errors import EtcdAccessError, EtcdUnavailableError
-from elastic.cluster.etcd_client import EtcdClient, WatchEvent
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.news import read_news
-from elastic.cluster.plan import Plan
-from elastic.cluster.records import RecordError, SkippedRecords
+from elastic.foundation.errors import EtcdAccessError, EtcdUnavailableError
+from elastic.cluster.etcd.client import EtcdClient, WatchEvent
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.rounds.news import read_news
+from elastic.cluster.rounds.plan import Plan
+from elastic.cluster.rounds.records import RecordError, SkippedRecords
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic.errors import ElasticError
+from elastic.foundation.errors import ElasticError
 
 
 class ReportError(ElasticError):

@@ -11,13 +11,13 @@ import json
 import time
 from typing import Any
 
-from elastic.cluster.etcd_client import EtcdClient
-from elastic.cluster.keys import JobKeys
-from elastic.cluster import records
-from elastic.cluster.plan import Plan
-from elastic.cluster.records import RecordError
-from elastic.settings import EtcdSecurity
-from elastic.timeouts import Timeouts
+from elastic.cluster.etcd.client import EtcdClient
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.rounds import records
+from elastic.cluster.rounds.plan import Plan
+from elastic.cluster.rounds.records import RecordError
+from elastic.foundation.settings import EtcdSecurity
+from elastic.foundation.timeouts import Timeouts
 
 
 def _members(client: EtcdClient, keys: JobKeys) -> list[dict[str, Any]]:

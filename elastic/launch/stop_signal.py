@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from datetime import timedelta
 
-from elastic.signals import relay_signals
+from elastic.foundation.signals import relay_signals
 
 
 class StopSignal:
@@ -40,8 +40,8 @@ class StopSignal:
     def install(self) -> Callable[[], None]:
         """Installs the handlers (main thread only); returns a function that restores them.
 
-        The handlers run on a relay thread (``elastic.signals``): setting ``wake`` inside a
-        real signal handler deadlocks when the main thread is in the middle of waiting on it.
+        The handlers run on a relay thread (``elastic.foundation.signals``): setting ``wake``
+        inside a real signal handler deadlocks when the main thread is in the middle of waiting on it.
         """
         return relay_signals((signal.SIGINT, signal.SIGTERM), self._on_signal, "elastic-signals",
                              self.shutdown)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Collection, Sequence
 
-from elastic.errors import ElasticError
+from elastic.foundation.errors import ElasticError
 
 
 class TorchrunFlagError(ElasticError):

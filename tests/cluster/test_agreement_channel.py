@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -15,8 +14,8 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from elastic.cluster.agreement_channel import AgreementChannel
-from elastic.errors import AdvertiseAddressError, PeerFailureError
+from elastic.cluster.links.agreement_channel import AgreementChannel
+from elastic.foundation.errors import AdvertiseAddressError, PeerFailureError
 from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -89,10 +88,11 @@ def test_a_world_of_one_agrees_with_itself_without_any_socket():
 
 
 def test_a_dead_peer_fails_the_agreement_on_every_rank_at_once():
+    """Rank 0 reads the dead peer's end; rank 1, which never talks to rank 2, learns it from
+    rank 0's release, not from its own exchange timeout (30 s, a socket timeout)."""
     channels = _connected(3)
     try:
         channels[2].close()  # rank 2's process is gone: the kernel closes its sockets
-        started = time.monotonic()
 
         def agree(rank: int) -> tuple[bool, bool]:
             channels[rank].start(False, False)
@@ -100,7 +100,8 @@ def test_a_dead_peer_fails_the_agreement_on_every_rank_at_once():
 
         results = _in_threads(2, agree)
         assert all(isinstance(r, PeerFailureError) for r in results), results
-        assert time.monotonic() - started < 5
+        assert [str(r.__cause__) for r in results] == ["the connection was closed",
+                                                       "the peer released the round"], results
     finally:
         _close(channels)
 
@@ -113,10 +114,9 @@ def test_releasing_frees_a_rank_blocked_on_a_frozen_peer_and_names_the_reason():
         watch = threading.Timer(0.2, channels[0].release, ("member m1 of round 8 is gone",))
         watch.start()
         channels[0].start(False, False)
-        started = time.monotonic()
+        # Only the release names this reason; the exchange's own timeout (30 s) names none.
         with pytest.raises(PeerFailureError, match="member m1 of round 8 is gone"):
             channels[0].finish()
-        assert time.monotonic() - started < 5
         watch.join(5)
     finally:
         _close(channels)
@@ -149,10 +149,9 @@ def test_a_connection_from_another_round_is_turned_away():
 
 def test_forming_fails_with_a_peer_failure_when_a_rank_never_connects():
     channel = AgreementChannel(0, 3, _LONG)
-    started = time.monotonic()
+    # connect's timeout is its only bound: one it ignored would hang until pytest-timeout.
     with pytest.raises(PeerFailureError, match="could not be formed"):
         channel.connect(dist.HashStore(), _ADDR, 3, timedelta(seconds=0.5))
-    assert time.monotonic() - started < 5
     channel.close()
 
 
@@ -179,10 +178,9 @@ def test_releasing_frees_rank_zero_while_it_awaits_a_silent_connections_hello():
 
     helper = threading.Thread(target=connect_silently, daemon=True)
     helper.start()
-    started = time.monotonic()
+    # Only the release names this reason; connect's own deadline (30 s) names none.
     with pytest.raises(PeerFailureError, match="member m1 of round 9 is gone"):
         channel.connect(store, _ADDR, 9, timedelta(seconds=30))
-    assert time.monotonic() - started < 5, "the release did not reach the connection being vetted"
     helper.join(5)
     for sock in silent:
         sock.close()

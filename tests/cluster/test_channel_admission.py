@@ -1,6 +1,6 @@
 """Hostile connections to the agreement channel's rank 0 while a round forms: one held open in
 silence, one that sends garbage, one that replays a valid hello from another round. Each is
-turned away, the round forms as fast as without it, and only the round's ranks vote. Real
+turned away, the round forms without waiting for any of them, and only the round's ranks vote. Real
 loopback sockets; ranks are threads; the round's store is torch's ``HashStore``."""
 
 from __future__ import annotations
@@ -9,22 +9,20 @@ import json
 import socket
 import struct
 import threading
-import time
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
-from elastic.cluster.admission import HELLO, MAX_PENDING, RoundAddress
-from elastic.cluster.agreement_channel import AgreementChannel
-from elastic.cluster.records import RecordError
+from elastic.cluster.links.admission import HELLO, MAX_PENDING, RoundAddress
+from elastic.cluster.links.agreement_channel import AgreementChannel
+from elastic.cluster.rounds.records import RecordError
 
 pytestmark = pytest.mark.timeout(60)
 
 _ADDR = "127.0.0.1"
 _KEY = "elastic/agreement"
-_FORM = timedelta(seconds=30)  # the backstop; every round here must form far sooner
-_PROMPT_S = 5.0  # "without delaying the round": a small fraction of the backstop
+_FORM = timedelta(seconds=30)  # the backstop: a rank 0 that waited for an intruder fails on it
 _WAIT = timedelta(seconds=10)
 
 
@@ -36,16 +34,16 @@ class _Round:
         self.store = store or dist.HashStore()
         self.channels = [AgreementChannel(r, 2, _FORM) for r in range(2)]
         self.errors: list[Exception] = []
-        self.formed_s: float | None = None
+        self.ended = threading.Event()  # rank 0's connect returned or raised
         self._rank0 = threading.Thread(target=self._connect_rank0, daemon=True)
 
     def _connect_rank0(self) -> None:
-        started = time.monotonic()
         try:
             self.channels[0].connect(self.store, _ADDR, self.round, _FORM)
-            self.formed_s = time.monotonic() - started
         except Exception as exc:  # noqa: BLE001 (handed back to the test)
             self.errors.append(exc)
+        finally:
+            self.ended.set()
 
     def open(self) -> tuple[str, int]:
         """Starts rank 0; returns the address it published."""
@@ -96,8 +94,9 @@ def test_a_connection_held_open_in_silence_neither_delays_the_round_nor_votes():
         # More than rank 0 holds at once: the oldest are let go first, never the newest caller.
         silent = [socket.create_connection((host, port), timeout=10)
                   for _ in range(MAX_PENDING + 2)]
+        # They stay open and silent until the round formed: a rank 0 that waited for any of
+        # them to speak would wait until the backstop and fail.
         formed.join_rank1()
-        assert formed.formed_s is not None and formed.formed_s < _PROMPT_S
         for sock in silent:
             sock.sendall(b"\x01\x01")  # too late, and never read: it cannot vote
             assert _is_closed_by_peer(sock)
@@ -107,21 +106,19 @@ def test_a_connection_held_open_in_silence_neither_delays_the_round_nor_votes():
         formed.close()
 
 
-def _turned_away_and_the_round_forms(round_: int, sent: bytes) -> float:
-    """Connects to a forming round's rank 0, sends ``sent``, asserts the connection is closed and
-    the round then forms promptly with only its ranks voting; returns how long the close took."""
+def _turned_away_and_the_round_forms(round_: int, sent: bytes) -> None:
+    """Connects to a forming round's rank 0, sends ``sent``, asserts the connection is closed
+    while the round still waits for rank 1 (so for what it sent, not because the round
+    completed), and that the round then forms with only its ranks voting."""
     formed = _Round(round_)
     try:
         host, port = formed.open()
         with socket.create_connection((host, port), timeout=10) as intruder:
             intruder.sendall(sent)
-            started = time.monotonic()
             assert _is_closed_by_peer(intruder)
-            closed_s = time.monotonic() - started
+            assert not formed.ended.is_set(), formed.errors
         formed.join_rank1()
-        assert formed.formed_s is not None and formed.formed_s < _PROMPT_S
         assert formed.agree(rank1_pending=True) == [(True, False)] * 2
-        return closed_s
     finally:
         formed.close()
 
@@ -129,7 +126,7 @@ def _turned_away_and_the_round_forms(round_: int, sent: bytes) -> float:
 @pytest.mark.parametrize("garbage", [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00" * HELLO.size,
                                      b"ELA2" + b"\xff" * (HELLO.size - 4)])
 def test_a_connection_that_sends_garbage_is_turned_away_at_once(garbage):
-    assert _turned_away_and_the_round_forms(12, garbage) < _PROMPT_S
+    _turned_away_and_the_round_forms(12, garbage)
 
 
 @pytest.mark.parametrize("forged", ["the hello of earlier releases", "a hello with a guessed mac"])

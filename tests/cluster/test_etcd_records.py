@@ -9,12 +9,12 @@ import pickle
 
 import pytest
 
-from elastic.cluster import records
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.plan import JoinRequest, Plan
-from elastic.cluster.records import RecordError, SkippedRecords
-from elastic.cluster.seat import Seat, lineage, seat_in, seats_of
-from elastic.errors import EtcdRecordError
+from elastic.cluster.rounds import records
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.rounds.plan import JoinRequest, Plan
+from elastic.cluster.rounds.records import RecordError, SkippedRecords
+from elastic.cluster.rounds.seat import Seat, lineage, seat_in, seats_of
+from elastic.foundation.errors import EtcdRecordError
 
 pytestmark = pytest.mark.unit
 
@@ -132,7 +132,7 @@ def test_a_key_with_a_non_ascii_digit_is_no_round():
 
 def test_a_skipped_record_is_warned_once_per_key_and_revision(caplog):
     skipped = SkippedRecords()
-    with caplog.at_level(logging.WARNING, logger="elastic.cluster.records"):
+    with caplog.at_level(logging.WARNING, logger="elastic.cluster.rounds.records"):
         for _ in range(3):
             skipped.skip("/elastic/j/rounds/00000002/join/evil", 7, "not JSON")
         skipped.skip("/elastic/j/rounds/00000002/join/evil", 8, "not JSON")

@@ -11,25 +11,25 @@ from __future__ import annotations
 import logging
 import subprocess
 import threading
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from elastic.cluster.etcd_client import EtcdClient, uses_tls
-from elastic.cluster.key_range import KeyRange
-from elastic.cluster.keys import JobKeys
-from elastic.errors import EtcdAccessError
+from elastic.cluster.etcd.client import EtcdClient, uses_tls
+from elastic.cluster.etcd.key_range import KeyRange
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.foundation.errors import EtcdAccessError
 from elastic.launch.embedded_etcd import find_etcd_binary
-from elastic.settings import EtcdSecurity
+from elastic.foundation.settings import EtcdSecurity
 from tests.support.tls_etcd import JOB_A, JOB_B, JOB_USERS, ROOT_PASSWORD, Pki, SecureEtcd
 
 pytestmark = pytest.mark.timeout(120)
 PASSWORDS = dict(JOB_USERS.values())
-# A refusal is not retried: it must come long before the retry deadline.
-RETRY_FOR = timedelta(seconds=20)
-PROMPT_S = 5.0
+# A refusal is not retried: one that was would be retried for an hour, and the test would hang
+# until pytest-timeout ends it.
+RETRY_FOR = timedelta(hours=1)
+WAIT_S = 10.0  # a hang guard for events that come at once
 
 
 def tls(pki: Pki, **changes: str) -> dict[str, str]:
@@ -43,15 +43,13 @@ def as_user(pki: Pki, user: str, **changes: str) -> EtcdSecurity:
 
 def refusal(server: SecureEtcd, security: EtcdSecurity,
             key: str = f"/elastic/{JOB_A}/x") -> str:
-    """Writes ``key`` and returns the refusal's message; asserts it came at once."""
+    """Writes ``key`` and returns the refusal's message (a retried refusal hangs: RETRY_FOR)."""
     client = EtcdClient(server.url, security=security, retry_for=RETRY_FOR)
-    started = time.monotonic()
     try:
         with pytest.raises(EtcdAccessError) as refused:
             client.put(key, "v")
     finally:
         client.close()
-    assert time.monotonic() - started < PROMPT_S, "a refusal was retried"
     message = str(refused.value)
     assert "\n" not in message
     return message
@@ -128,9 +126,9 @@ def test_a_watch_etcd_refuses_is_named_once_and_the_others_on_its_stream_go_on(
             cancel_theirs = bob.watch_prefix(JobKeys(JOB_A).prefix, 0, lambda events: None)
             cancel_mine = bob.watch_range(KeyRange.prefix(JobKeys(JOB_B).prefix), 0,
                                           lambda events: heard.set(), opened.set)
-            assert opened.wait(PROMPT_S), "bob's own watch was not opened"
+            assert opened.wait(WAIT_S), "bob's own watch was not opened"
             bob.put(JobKeys(JOB_B).commit, "bob's")
-            assert heard.wait(PROMPT_S), "bob's own watch heard nothing"
+            assert heard.wait(WAIT_S), "bob's own watch heard nothing"
             refusals = [r.getMessage() for r in caplog.records
                         if r.getMessage().startswith("etcd refused the watch")]
         cancel_theirs()
@@ -210,13 +208,11 @@ def test_the_password_comes_from_a_file_or_the_environment_and_is_never_shown(tm
 def test_an_http_url_at_an_etcd_that_speaks_tls_only_asks_for_https(secure_etcd):
     url = secure_etcd.url.replace("https://", "http://")
     client = EtcdClient(url, security=EtcdSecurity(), retry_for=RETRY_FOR)
-    started = time.monotonic()
     try:
         with pytest.raises(EtcdAccessError, match="speaks TLS only: use --etcd https://"):
             client.get(f"/elastic/{JOB_A}/x")
     finally:
         client.close()
-    assert time.monotonic() - started < PROMPT_S, "the refusal was retried"
 
 
 def test_without_a_ca_file_the_server_is_verified_against_the_default_roots(secure_etcd, pki,

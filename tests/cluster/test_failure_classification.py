@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.cluster.process_group import ProcessGroup, is_peer_failure
-from elastic.errors import FencedError, PeerFailureError
+from elastic.cluster.links.process_group import ProcessGroup, is_peer_failure
+from elastic.foundation.errors import FencedError, PeerFailureError
 from tests.support.ranks import spawn_ranks
 
 HEALTHY = {"released": False, "transport_broken": False}

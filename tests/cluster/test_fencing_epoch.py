@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from elastic.cluster.fencing import claim_fencing_epoch
-from elastic.cluster.keys import JobKeys
+from elastic.cluster.rounds.keys import JobKeys
 
 
 def test_an_epoch_below_the_floor_the_checkpoint_url_requires_is_raised_to_the_floor(client):

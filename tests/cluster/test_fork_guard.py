@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from elastic.cluster.fork_guard import ForkGuard
+from elastic.cluster.links.fork_guard import ForkGuard
 
 pytestmark = pytest.mark.timeout(30)
 

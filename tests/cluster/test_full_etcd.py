@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from elastic.cluster.cluster import Cluster
-from elastic.cluster.etcd_client import EtcdClient
-from elastic.events import EventLog
-from elastic.settings import WorkerSettings
+from elastic.cluster.etcd.client import EtcdClient
+from elastic.foundation.events import EventLog
+from elastic.foundation.settings import WorkerSettings
 
 pytestmark = pytest.mark.timeout(60)
 

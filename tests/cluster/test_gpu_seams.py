@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from elastic.cluster import device
-from elastic.cluster.device import ASYNC_ERROR_HANDLING, claim_device, nccl_env
-from elastic.cluster.process_group import ProcessGroup
-from elastic.errors import DeviceUnavailableError
+from elastic.cluster.links import device
+from elastic.cluster.links.device import ASYNC_ERROR_HANDLING, claim_device, nccl_env
+from elastic.cluster.links.process_group import ProcessGroup
+from elastic.foundation.errors import DeviceUnavailableError
 
 pytestmark = pytest.mark.timeout(60)
 S = timedelta(seconds=1)
@@ -52,7 +52,7 @@ def test_one_visible_gpu_needs_no_claim(tmp_path):
 _CLAIMER = """
 import sys
 from pathlib import Path
-from elastic.cluster.device import claim_device
+from elastic.cluster.links.device import claim_device
 claim = claim_device({}, int(sys.argv[2]), Path(sys.argv[1]))
 print(claim.index, flush=True)
 sys.stdin.read()  # holds the claim until the test closes stdin
@@ -127,7 +127,7 @@ class _Stop(Exception):
 
 
 def test_an_nccl_group_forms_on_its_gpu_eagerly_with_nccls_error_handling_off(monkeypatch):
-    from elastic.cluster import process_group
+    from elastic.cluster.links import process_group
 
     seen: dict = {}
     monkeypatch.delenv(ASYNC_ERROR_HANDLING, raising=False)

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.cluster import process_group
-from elastic.cluster.process_group import ProcessGroup
+from elastic.cluster.links import process_group
+from elastic.cluster.links.process_group import ProcessGroup
 from tests.support.ranks import spawn_ranks
 
 
@@ -61,7 +61,7 @@ import gc, os
 from datetime import timedelta
 import torch, torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
-from elastic.cluster.process_group import ProcessGroup
+from elastic.cluster.links.process_group import ProcessGroup
 
 os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 gc.disable()  # only the collections asked for below run

@@ -7,9 +7,12 @@ import json
 import threading
 from datetime import timedelta
 
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.lease_renewals import Outcome
-from elastic.cluster.membership import EtcdMembership
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.etcd.lease_renewals import Outcome
+from elastic.cluster.rounds.membership import EtcdMembership
+from elastic.foundation.timeouts import Timeouts
+
+LEASE_3S = Timeouts.from_env({}, lease_ttl=timedelta(seconds=3), keepalive=timedelta(seconds=0.2))
 
 WAIT_S = 30
 INTERVAL = timedelta(seconds=0.1)
@@ -73,10 +76,8 @@ def test_a_removed_lease_is_handed_nothing_once_its_removal_returned(client):
 
 def test_a_member_whose_lease_is_gone_while_its_key_lives_on_is_fenced_by_its_renewal(client):
     keys = JobKeys("renewal-fence")
-    member = EtcdMembership(client, keys, "127.0.0.1", timedelta(seconds=3),
-                            keepalive=timedelta(seconds=0.2))
-    other = EtcdMembership(client, keys, "127.0.0.1", timedelta(seconds=3),
-                           keepalive=timedelta(seconds=0.2))
+    member = EtcdMembership(client, keys, "127.0.0.1", LEASE_3S)
+    other = EtcdMembership(client, keys, "127.0.0.1", LEASE_3S)
     fenced = threading.Event()
     member.on_fenced(fenced.set)
     member.register()

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from elastic.cluster.etcd_client import EtcdClient, KeyValue, WatchEvent
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.news import RoundNews
-from elastic.cluster.news_writer import NewsWriter
+from elastic.cluster.etcd.client import EtcdClient, KeyValue, WatchEvent
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.rounds.news import RoundNews
+from elastic.cluster.rounds.news_writer import NewsWriter
 
 
 def put_event(kv: KeyValue) -> WatchEvent:

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from elastic.cluster.process_group import ProcessGroup
+from elastic.cluster.links.process_group import ProcessGroup
 from tests.support.ranks import spawn_ranks
 
 

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from elastic.cluster.release_watchdog import ReleaseWatchdog
+from elastic.cluster.links.release_watchdog import ReleaseWatchdog
 
 pytestmark = pytest.mark.unit
 
@@ -52,3 +52,41 @@ def test_after_a_drop_the_next_release_is_watched_again():
     watchdog.arm("second")
     assert verdicts.called.wait(WAIT_S)
     assert verdicts.reasons == ["second"]
+
+
+def test_a_drop_that_comes_while_the_verdict_is_reached_waits_for_the_verdict():
+    entered, verdict_given = threading.Event(), threading.Event()
+
+    def slow_verdict(reason: str) -> bool:
+        entered.set()
+        verdict_given.wait(WAIT_S)  # the verdict (etcd reads, or a restart) takes a while
+        return False
+
+    watchdog = ReleaseWatchdog(GRACE, slow_verdict)
+    watchdog.arm("member a is gone")
+    assert entered.wait(WAIT_S)
+    dropped = threading.Event()
+    threading.Thread(target=lambda: (watchdog.disarm(), dropped.set()), daemon=True).start()
+    assert not dropped.wait(GRACE.total_seconds() * 5), \
+        "the training thread went on into the next round while its process was judged stuck"
+    verdict_given.set()
+    assert dropped.wait(WAIT_S)
+
+
+def test_a_verdict_to_wait_is_asked_again_after_another_grace_until_the_drop():
+    asked = Verdicts()
+    calls: list[str] = []
+
+    def wait_twice(reason: str) -> bool:
+        calls.append(reason)
+        if len(calls) < 3:
+            return True
+        asked(reason)
+        return True
+
+    watchdog = ReleaseWatchdog(GRACE, wait_twice)
+    watchdog.arm("member a is gone")
+    assert asked.called.wait(WAIT_S)
+    assert calls == ["member a is gone"] * 3
+    watchdog.disarm()
+    assert not watchdog.is_armed

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.cluster.plan import CloseRule, JoinRequest, Plan, assign_ranks, should_close
-from elastic.cluster.records import RecordError
+from elastic.cluster.rounds.plan import CloseRule, JoinRequest, Plan, assign_ranks, should_close
+from elastic.cluster.rounds.records import RecordError
 
 RULE = CloseRule(min_workers=1, max_workers=None, settle_s=0.5)
 
@@ -66,7 +66,7 @@ def test_a_newcomer_waits_for_the_running_members_to_notice_it():
 
 @pytest.mark.parametrize("spec", [dict(min_workers=0), dict(min_workers=3, max_workers=2)])
 def test_rendezvous_config_rejects_contradictory_limits(spec):
-    from elastic.cluster.rendezvous import RendezvousConfig
+    from elastic.cluster.rounds.rendezvous import RendezvousConfig
     with pytest.raises(ValueError, match="must be >="):
         RendezvousConfig(**spec)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.cluster.plan import CloseRule, JoinRequest
-from elastic.cluster.roll_call import (Evidence, RollCall, cut_off, dead, may_close,
-                                       returning_short)
+from elastic.cluster.rounds.plan import CloseRule, JoinRequest
+from elastic.cluster.rounds.roll_call import (Evidence, RollCall, cut_off, dead, may_close,
+                                              returning_short)
 
 pytestmark = pytest.mark.unit
 

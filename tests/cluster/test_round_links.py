@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from elastic.cluster.round_links import RoundLinks
+from elastic.cluster.links.round_links import RoundLinks
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -18,18 +17,22 @@ from pathlib import Path
 
 import pytest
 
-from elastic.cluster.coordinator import Coordinator
-from elastic.cluster.etcd_client import EtcdClient, WatchEvent
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.lease_file import heartbeat
-from elastic.cluster.membership import EtcdMembership, NodeLease, drop_member
-from elastic.cluster.news import NewsMonitor, RoundNews
-from elastic.cluster.records import RecordError
-from elastic.cluster.rendezvous import Rendezvous, RendezvousConfig, Topology
-from elastic.errors import FencedError, LeaveInterrupt, RendezvousClosedError
+from elastic.cluster.rounds.coordinator import Coordinator
+from elastic.cluster.etcd.client import EtcdClient, WatchEvent
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.worker_lease_file import heartbeat
+from elastic.cluster.rounds.membership import EtcdMembership, NodeLease, drop_member
+from elastic.cluster.rounds.news import NewsReader, RoundNews
+from elastic.cluster.rounds.records import RecordError
+from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig
+from elastic.cluster.rounds.topology import Topology
+from elastic.cluster.rounds.tracker import RoundTracker
+from elastic.foundation.errors import FencedError, LeaveInterrupt, RendezvousClosedError
 from tests.support.polling import poll_until
 from tests.support.limited_etcd import MAX_TXN_OPS
-from elastic.timeouts import Timeouts
+from elastic.foundation.timeouts import Timeouts
+
+LEASE_10S = Timeouts.from_env({}, lease_ttl=timedelta(seconds=10))
 
 pytestmark = pytest.mark.timeout(120)
 TIMEOUTS = Timeouts()
@@ -44,11 +47,11 @@ class Member:
                  config: RendezvousConfig = RendezvousConfig(timeouts=TIMEOUTS)) -> None:
         self.client = client
         self.version = version
-        self.membership = EtcdMembership(client, JobKeys(job), "127.0.0.1", timedelta(seconds=10),
+        self.membership = EtcdMembership(client, JobKeys(job), "127.0.0.1", LEASE_10S,
                                          claim=JobKeys(job).coordinator, node_lease=node_lease)
         self.rendezvous = Rendezvous(client, self.membership, config)
         self.broken = threading.Event()
-        self.monitor = NewsMonitor(JobKeys(job), lambda reason: self.broken.set())
+        self.monitor = RoundTracker(NewsReader(JobKeys(job)), lambda reason: self.broken.set())
         self.heard: Counter[str] = Counter()
         self.membership.add_listener(self._count)
         self.membership.add_listener(self.monitor.on_events)
@@ -435,11 +438,11 @@ def test_members_whose_leases_all_ended_finish_without_waiting_for_a_coordinator
         for m in members:  # an etcd frozen past every lease: nobody can coordinate any more
             client.revoke(m.membership.lease)
         assert all(m.membership.fenced.wait(WAIT_S) for m in members)
-        started = time.monotonic()
+        # finish may wait an hour for a coordinator: one that did would hang the test until the
+        # map's bound (a hang guard) fails it.
         with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda mt: mt[0].rendezvous.finish(mt[1], timedelta(seconds=60)),
+            list(pool.map(lambda mt: mt[0].rendezvous.finish(mt[1], timedelta(hours=1)),
                           zip(members, topologies), timeout=90))
-        assert time.monotonic() - started < 20
     finally:
         for m in members:
             m.leave()

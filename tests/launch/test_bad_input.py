@@ -6,19 +6,19 @@ import json
 import os
 import re
 import signal
-import time
 from datetime import timedelta
 
 import pytest
 
 from elastic.launch.cli import main
-from elastic.cluster.ports import free_port
-from elastic.cluster.etcd_client import EtcdClient
+from elastic.cluster.links.ports import free_port
+from elastic.cluster.etcd.client import EtcdClient
 from elastic.launch.job_config import JobConfig, claim
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.membership import EtcdMembership
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.rounds.membership import EtcdMembership
 from tests.support.cli import WORKERS
 from tests.support.polling import poll_until
+from elastic.foundation.timeouts import Timeouts
 
 pytestmark = pytest.mark.timeout(60)
 WORKER = str(WORKERS / "elastic_worker.py")
@@ -96,10 +96,8 @@ def test_the_console_entry_point_rejects_an_unknown_flag_in_one_line(cli):
 
 def test_an_unreachable_etcd_fails_after_bounded_retries_naming_the_url(cli):
     url = f"http://127.0.0.1:{free_port()}"
-    started = time.monotonic()
     run = cli("run", "--etcd", url, WORKER)
-    assert run.wait(45) == 1
-    assert time.monotonic() - started < 40
+    assert run.wait(45) == 1  # a hang guard: unbounded retries never exit
     one_clear_line(run.text(), url, "Check that etcd runs")
 
 
@@ -107,7 +105,8 @@ def test_a_job_running_with_another_configuration_is_refused(cli, etcd):
     job = f"conflict-{os.getpid()}"
     keys = JobKeys(job)
     client = EtcdClient(etcd.url)
-    launcher = EtcdMembership(client, keys.launchers(), "127.0.0.1", timedelta(seconds=10))
+    launcher = EtcdMembership(client, keys.launchers(), "127.0.0.1",
+                              Timeouts.from_env({}, lease_ttl=timedelta(seconds=10)))
     try:
         claim(client, keys, JobConfig(mode="elastic", target="elastic_worker.py", min_workers=1,
                                       max_workers=None, checkpoint=None, backend="auto"))

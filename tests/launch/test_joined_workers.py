@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from elastic.cluster.etcd_client import EtcdClient
-from elastic.cluster.keys import JobKeys
+from elastic.cluster.etcd.client import EtcdClient
+from elastic.cluster.rounds.keys import JobKeys
 from elastic.launch.joined import JoinedWorkers
 
 pytestmark = pytest.mark.timeout(60)

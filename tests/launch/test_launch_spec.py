@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.cluster.interfaces import interface_of, socket_interface_env
-from elastic.cluster.keys import JobKeys, check_job_id
-from elastic.errors import AdvertiseAddressError
+from elastic.cluster.links.interfaces import interface_of, socket_interface_env
+from elastic.cluster.rounds.keys import JobKeys, check_job_id
+from elastic.foundation.errors import AdvertiseAddressError
 from elastic.launch.cli import _fresh_job_id
-from elastic.launch.launcher import LaunchSpec
-from elastic.settings import EtcdSecurity
+from elastic.launch.launch_spec import LaunchSpec
+from elastic.foundation.settings import EtcdSecurity
 
 pytestmark = pytest.mark.unit
 

@@ -9,10 +9,10 @@ from datetime import timedelta
 
 import pytest
 
-from elastic.cluster.etcd_client import EtcdClient
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.news import RoundNews
-from elastic.cluster.plan import Plan
+from elastic.cluster.etcd.client import EtcdClient
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.rounds.news import RoundNews
+from elastic.cluster.rounds.plan import Plan
 from elastic.launch.replacements import Replacement, Replacements
 from tests.support.polling import poll_until
 

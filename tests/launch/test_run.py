@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic.cluster.etcd_client import EtcdClient
-from elastic.cluster.keys import JobKeys
+from elastic.cluster.etcd.client import EtcdClient
+from elastic.cluster.rounds.keys import JobKeys
 from tests.support.cli import WORKERS, events, is_alive, wait_until, worker_pids
 
 pytestmark = pytest.mark.timeout(120)
@@ -95,8 +95,10 @@ def test_sigterm_to_the_launcher_ends_every_worker_gracefully(cli, etcd, tmp_pat
 
 
 def test_a_crashed_worker_has_its_lease_revoked_at_once_and_is_restarted(cli, etcd, tmp_path):
+    """The lease TTL is ten minutes: the victim's key can go within the test only by the
+    launcher revoking its lease."""
     log_dir, job = tmp_path / "events", f"crash-{os.getpid()}"
-    run = cli("run", "--etcd", etcd.url, "--job-id", job, "-n", "2", "--lease-ttl", "30",
+    run = cli("run", "--etcd", etcd.url, "--job-id", job, "-n", "2", "--lease-ttl", "600",
               "--max-restarts", "1", "--log-dir", str(log_dir), WORKER, "--steps", "100000")
     wait_until(lambda: 2 in resumed_worlds(log_dir), 60, "world 2", [run])
     original = worker_pids(log_dir)
@@ -112,10 +114,8 @@ def test_a_crashed_worker_has_its_lease_revoked_at_once_and_is_restarted(cli, et
         look_alike = client.grant(timedelta(seconds=30))
         client.put(keys.member("look-alike"), json.dumps(
             {"host": socket.gethostname(), "pid": victim, "lease": look_alike}), lease=look_alike)
-        killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
-        wait_until(lambda: not registered(), 5, "the victim's member key to go", [run])
-        assert time.monotonic() - killed_at < 5, "the lease was not revoked at once (TTL 30 s)"
+        wait_until(lambda: not registered(), 60, "the victim's lease to be revoked", [run])
         assert client.get(keys.member("look-alike")) is not None, \
             "the launcher revoked a lease it does not own"
         client.revoke(look_alike)
@@ -214,10 +214,10 @@ def test_sigint_while_a_plain_generation_forms_stops_the_launcher_at_once(cli, e
                    "the launcher to ask for a generation (it waits for a second one)", [run])
     finally:
         client.close()
-    asked = time.monotonic()
+    # The generation never forms (one worker of min 2): a launcher that waited for it would
+    # hang past the bound (a hang guard) below.
     run.proc.send_signal(signal.SIGINT)
     assert run.wait(30) == 130, run.text()  # Ctrl-C, as torchrun reports it
-    assert time.monotonic() - asked < 5, "the launcher waited for the generation to form"
     assert "stopped while the next generation was forming" in run.text()
     assert not list(tmp_path.glob("plain-*.json")), "no worker was started"
 
@@ -245,10 +245,9 @@ def test_a_second_sigint_kills_workers_that_ignore_the_first_without_waiting_the
         run.proc.send_signal(signal.SIGINT)
         wait_until(lambda: "signal SIGINT" in run.text(), 30, "the launcher to see SIGINT", [run])
         assert is_alive(stuck), "the worker ignores SIGTERM, so it is still there"
-        asked_again = time.monotonic()
         run.proc.send_signal(signal.SIGINT)
-        run.wait(30)
-        assert time.monotonic() - asked_again < 30, "the launcher waited out the grace period"
+        run.wait(30)  # a hang guard: the grace period is 90 s
+        assert run.proc.poll() is not None, "the launcher waited out the grace period"
         assert not is_alive(stuck), run.text()
         assert "asked again" in run.text()
         assert "signal SIGINT: asked again: killing the workers now" in run.text()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,6 @@ from tests.support.cli import WORKERS, is_alive, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 LEAVES_CHILD = str(WORKERS / "leaves_child.py")
-REVOKE_BOUND_S = 0.5  # generous: the revoke follows the exit at once
 
 
 def test_a_killed_worker_whose_child_keeps_its_output_open_is_revoked_at_once(
@@ -25,13 +23,11 @@ def test_a_killed_worker_whose_child_keeps_its_output_open_is_revoked_at_once(
     try:
         wait_until(lambda: (tmp_path / "killed").exists(), 90, "the worker to kill itself",
                    [run])
-        killed_at = float((tmp_path / "killed").read_text())
+        # The child holds the worker's output pipes open until the test writes to "go", which
+        # it does only after the revoke: a launcher that waited for the pipes to close would
+        # never revoke, and this wait (a hang guard) fails.
         wait_until(lambda: "killed by SIGKILL; revoked its lease" in run.text(), 30,
                    "the launcher to revoke the lease", [run])
-        seen_s = time.time() - killed_at
-        assert seen_s < REVOKE_BOUND_S, (
-            f"the lease was revoked {seen_s:.2f} s after the kill: the launcher waited for "
-            f"the output pipes that the worker's child holds\n{run.text()}")
         assert "own error" not in run.text()
         child = int((tmp_path / "child.pid").read_text())
         with open(tmp_path / "go", "w") as go:  # the child prints only after the revoke

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from elastic.checkpoint import (CheckpointFencedError, CheckpointIncompatibleError,
-                                CheckpointStorageError,
-                                CheckpointStore, CheckpointWriteError)
-from elastic.cluster.etcd_client import EtcdClient
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.membership import EtcdMembership
+                                CheckpointStorageError, CheckpointStore, CheckpointWriteError)
+from elastic.cluster.etcd.client import EtcdClient
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.rounds.membership import EtcdMembership
 from elastic.durable import DurableCommits, fencing_generation, next_epoch
-from elastic.events import EventLog
+from elastic.foundation.events import EventLog
+from elastic.foundation.timeouts import Timeouts
 
 URL = "faultmem://run"
 
@@ -112,7 +112,7 @@ def test_a_writer_whose_lease_expired_before_publishing_never_publishes(tmp_path
 def test_a_confirmation_asks_etcd_so_a_revoked_lease_refuses_at_once(etcd):
     client = EtcdClient(etcd.url)
     membership = EtcdMembership(client, JobKeys("confirm-test"), "127.0.0.1",
-                                timedelta(seconds=30))
+                                Timeouts.from_env({}, lease_ttl=timedelta(seconds=30)))
     membership.register()
     try:
         assert membership.confirm_lease()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.cluster.ports import free_port
+from elastic.cluster.links.ports import free_port
 from tests.support.cli import WORKERS
 from tests.support.harness import loopback_env
 

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from elastic.launch.stop_signal import StopSignal
-from elastic.signals import relay_signals
+from elastic.foundation.signals import relay_signals
 from tests.support.cli import WORKERS
 
 pytestmark = pytest.mark.timeout(20)  # a handler that deadlocks fails here instead of hanging

@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from elastic.errors import PeerFailureError
+from elastic.foundation.errors import PeerFailureError
 from elastic.step_collectives import StepCollectives
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.unit]

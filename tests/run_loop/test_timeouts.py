@@ -13,9 +13,9 @@ import pytest
 
 from elastic.checkpoint.backend import DEFAULT_RETRY_FOR
 from elastic.launch.cli import _run_parser, _timeouts, join_command
-from elastic.launch.launcher import LaunchSpec
-from elastic.settings import WorkerSettings
-from elastic.timeouts import Timeouts
+from elastic.launch.launch_spec import LaunchSpec
+from elastic.foundation.settings import WorkerSettings
+from elastic.foundation.timeouts import Timeouts
 from tests.support.timeout_literals import literal_timeouts
 
 pytestmark = pytest.mark.unit
@@ -26,6 +26,7 @@ DEFAULTS_S = {
     "lease_ttl": 3, "keepalive": 0.75, "settle": 0.5, "node_settle": 1, "local_start": 30, "rejoin": 120,
     "release": 30, "rendezvous": 300, "peer": 2.5, "peer_probe": 1,
     "admit": 1800, "form": 20, "store": 60, "collective": 1800, "sync": 300, "finish": 300,
+    "finished_marker": 600,
     "progress": 0.5, "storage_retry": 60, "final_write": 300, "etcd_rpc": 3, "etcd_retry": 10, "etcd_outage": 600,
     "connect": 5,
     "backoff": 0.05, "backoff_max": 1, "reconnect": 0.2, "etcd_ping": 5, "etcd_ping_timeout": 2,
@@ -51,7 +52,7 @@ def test_the_defaults_are_the_documented_ones():
 
 
 def test_every_field_documents_its_default_and_its_variable():
-    tree = ast.parse((REPO / "elastic" / "timeouts.py").read_text())
+    tree = ast.parse((REPO / "elastic" / "foundation" / "timeouts.py").read_text())
     body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Timeouts").body
     docs = {a.target.id: body[i + 1].value.value for i, a in enumerate(body[:-1])
             if isinstance(a, ast.AnnAssign) and isinstance(body[i + 1], ast.Expr)}
@@ -198,29 +199,40 @@ def test_the_readme_lists_every_variable_in_its_timeouts_section():
 
 # -- no literal timeout outside the table -------------------------------------------------------
 
-PLACES = ("elastic/cluster", "elastic/launch", "elastic/signals.py")
-# The report reads finished event files: its windows are over recorded times, not waits.
-ALLOWED = frozenset({("elastic/launch/report.py", "parameter window_s defaults to a literal"),
-                     ("elastic/launch/report.py", "parameter gap_s defaults to a literal")})
+PLACES = ("elastic", "state", "checkpoint")
+ALLOWED = frozenset({
+    # The table itself: its unit.
+    ("elastic/foundation/timeouts.py", "timedelta(...) with a literal"),
+    # The checkpoint layer may not import the table: its default deadline for a store used
+    # outside a job (kept equal to the table's storage_retry), and its retry pauses.
+    ("checkpoint/backend.py", "timedelta(...) with a literal"),
+    ("checkpoint/backend.py", "_FIRST_PAUSE_S = <literal>"),
+    ("checkpoint/backend.py", "_LONGEST_PAUSE_S = <literal>"),
+    ("checkpoint/backend.py", "_JITTER_S = <literal>"),
+    # The report reads finished event files: its windows are over recorded times, not waits.
+    ("elastic/launch/report.py", "parameter window_s defaults to a literal"),
+    ("elastic/launch/report.py", "parameter gap_s defaults to a literal")})
 
 
-def test_the_cluster_launch_and_signal_code_has_no_literal_timeout():
+def test_no_literal_timeout_in_the_elastic_state_or_checkpoint_packages():
     found = literal_timeouts(REPO, PLACES, ALLOWED)
-    assert not found, "literal timeouts (take them from elastic.timeouts.Timeouts):\n" + \
+    assert not found, "literal timeouts (take them from elastic.Timeouts):\n" + \
         "\n".join(map(str, found))
 
 
 @pytest.fixture
 def source_copy(tmp_path: Path) -> Path:
-    shutil.copytree(REPO / "elastic", tmp_path / "elastic",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in PLACES:
+        shutil.copytree(REPO / folder, tmp_path / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
     return tmp_path
 
 
 @pytest.mark.parametrize(("module", "planted", "what"), [
-    ("elastic/cluster/membership.py", "GRACE = timedelta(seconds=5)", "timedelta(...)"),
-    ("elastic/cluster/rendezvous.py", "def f(e):\n    e.wait(timeout=2.5)", "timeout=<literal>"),
-    ("elastic/cluster/etcd_client.py", "def f(f, t):\n    f.result(timeout=t + 5)",
+    ("elastic/cluster/rounds/membership.py", "GRACE = timedelta(seconds=5)", "timedelta(...)"),
+    ("elastic/cluster/rounds/rendezvous.py", "def f(e):\n    e.wait(timeout=2.5)",
+     "timeout=<literal>"),
+    ("elastic/cluster/etcd/client.py", "def f(f, t):\n    f.result(timeout=t + 5)",
      "timeout=<literal>"),
     ("elastic/launch/worker_procs.py", "_POLL_S = 0.1", "_POLL_S = <literal>"),
     ("elastic/launch/launcher.py", "_JOIN_TIMEOUT = 2 * 60", "_JOIN_TIMEOUT = <literal>"),
@@ -229,13 +241,19 @@ def source_copy(tmp_path: Path) -> Path:
      "parameter timeout_s defaults to a literal"),
     ("elastic/launch/embedded_etcd.py", "from time import sleep\nsleep(0.05)",
      "sleep(<literal>)"),
-    ("elastic/cluster/round_store.py", "import tenacity\nw = tenacity.wait_exponential_jitter("
-     "max=2.0)", "wait_exponential_jitter(...)"),
-    ("elastic/cluster/process_group.py", "def f(backoff_s):\n    return min(1.0, backoff_s)",
+    ("elastic/cluster/links/round_store.py",
+     "import tenacity\nw = tenacity.wait_exponential_jitter(max=2.0)",
+     "wait_exponential_jitter(...)"),
+    ("elastic/cluster/links/process_group.py", "def f(backoff_s):\n    return min(1.0, backoff_s)",
      "min(...) bounds a duration"),
-    ("elastic/cluster/etcd_client.py", "OPTIONS = {'grpc.keepalive_time_ms': 5000}",
+    ("elastic/cluster/etcd/client.py", "OPTIONS = {'grpc.keepalive_time_ms': 5000}",
      "'grpc.keepalive_time_ms': <literal>"),
-    ("elastic/signals.py", "class K:\n    join_s: float = 5.0", "join_s = <literal>"),
+    ("elastic/foundation/signals.py", "class K:\n    join_s: float = 5.0", "join_s = <literal>"),
+    ("elastic/durable.py", "def f(e):\n    e.wait(30)", "wait(<literal>)"),
+    ("state/sampler.py", "_GRACE_S = 2.0", "_GRACE_S = <literal>"),
+    ("state/rng.py", "pause_s, tries = 1.0, 5", "pause_s = <literal>"),
+    ("checkpoint/store.py", "def f(retry_s=60.0):\n    pass",
+     "parameter retry_s defaults to a literal"),
 ])
 def test_a_planted_literal_timeout_is_reported(source_copy, module, planted, what):
     target = source_copy / module
@@ -246,7 +264,7 @@ def test_a_planted_literal_timeout_is_reported(source_copy, module, planted, wha
 
 
 def test_clamps_zero_and_table_values_are_not_literal_timeouts(source_copy):
-    target = source_copy / "elastic" / "cluster" / "agreement_channel.py"
+    target = source_copy / "elastic" / "cluster" / "links" / "agreement_channel.py"
     target.write_text(target.read_text() + "\n\ndef f(e, t, left, table):\n"
                       "    e.wait(timeout=max(left, 0.001))\n    t.join(timeout=0)\n"
                       "    e.wait(table.wake.total_seconds())\n    x_s = 2 * table.wake\n")

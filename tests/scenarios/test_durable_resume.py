@@ -48,7 +48,8 @@ def test_durable_commits_are_written_by_rank_zero_only_and_recorded_as_events(ma
         assert job.wait_exit(i) == 0
     written = [e for e in job.events() if e["event"] == "checkpoint_written"]
     assert len(written) == 2 and all(e["rank"] == 0 for e in written)
-    assert all(e["blocked_s"] < e["write_s"] for e in written)
+    # That a commit does not wait for its write is proven with a write held open, in
+    # tests/run_loop/test_durable_commits.py (blocked_s < write_s here held by construction).
     assert [r.epoch for r in CheckpointStore(url).list()] == [1, 2]
 
 

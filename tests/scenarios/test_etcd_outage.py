@@ -42,10 +42,12 @@ def test_training_and_durable_commits_go_on_through_a_minute_long_etcd_freeze(
         job.wait_until(lambda: time.time() - frozen_at > OUTAGE_S, OUTAGE_S + 10,
                        f"{OUTAGE_S} s of frozen etcd")
         trained = steps_after(job, frozen_at)
+        late = steps_after(job, frozen_at + OUTAGE_S / 2)
     finally:
         private_etcd.resume()
-    # 2 steps/s unhindered; a stalled job would make none (the bound allows a loaded machine).
-    assert trained > OUTAGE_S / 2, f"only {trained} steps while etcd was frozen"
+    # A job that stalled would make none; how many is a matter of the machine's load.
+    assert trained > 5 and late > 0, f"{trained} steps while etcd was frozen, {late} in its " \
+        "second half"
     landed = [e for e in job.events() if e["event"] == "checkpoint_written"
               and frozen_at < e["t"] < frozen_at + OUTAGE_S]
     assert landed, "no durable commit landed while etcd was frozen"

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic.cluster.etcd_client import EtcdClient
-from elastic.cluster.keys import JobKeys
+from elastic.cluster.etcd.client import EtcdClient
+from elastic.cluster.rounds.keys import JobKeys
 from tests.scenarios.test_elastic_recovery import ARGS, check_outcome
 from tests.support.harness import Job
 from tests.workers.hostile_member import HUGE, RunsCode
@@ -91,7 +91,8 @@ def test_planted_and_malformed_join_requests_are_skipped_with_one_warning_each(m
     assert job.wait_exit(0) == 0 and job.wait_exit(1) == 0
     assert not _code_ran(job)
     check_outcome(job, [0, 1])
-    # Only the job's coordinator reads join requests (cluster/coordinator.py): once in the job.
+    # Only the job's coordinator reads join requests (cluster/rounds/coordinator.py): once in
+    # the job.
     logs = [(job.out / f"worker-{index}.log").read_text() for index in (0, 1)]
     for name in planted:
         key = keys.join(next_round, name)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import signal
 
-from elastic.cluster.etcd_client import EtcdClient
-from elastic.cluster.keys import JobKeys
+from elastic.cluster.etcd.client import EtcdClient
+from elastic.cluster.rounds.keys import JobKeys
 from tests.scenarios.test_elastic_recovery import ARGS, check_outcome
 
 

@@ -1,10 +1,13 @@
 """The layering rule of the project, read from the source: which module may import which.
 
 Every module of the installed ``elastic`` namespace belongs to one layer. Imports point down
-only; the shared vocabulary of the ``elastic`` package (errors, timeouts, settings, events,
-signals) may be imported by every layer of ``elastic`` but imports none of them. Imports of a
-bare ``state`` or ``checkpoint`` are always wrong: installed, those packages live under
-``elastic`` only, and a user's own ``state.py`` would answer such an import.
+only; the shared vocabulary (``elastic.foundation``: errors, timeouts, settings, events,
+signals) may be imported by every layer of ``elastic`` but imports none of them. The cluster
+layer is three rooms and the facade above them: the etcd client (``elastic.cluster.etcd``), the
+round protocol on it (``elastic.cluster.rounds``), one round's links (``elastic.cluster.links``),
+and ``elastic.cluster`` itself, which puts them together. Imports of a bare ``state`` or
+``checkpoint`` are always wrong: installed, those packages live under ``elastic`` only, and a
+user's own ``state.py`` would answer such an import.
 """
 
 from __future__ import annotations
@@ -16,18 +19,27 @@ from pathlib import Path
 # Source folder -> the package it installs as (pyproject.toml's package-dir).
 SOURCES = {"elastic": "elastic", "state": "elastic.state", "checkpoint": "elastic.checkpoint"}
 
-FOUNDATION = frozenset({"elastic.errors", "elastic.timeouts", "elastic.settings",
-                        "elastic.events", "elastic.signals"})
+FOUNDATION = frozenset({"elastic.foundation"})
 
 # What each layer may import (besides itself, and the standard library and third parties).
+_CLUSTER_ROOMS = {"links", "rounds", "etcd", "foundation"}
 ALLOWED = {
     "checkpoint": {"checkpoint"},
     "state": {"state", "checkpoint"},
     "foundation": {"foundation"},
-    "cluster": {"cluster", "foundation", "state", "checkpoint"},
-    "run_loop": {"run_loop", "cluster", "foundation", "state", "checkpoint"},
-    "launch": {"launch", "run_loop", "cluster", "foundation", "state", "checkpoint"},
+    "etcd": {"etcd", "foundation"},
+    "rounds": {"rounds", "etcd", "foundation"},
+    "links": {"links", "rounds", "etcd", "foundation", "state", "checkpoint"},
+    "cluster": {"cluster"} | _CLUSTER_ROOMS | {"state", "checkpoint"},
+    "run_loop": {"run_loop", "cluster"} | _CLUSTER_ROOMS | {"state", "checkpoint"},
+    "launch": {"launch", "run_loop", "cluster"} | _CLUSTER_ROOMS | {"state", "checkpoint"},
 }
+
+# Package prefix -> layer, the most specific first.
+_PREFIXES = (("elastic.checkpoint", "checkpoint"), ("elastic.state", "state"),
+             ("elastic.cluster.etcd", "etcd"), ("elastic.cluster.rounds", "rounds"),
+             ("elastic.cluster.links", "links"), ("elastic.cluster", "cluster"),
+             ("elastic.launch", "launch"))
 
 
 def layer_of(module: str) -> str | None:
@@ -38,8 +50,7 @@ def layer_of(module: str) -> str | None:
         return None
     if module in FOUNDATION or any(module.startswith(f + ".") for f in FOUNDATION):
         return "foundation"
-    for prefix, layer in (("elastic.checkpoint", "checkpoint"), ("elastic.state", "state"),
-                          ("elastic.cluster", "cluster"), ("elastic.launch", "launch")):
+    for prefix, layer in _PREFIXES:
         if module == prefix or module.startswith(prefix + "."):
             return layer
     return "run_loop"

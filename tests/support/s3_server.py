@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from elastic.cluster.ports import free_port
+from elastic.cluster.links.ports import free_port
 from tests.support.polling import poll_until
 
 

@@ -1,4 +1,5 @@
-"""Finds literal timeouts in the source: every duration must come from ``elastic.timeouts``.
+"""Finds literal timeouts in the source: every duration must come from ``Timeouts``
+(``elastic.foundation.timeouts``).
 
 Read from the AST, so that comments, strings and docstrings never count. What counts as a
 literal timeout (a literal: a number other than 0, or arithmetic of numbers only):
@@ -8,9 +9,9 @@ literal timeout (a literal: a number other than 0, or arithmetic of numbers only
 - a literal passed positionally to a wait: ``wait``, ``join``, ``sleep``, ``settimeout``,
   ``result``, ``wait_for``;
 - a literal argument of a retry policy's pause or deadline (``wait_*``, ``stop_after_delay``);
-- a name (constant, attribute, variable, field) or a parameter default whose name says it is
-  a duration (``*_s``, ``*_ms``, ``*timeout*``, ``*ttl*``, ``*grace*``, ``*interval*``,
-  ``*backoff*``, ``*deadline*``, ``*poll*``, any case) bound to a literal;
+- a name (constant, attribute, variable, field; unpacked ones too) or a parameter default
+  whose name says it is a duration (``*_s``, ``*_ms``, ``*timeout*``, ``*ttl*``, ``*grace*``,
+  ``*interval*``, ``*backoff*``, ``*deadline*``, ``*poll*``, any case) bound to a literal;
 - a dict entry whose string key names a timeout, keepalive or backoff, with a literal value.
 
 - ``min``/``max`` of a literal and a name that says it is a duration (``min(1.0, backoff_s)``).
@@ -109,10 +110,15 @@ def _in_defaults(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
 
 def _in_assignment(node: ast.Assign | ast.AnnAssign) -> list[str]:
     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-    if node.value is None or not _is_literal(node.value):
+    if node.value is None:
         return []
-    return [f"{_name_of(t)} = <literal>" for t in targets
-            if _DURATION_NAME.search(_name_of(t).upper())]
+    pairs = [(t, node.value) for t in targets]
+    for target in targets:  # unpacking: ``first_s, most_s = 1.0, 5.0``
+        if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple) \
+                and len(target.elts) == len(node.value.elts):
+            pairs += zip(target.elts, node.value.elts)
+    return [f"{_name_of(t)} = <literal>" for t, value in pairs
+            if _is_literal(value) and _DURATION_NAME.search(_name_of(t).upper())]
 
 
 def _in_dict(path: Path, node: ast.Dict) -> list[Finding]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 import signal
 
-from elastic.cluster.keys import JobKeys
-from elastic.cluster.round_store import RoundStore
+from elastic.cluster.rounds.keys import JobKeys
+from elastic.cluster.links.round_store import RoundStore
 from tests.workers import train
 
 _host = RoundStore._host

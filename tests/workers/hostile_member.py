@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from elastic.cluster.cluster import Cluster
-from elastic.events import EventLog
-from elastic.settings import WorkerSettings
+from elastic.foundation.events import EventLog
+from elastic.foundation.settings import WorkerSettings
 
 HUGE = 2**62  # still an int64, so that the versions all-gather carries it
 

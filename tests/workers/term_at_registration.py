@@ -7,7 +7,7 @@ import signal
 import torch
 
 from elastic import ElasticState
-from elastic.events import EventLog
+from elastic.foundation.events import EventLog
 
 p = argparse.ArgumentParser()
 p.add_argument("--out")

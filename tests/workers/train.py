@@ -12,7 +12,10 @@ the commit's membership agreement; ``stop-durable`` freezes it right after an ep
 ``commit(durable=True)`` returned, with the checkpoint's write in flight (``BALLAST_MB`` adds a
 tensor of that size to the state, so that the write lasts long enough to be caught); ``slow``
 makes one step last ``SLOW_STEP_MS`` (3000) longer; ``children`` starts children that outlive
-the worker without Python's fork (``tests.workers.children``; pids in ``children-{index}.pids``).
+the worker without Python's fork (``tests.workers.children``; pids in ``children-{index}.pids``);
+``kill-freezing-loaders`` stops its ``DataLoader`` workers (SIGSTOP: they never exit, and keep
+open whatever they inherited) and then kills the worker; their pids are in the marker, for the
+test to end.
 ``FAULTFS_PLAN`` makes ``faultfile://`` checkpoint URLs fail reads or stall writes
 (``tests/support/faulty_fs.py``).
 """
@@ -23,6 +26,7 @@ import argparse
 import faulthandler
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import time
@@ -63,7 +67,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--commit-every", type=int, default=4)
     p.add_argument("--step-ms", type=float, default=20.0)
     p.add_argument("--loader-workers", type=int, default=0)
-    p.add_argument("--hold-at", type=int, default=-1, help="commit step that waits for world 3")
+    p.add_argument("--hold-at", type=int, default=-1,
+                   help="commit step from which every commit waits for world --hold-world")
+    p.add_argument("--hold-world", type=int, default=3)
     p.add_argument("--hold-for-change-at", type=int, default=-1,
                    help="commit step that waits, once, until a membership change is agreed")
     return p.parse_args()
@@ -83,9 +89,11 @@ def fire_faults(state: ElasticState, out: Path, index: int, moment: str = "step"
         marker = out / f"fired-{kind}-{who}"
         if marker.exists():
             continue
+        loaders = [child.pid for child in multiprocessing.active_children()] \
+            if kind == "kill-freezing-loaders" else []
         write_marker(marker, {"step": state.step, "rank": state.rank, "index": index,
                               "world": state.world_size, "version": state.version,
-                              "t": time.time()})
+                              "t": time.time(), "loaders": loaders})
         if kind == "raise":
             raise RuntimeError("file closed: the user's own error (connection, socket, timeout)")
         if kind == "slow":  # one long step (no collective in it): a live member, only slow
@@ -99,8 +107,11 @@ def fire_faults(state: ElasticState, out: Path, index: int, moment: str = "step"
             os.read(wake, 1)  # nothing ever writes: only a restart in place ends this
             os.close(keep_open)
             continue
+        for pid in loaders:
+            os.kill(pid, signal.SIGSTOP)
         sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP,
-               "stop-commit": signal.SIGSTOP, "stop-durable": signal.SIGSTOP}[kind]
+               "stop-commit": signal.SIGSTOP, "stop-durable": signal.SIGSTOP,
+               "kill-freezing-loaders": signal.SIGKILL}[kind]
         os.kill(os.getpid(), sig)
 
 
@@ -157,7 +168,7 @@ def main() -> None:
                     fire_faults(s, out, index, "commit")
                     s.commit()
                     if args.hold_at >= 0 and s.step >= args.hold_at:
-                        hold_until_world(s, 3)
+                        hold_until_world(s, args.hold_world)
                     if 0 <= args.hold_for_change_at <= s.step:
                         hold_until_change(s, out, index)
             record(s, pending)

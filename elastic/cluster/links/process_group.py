@@ -1,0 +1,344 @@
+"""torch.distributed process-group lifecycle in a long-lived process: form, release, destroy.
+
+No etcd here: the caller hands in a store, rank and world size. ``release()`` may be called from
+another thread (the membership watcher) to unblock a collective that waits on a peer which is
+gone or frozen:
+
+- NCCL: the communicators are aborted, on a thread of its own (an abort can take a while, and
+  ``release`` is called from the etcd client's event loop, whose keepalives must not stall);
+  ``destroy`` waits for it. Before the first group, ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``
+  (``device.nccl_env``), and the group is made with ``device_id``, so that NCCL creates its
+  communicators inside ``init_process_group``, right after every member was seen alive, not
+  inside the first collective (creation itself still blocks: ``TORCH_NCCL_USE_COMM_NONBLOCKING``
+  is not set, untried without a GPU).
+- gloo (torch 2.13 has no abort that unblocks an in-flight collective): the group's own connected
+  sockets, recorded when it was formed, are shut down. Their identity is checked by inode before
+  use, so a reused descriptor number is never touched; gloo's listening socket is never touched
+  (shutting it down ends the process).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.cluster.links.device import apply_nccl_env
+from elastic.cluster.links.fork_guard import guard as fork_guard
+from elastic.cluster.links.interfaces import socket_interface_env
+from elastic.foundation.errors import FencedError, PeerFailureError
+
+log = logging.getLogger(__name__)
+
+_TCP_ESTABLISHED = "01"  # the connection state in /proc/net/tcp
+_CAUSE_DEPTH = 16  # how far an exception's cause chain is followed
+
+
+def resolve_backend(backend: str) -> str:
+    """Maps "auto" to nccl when CUDA is available, gloo otherwise.
+
+    Raises:
+        ValueError: an unknown backend, or nccl without CUDA.
+    """
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend {backend!r} must be one of auto, gloo, nccl.")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs CUDA, and none is available: use gloo or auto.")
+    return backend
+
+
+def cuda_device_count() -> int:
+    """How many GPUs this process sees."""
+    return torch.cuda.device_count()
+
+
+def _abort_nccl() -> None:
+    """Aborts the default group's NCCL communicators (unblocks every collective on them)."""
+    group = dist.group.WORLD
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        abort(group)
+    elif group is not None:
+        group.abort()
+
+
+def _reset_group_names() -> None:
+    """Starts torch's group-name counter from 0 again before a new default group.
+
+    The counter names the group's store keys. ``destroy_process_group`` resets it, but an
+    ``init_process_group`` that failed half-way (a peer died while connecting) leaves it advanced
+    in this process only, and every later formation would then wait for keys its peers write
+    under another name. No group exists here, so no name can clash.
+    """
+    world = dist.distributed_c10d._world
+    if not dist.is_initialized() and hasattr(world, "group_count"):
+        world.group_count = 0
+
+
+@dataclass(frozen=True)
+class _SocketId:
+    fd: int
+    inode: int
+
+
+def _socket_fds() -> dict[int, int]:
+    """Returns {fd: inode} for every socket this process holds."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found[int(name)] = int(target[8:-1])
+    return found
+
+
+def _tcp_ports(fd: int) -> tuple[int, int | None] | None:
+    """(local port, remote port) of a TCP socket, remote None while it listens; None for any
+    other kind of fd."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+            return None
+        local = sock.getsockname()[1]
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return local, None
+        return local, sock.getpeername()[1]
+    except OSError:
+        return None
+    finally:
+        sock.close()
+
+
+def _group_sockets(new: dict[int, int], ends: dict[int, tuple[int, int | None]],
+                   listener_ports: set[int], skip_ports: frozenset[int]) -> list[_SocketId]:
+    """The connections of a gloo group among the sockets ``new`` since it started forming
+    (``ends``: their TCP ports, ``_tcp_ports``).
+
+    Every pair connection of gloo ends at some rank's listening port, so with ``listener_ports``
+    (every rank's) only the group's own connections are taken; without them (a gloo that
+    listens on no new socket), every connection that is not etcd's.
+    """
+    found = []
+    for fd, (local, remote) in ends.items():
+        if remote is None:
+            continue
+        mine = (local in listener_ports or remote in listener_ports) if listener_ports \
+            else remote not in skip_ports
+        if mine:
+            found.append(_SocketId(fd, new[fd]))
+    return found
+
+
+def _tcp_states() -> dict[int, str]:
+    """Returns {inode: state} of this network namespace's TCP sockets (hex states of the kernel)."""
+    states = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as rows:
+                next(rows, None)  # the header
+                for row in rows:
+                    fields = row.split()
+                    states[int(fields[9])] = fields[3]
+        except FileNotFoundError:
+            continue  # no IPv6 in this namespace
+    return states
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what it was raised from or while handling, nearest first."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain and len(chain) < _CAUSE_DEPTH:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def is_peer_failure(exc: BaseException, *, released: bool, transport_broken: bool) -> bool:
+    """Whether ``exc`` means that the group lost a peer, decided by type and by the group's state.
+
+    A peer failure is: any exception once the group was released (by the membership watch, or
+    for a re-formation); one of our own ``PeerFailureError``/``FencedError`` or torch's
+    ``DistError`` family (``DistBackendError``, ``DistNetworkError``, ``DistStoreError``) anywhere
+    in its cause chain; or any exception while the group's transport shows a lost connection
+    (gloo reports a crashed peer as a plain ``RuntimeError``, and closes that peer's socket).
+    Anything else is the caller's own failure, whatever its type or message.
+
+    Args:
+        exc: what a collective, the state sync or the user's function raised.
+        released: whether the group was released before ``exc`` was classified.
+        transport_broken: whether a connection of the group was lost (``ProcessGroup.is_broken``).
+    """
+    if released or transport_broken:
+        return True
+    return any(isinstance(cause, (PeerFailureError, FencedError, dist.DistError))
+               for cause in _causes(exc))
+
+
+class ProcessGroup:
+    """The default process group of one round, formed and released in the same process.
+
+    Args:
+        backend: "gloo" or "nccl" (resolved already).
+        timeout: the group's collective timeout (a backstop; release() is the fast path).
+        skip_ports: remote ports of connections that are not the group's (etcd's).
+        form_timeout: how long forming may take. A member that dies while the others connect
+            to it cannot be released (gloo waits on its listening socket), so the formation
+            runs under this short timeout and the group gets ``timeout`` once it is formed.
+        advertise_addr: the address peers reach this worker on; gloo and NCCL listen on its
+            interface only (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``, unless set already).
+        device_index: the GPU of an NCCL group (``device.claim_device``); None for gloo.
+        abort: how an NCCL group's communicators are aborted (torch's abort by default; a test
+            passes its own).
+    """
+
+    def __init__(self, backend: str, timeout: timedelta, skip_ports: frozenset[int],
+                 form_timeout: timedelta, advertise_addr: str = "127.0.0.1",
+                 device_index: int | None = None,
+                 abort: Callable[[], None] | None = None) -> None:
+        if backend == "nccl" and device_index is None:
+            raise ValueError("an nccl ProcessGroup needs a device_index (device.claim_device).")
+        self.backend = backend
+        self.advertise_addr = advertise_addr
+        self.device_index = device_index
+        self._abort = abort or _abort_nccl
+        self._aborting: threading.Thread | None = None
+        self.timeout = timeout
+        self.form_timeout = form_timeout
+        self._skip_ports = skip_ports
+        self._sockets: list[_SocketId] = []
+        self._held: list[int] = []  # every socket the formation opened, let go of in children
+        self._lock = threading.Lock()
+        self._released = threading.Event()
+        # sys.excepthook before and after torch wrapped it with "[rankN]: " at a formation.
+        self._excepthooks: tuple[Any, Any] | None = None
+
+    @property
+    def is_released(self) -> bool:
+        return self._released.is_set()
+
+    def is_broken(self) -> bool:
+        """Whether a connection of the formed gloo group was lost (closed, reset, or half-closed
+        by the peer). gloo closes the socket of a peer it saw fail; the kernel marks one whose
+        peer process died. False for NCCL, whose failures raise typed errors."""
+        with self._lock:
+            sockets = list(self._sockets)
+        if self.backend != "gloo" or not sockets:
+            return False
+        current, states = _socket_fds(), _tcp_states()
+        return any(current.get(s.fd) != s.inode or states.get(s.inode) != _TCP_ESTABLISHED
+                   for s in sockets)
+
+    def is_peer_failure(self, exc: BaseException) -> bool:
+        """See ``is_peer_failure``: decided from this group's own state."""
+        return is_peer_failure(exc, released=self.is_released, transport_broken=self.is_broken())
+
+    def form(self, store: dist.Store, rank: int, world_size: int) -> None:
+        """Initialises the default group; returns once every rank has connected."""
+        # torch reads the interface from the environment only; a user's choice is kept.
+        os.environ.update(socket_interface_env(self.advertise_addr, os.environ))
+        before = _socket_fds()
+        device = None
+        if self.backend == "nccl":
+            apply_nccl_env(os.environ)  # read by torch when the group is made
+            device = torch.device("cuda", self.device_index)
+            torch.cuda.set_device(device)
+        _reset_group_names()
+        self._unwrap_excepthook()
+        hook_before = sys.excepthook
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
+                                timeout=self.form_timeout, device_id=device)
+        self._excepthooks = (hook_before, sys.excepthook)
+        if self.backend == "gloo":
+            # gloo connects the full mesh lazily on some builds: one collective forces it.
+            dist.barrier()
+        dist.distributed_c10d._set_pg_timeout(self.timeout)
+        new = {fd: inode for fd, inode in _socket_fds().items() if before.get(fd) != inode}
+        fork_guard.hold(list(new))  # a forked DataLoader worker must not keep them open
+        ends = {fd: p for fd, p in ((fd, _tcp_ports(fd)) for fd in new) if p is not None}
+        listeners = self._listener_ports(ends) if self.backend == "gloo" else set()
+        with self._lock:
+            self._sockets = _group_sockets(new, ends, listeners, self._skip_ports)
+            self._held = list(new)
+            self._released.clear()
+
+    @staticmethod
+    def _listener_ports(ends: dict[int, tuple[int, int | None]]) -> set[int]:
+        """Every rank's gloo listening port (one small all-gather), from the listening socket
+        this rank's group opened; empty when some rank found none."""
+        mine = [local for local, remote in ends.values() if remote is None]
+        port = torch.tensor([mine[0] if len(mine) == 1 else 0], dtype=torch.int64)
+        ports = [torch.zeros_like(port) for _ in range(dist.get_world_size())]
+        dist.all_gather(ports, port)
+        found = {int(p.item()) for p in ports}
+        return set() if 0 in found else found
+
+    def release(self, reason: str) -> None:
+        """Unblocks every collective of this group now; safe from any thread, idempotent."""
+        with self._lock:
+            if self._released.is_set() or not dist.is_initialized():
+                return
+            self._released.set()
+            sockets, self._sockets = self._sockets, []
+        log.info("releasing process group: %s", reason)
+        if self.backend == "nccl":
+            self._aborting = threading.Thread(target=self._abort, name="elastic-nccl-abort",
+                                              daemon=True)
+            self._aborting.start()
+            return
+        for sock_id in sockets:
+            try:
+                copy = os.dup(sock_id.fd)
+            except OSError:
+                continue  # closed by gloo already
+            if os.fstat(copy).st_ino != sock_id.inode:
+                os.close(copy)  # the number was closed by gloo and belongs to someone else now
+                continue
+            try:
+                with socket.socket(fileno=copy) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError as exc:
+                log.debug("shutdown of fd %d: %r", sock_id.fd, exc)
+
+    def destroy(self) -> None:
+        """Destroys the default group (after release() if a peer may be stuck), once an abort
+        in flight has finished (for at most ``form_timeout``)."""
+        aborting, self._aborting = self._aborting, None
+        if aborting is not None:
+            aborting.join(self.form_timeout.total_seconds())
+            if aborting.is_alive():
+                log.warning("aborting the NCCL communicators took longer than %s; destroying "
+                            "the group anyway", self.form_timeout)
+        with self._lock:
+            self._sockets = []
+            held, self._held = self._held, []
+        fork_guard.release(held)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+            fork_guard.collect_before_next_fork()  # an old DDP may still hold the group
+        self._unwrap_excepthook()
+        self._released.clear()
+
+    def _unwrap_excepthook(self) -> None:
+        """Puts back the excepthook torch wrapped at the formation, so that the next formation
+        wraps it once with its own rank instead of stacking a prefix per round; a hook the
+        user installed since is left alone."""
+        hooks, self._excepthooks = self._excepthooks, None
+        if hooks is not None and sys.excepthook is hooks[1]:
+            sys.excepthook = hooks[0]
