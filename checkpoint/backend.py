@@ -9,6 +9,7 @@ of the project.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -23,7 +24,7 @@ from fsspec.registry import known_implementations
 from tenacity import (
     Retrying,
     before_sleep_log,
-    retry_if_exception_type,
+    retry_if_exception,
     stop_after_attempt,
     stop_after_delay,
     wait_exponential_jitter,
@@ -51,6 +52,15 @@ def _object_store_connection_errors() -> tuple[type[BaseException], ...]:
 #: permission denied, a full disk) is reported at once.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError,
                                                      *_object_store_connection_errors())
+#: ``OSError`` numbers worth another try: "busy" is what s3fs makes of an S3 503 (Service
+#: Unavailable, SlowDown), "try again" what a loaded NFS server or FUSE mount answers.
+TRANSIENT_ERRNOS = frozenset({errno.EBUSY, errno.EAGAIN})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is worth another try (by type, and for ``OSError`` by its number)."""
+    return isinstance(exc, TRANSIENT_ERRORS) or (
+        isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS)
 
 #: How long one storage call retries transient errors before its error is raised when the
 #: caller does not say: only for a ``CheckpointStore`` used outside a job (its public signature
@@ -90,7 +100,7 @@ def io_retry(call: Callable[Concatenate[Storage, P], T]) -> Callable[Concatenate
         retrying = Retrying(
             stop=stop_after_delay(storage.retry_for.total_seconds())
             | stop_after_attempt(_ATTEMPTS),
-            retry=retry_if_exception_type(TRANSIENT_ERRORS),
+            retry=retry_if_exception(is_transient),
             wait=wait_exponential_jitter(multiplier=_FIRST_PAUSE_S, max=_LONGEST_PAUSE_S,
                                          jitter=_JITTER_S),
             before_sleep=before_sleep_log(logger, logging.WARNING),

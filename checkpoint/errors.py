@@ -33,7 +33,16 @@ class CheckpointBackendError(CheckpointError):
 
 
 class CheckpointFencedError(CheckpointError):
-    """A writer from an older generation tried to publish after a newer generation did."""
+    """A writer from an older generation tried to publish after a newer generation did.
+
+    Attributes:
+        newer: the newer generation's checkpoint (a ``CheckpointRef``) when the store refused
+            the write; None when the writer's own check refused it (its lease was gone).
+    """
+
+    def __init__(self, message: str, newer: object = None) -> None:
+        super().__init__(message)
+        self.newer = newer
 
 
 class CheckpointWriteError(CheckpointError):
@@ -46,6 +55,11 @@ class CheckpointCredentialsError(CheckpointError):
 
 class CheckpointStorageError(CheckpointError):
     """A storage call failed with the store's own error (after the retries of transient ones)."""
+
+
+class CheckpointReadError(CheckpointError):
+    """The storage failed while a checkpoint's files were read (after retries); unlike a corrupt
+    checkpoint, it may read fine once the storage answers again."""
 
 
 class CheckpointLocationError(CheckpointError):

@@ -60,7 +60,9 @@ class Scan:
     """What a listing found.
 
     Attributes:
-        valid: Complete checkpoints, oldest first.
+        valid: Complete checkpoints, oldest first: by (generation, step), so that a stale
+            writer's checkpoint never counts as newer than one of a newer generation, whatever
+            its step (no generation counts as 0).
         invalid: Step to why its directory is not a checkpoint.
         removable: Invalid steps that may be deleted (not a newer format this version cannot read).
     """
@@ -90,6 +92,7 @@ def scan_checkpoints(storage: Storage) -> Scan:
     scan = Scan()
     for step in sorted(files):
         _classify(storage, scan, step, files[step])
+    scan.valid.sort(key=lambda ref: (ref.generation or 0, ref.step))
     return scan
 
 

@@ -186,6 +186,7 @@ def write_payload(storage: Storage, path: str, state: Any) -> FileEntry:
     return entry
 
 
+@io_retry
 def _local_digest(storage: Storage, path: str) -> tuple[int, str]:
     """Size and sha256 of a local file; the next chunk is read while this one is hashed."""
     sha, size = hashlib.sha256(), 0

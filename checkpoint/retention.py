@@ -40,7 +40,7 @@ class Retention:
         ``writing_step``, this store's write in progress)."""
         if not scan.valid:
             return
-        newest = scan.valid[-1].step
+        newest = max(ref.step for ref in scan.valid)
         stale = self._beyond_kept(scan.valid)
         torn = [s for s in sorted(scan.removable) if s < newest and s != writing_step]
         for ref in stale:
@@ -60,7 +60,7 @@ class Retention:
             if self._verifies(ref):
                 kept.append(ref)
                 if len(kept) == self._keep:
-                    return [r for r in valid if r.step < ref.step]
+                    return valid[:valid.index(ref)]  # older by (generation, step)
         logger.warning("retention keeps every checkpoint under %s: fewer than keep=%d of them "
                        "verify", self._url, self._keep)
         return []

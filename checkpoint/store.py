@@ -11,8 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -23,6 +22,8 @@ from elastic.checkpoint.errors import (
     CheckpointError,
     CheckpointFencedError,
     CheckpointNotFoundError,
+    CheckpointReadError,
+    CheckpointStorageError,
     CheckpointWriteError,
 )
 from elastic.checkpoint.listing import CheckpointRef, Scan, scan_checkpoints
@@ -79,8 +80,7 @@ class CheckpointStore:
         self._keep = keep
         self._retention = Retention(self._storage, keep, url)
         self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
-        self._in_flight: Future[CheckpointRef] | None = None
+        self._writer: threading.Thread | None = None  # the in-flight save_async
         self._writing_step: int | None = None
         self._staging = HostStaging()
         self._closed = False
@@ -156,12 +156,15 @@ class CheckpointStore:
         with self._lock:
             self._check_open()
             self._wait_in_flight(None)
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
             snapshot = self._staging.snapshot(state_dict)
-            self._in_flight = self._executor.submit(self._write, step, snapshot, meta,
-                                                  before_publish)
-            return self._in_flight
+            future: Future[CheckpointRef] = Future()
+            # A daemon thread: a write that hangs (a stuck mount) never holds the process at
+            # exit; whoever waits for it bounds the wait (``wait(timeout)``).
+            self._writer = threading.Thread(
+                target=self._write_into, name="checkpoint-writer", daemon=True,
+                args=(future, step, snapshot, meta, before_publish))
+            self._writer.start()
+            return future
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Waits for the in-flight asynchronous write, if any.
@@ -172,23 +175,18 @@ class CheckpointStore:
         Returns:
             True if nothing is in flight any more.
         """
-        future = self._in_flight
-        if future is None:
-            return True
-        done, _ = wait_futures([future], None if timeout is None else timeout.total_seconds())
-        return bool(done)
+        self._wait_in_flight(None if timeout is None else timeout.total_seconds())
+        writer = self._writer
+        return writer is None or not writer.is_alive()
 
     def close(self) -> None:
-        """Waits for the in-flight write, stops the background writer, frees staging memory.
+        """Waits for the in-flight write and frees staging memory.
 
         Reading (``list``, ``latest``, ``load``) still works afterwards; saving does not.
         """
         with self._lock:
             self._closed = True
             self._wait_in_flight(None)
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
             self._staging.clear()
 
     def _check_open(self) -> None:
@@ -196,8 +194,18 @@ class CheckpointStore:
             raise CheckpointError(f"{self!r} is closed; create a new store to save again.")
 
     def _wait_in_flight(self, timeout_s: float | None) -> None:
-        if self._in_flight is not None:
-            wait_futures([self._in_flight], timeout_s)
+        """Joins the writer thread: once it ended, its future's callbacks have run too."""
+        writer = self._writer
+        if writer is not None:
+            writer.join(timeout_s)
+
+    def _write_into(self, future: Future[CheckpointRef], *args: Any) -> None:
+        """Runs ``_write(*args)`` on the writer thread and settles ``future`` with its end."""
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(self._write(*args))
+        except Exception as exc:  # noqa: BLE001 (handed to whoever holds the future)
+            future.set_exception(exc)
 
     def _write(self, step: int, payload: Any, meta: dict[str, Any],
                before_publish: Callable[[], None] | None) -> CheckpointRef:
@@ -273,17 +281,20 @@ class CheckpointStore:
     def _check_fence(self, scan: Scan, generation: int | None, step: int) -> None:
         if generation is None:
             return
-        newest = max((r.generation for r in scan.valid if r.generation is not None), default=None)
-        if newest is not None and newest > generation:
+        fenced = [r for r in scan.valid if r.generation is not None and r.generation > generation]
+        if fenced:
+            newer = max(fenced, key=lambda r: (r.generation, r.step))
+            writer = newer.metadata.get("job_id")
             raise CheckpointFencedError(
                 f"step {step} from generation {generation} was not published: generation "
-                f"{newest} has already written to {self._url}. This writer is stale; rejoin the "
-                f"job to get the current generation.")
+                f"{newer.generation}{f' of job {writer!r}' if writer else ''} has already "
+                f"written to {self._url}. This writer is stale; rejoin the job to get the "
+                "current generation.", newer=newer)
 
     # -- reading -----------------------------------------------------------------------------
 
     def list(self) -> list[CheckpointRef]:
-        """Returns the complete checkpoints, oldest first.
+        """Returns the complete checkpoints, oldest first by (generation, step).
 
         A checkpoint is complete when its manifest is valid and every file it lists exists with
         the recorded size; checksums are verified by :meth:`load`.
@@ -307,31 +318,39 @@ class CheckpointStore:
 
         Args:
             ref: The checkpoint to read. ``None`` reads the newest one that verifies, skipping
-                (with a warning) newer ones that are torn or corrupt.
+                (with a warning) newer ones that are torn, corrupt or cannot be read.
 
         Returns:
             The checkpoint's state dict (tensors on the CPU) and metadata.
 
         Raises:
-            CheckpointNotFoundError: ``ref`` is None and no checkpoint can be read.
+            CheckpointNotFoundError: ``ref`` is None and no checkpoint exists that verifies.
             CheckpointCorruptError: ``ref`` was given and does not verify or decode.
             CheckpointUnsafeError: ``ref`` was given and its payload would run code.
-            CheckpointError: The storage failed while listing or reading.
+            CheckpointReadError: the storage failed while reading ``ref``, or (``ref`` None)
+                while reading every checkpoint that did not turn out corrupt.
+            CheckpointError: The storage failed while listing.
         """
         if ref is not None:
             return self._read(ref)
         scan = self._scan()
         skipped = [f"{self._dir_url(s)}: {why}" for s, why in sorted(scan.invalid.items())
-                   if s != self._writing_step and (not scan.valid or s > scan.valid[-1].step)]
+                   if s != self._writing_step
+                   and (not scan.valid or s > max(r.step for r in scan.valid))]
         for reason in skipped:
             logger.warning("skipping checkpoint %s", reason)
+        unread: CheckpointReadError | None = None
         for candidate in reversed(scan.valid):
             try:
                 return self._read(candidate)
-            except CheckpointCorruptError as exc:
+            except (CheckpointCorruptError, CheckpointReadError) as exc:
                 logger.warning("skipping checkpoint %s: %s; falling back to an older one",
                                candidate.url, exc)
                 skipped.append(f"{candidate.url}: {exc}")
+                if isinstance(exc, CheckpointReadError):
+                    unread = unread or exc
+        if unread is not None:  # may read fine later: never "not found", which starts over
+            raise unread
         raise CheckpointNotFoundError(
             f"no readable checkpoint under {self._url}"
             + (f"; skipped: {'; '.join(skipped)}" if skipped else "")
@@ -346,8 +365,10 @@ class CheckpointStore:
         try:
             state = read_payload(self._storage, f"{step_dir}/{PAYLOAD_NAME}",
                                  ref.manifest.files[PAYLOAD_NAME])
-        except OSError as exc:
-            raise CheckpointError(f"reading checkpoint {ref.url} failed: {exc!r}.") from exc
+        except (OSError, CheckpointStorageError) as exc:
+            raise CheckpointReadError(
+                f"reading checkpoint {ref.url} failed: {exc!r}. Check that the storage is "
+                "reachable; the checkpoint itself may be intact.") from exc
         return LoadedCheckpoint(ref=ref, state_dict=state, metadata=ref.manifest.metadata)
 
     def _dir_url(self, step: int) -> str:

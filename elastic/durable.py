@@ -28,7 +28,7 @@ import torch
 from elastic.checkpoint import (CheckpointError, CheckpointFencedError, CheckpointNotFoundError,
                                 CheckpointRef, CheckpointStorageError, CheckpointStore,
                                 check_compatible)
-from elastic.foundation.errors import EtcdUnavailableError
+from elastic.foundation.errors import EtcdUnavailableError, UnfinishedWriteError
 from elastic.foundation.events import EventLog
 from elastic.foundation.timeouts import Timeouts
 
@@ -58,16 +58,19 @@ class DurableCommits:
         keep: how many complete checkpoints to keep.
         retry_for: how long a failing storage operation is retried (the job's
             ``Timeouts.storage_retry``).
+        job_id: recorded in every manifest, to name this job to another one that is fenced.
 
     Raises:
         CheckpointBackendError: the URL's scheme is unknown or its fsspec package is missing.
     """
 
     def __init__(self, url: str, events: EventLog | None = None, keep: int = 3,
-                 retry_for: timedelta = Timeouts().storage_retry) -> None:
+                 retry_for: timedelta = Timeouts().storage_retry,
+                 job_id: str | None = None) -> None:
         self.store = CheckpointStore(url, keep=keep, retry_for=retry_for)
         self._hung_after = retry_for  # a write still running this long after the next is due
         self.url = url
+        self.job_id = job_id
         self.events = events
         self.last_error: Exception | None = None
         self.written = 0
@@ -76,6 +79,7 @@ class DurableCommits:
         self._round = 0
         self._claim_epoch: Callable[[int], int] | None = None
         self._confirm_lease: Callable[[], bool] | None = None
+        self._caller: threading.Thread | None = None  # the storage call of ``_answered``
 
     def arm(self, round_: int, claim_epoch: Callable[[int], int],
             confirm_lease: Callable[[], bool], floor: int | None) -> None:
@@ -137,6 +141,8 @@ class DurableCommits:
             token = self._token()
             if token is not None:
                 metadata = {**metadata, "generation": token}
+            if self.job_id is not None:
+                metadata = {**metadata, "job_id": self.job_id}
             future = self.store.save_async(version, payload, metadata, self._before_publish)
         except (CheckpointError, EtcdUnavailableError) as exc:
             self._failed(version, exc)
@@ -159,17 +165,51 @@ class DurableCommits:
             self._published(ref)
 
     def _failed(self, version: int, exc: Exception) -> None:
-        """Records a write that did not land. A fenced one is no failure of the storage: a
-        newer rank 0 took over (it is not ``last_error``, which says nothing was saved)."""
+        """Records a write that did not land. A fenced one is no failure of the storage when a
+        newer rank 0 of this job took over (it is not ``last_error``, which says nothing was
+        saved); it is one when another job, or another claim of this job's fencing epoch,
+        wrote to the URL while this worker is still current (``_overtaken``)."""
         fenced = isinstance(exc, CheckpointFencedError)
+        if fenced and self._overtaken(exc):
+            self._overtaken_by(version, exc)
+            return
         if not fenced:
             self.last_error = exc
         log.warning("durable commit of version %d %s (training goes on; the previous "
                     "checkpoint stays valid): %s: %s", version,
                     "was discarded" if fenced else "failed", type(exc).__name__, exc)
         if self.events:
-            self.events.emit("checkpoint_failed", version=version, fenced=fenced,
+            self.events.emit("checkpoint_failed", version=version, fenced=fenced, stale=False,
                              error=str(exc)[:300])
+
+    def _overtaken(self, exc: CheckpointFencedError) -> bool:
+        """Whether the store refused this worker's write for a checkpoint of another job or
+        another fencing epoch while this worker's lease is alive: two writers on one URL."""
+        newer = exc.newer
+        if not isinstance(newer, CheckpointRef) or newer.generation is None:
+            return False
+        if self.generation is None or (self._confirm_lease and not self._confirm_lease()):
+            return False
+        other_job = newer.metadata.get("job_id")
+        return (newer.generation // ROUNDS_PER_EPOCH != self.generation // ROUNDS_PER_EPOCH
+                or (other_job is not None and self.job_id is not None
+                    and other_job != self.job_id))
+
+    def _overtaken_by(self, version: int, exc: CheckpointFencedError) -> None:
+        """Records a write refused for another writer's newer checkpoint: a failure, loudly."""
+        newer = exc.newer
+        assert isinstance(newer, CheckpointRef)
+        other_job = newer.metadata.get("job_id")
+        self.last_error = exc
+        log.warning("durable commit of version %d was refused: job %r wrote generation %s to "
+                    "%s while this worker (job %r, generation %s) is still current, so nothing "
+                    "of this job is saved there. Two jobs write to one checkpoint URL: stop "
+                    "one, or give each its own URL.", version, other_job, newer.generation,
+                    self.url, self.job_id, self.generation)
+        if self.events:
+            self.events.emit("checkpoint_failed", version=version, fenced=True, stale=True,
+                             level="error", newer_job=other_job,
+                             newer_generation=newer.generation, error=str(exc)[:300])
 
     def survey(self) -> tuple[int, int]:
         """Lists the store once: the newest complete checkpoint's version (0: none) and the
@@ -183,7 +223,8 @@ class DurableCommits:
         return (refs[-1].step if refs else 0), next_epoch(refs)
 
     def load_latest(self, live: Mapping[str, Any]) -> Mapping[str, Any] | None:
-        """Reads the newest checkpoint that verifies (older ones if newer are corrupt).
+        """Reads the newest checkpoint that verifies and reads (older ones, with a warning, if
+        newer are corrupt or their reads fail).
 
         Args:
             live: the committed payload of this worker, to check the loaded one against.
@@ -193,7 +234,8 @@ class DurableCommits:
 
         Raises:
             CheckpointIncompatibleError: a model's keys or shapes differ from the live ones.
-            CheckpointError: the storage failed, or did not answer in time (``_answered``).
+            CheckpointError: the storage failed while listing, or while reading every
+                checkpoint, or did not answer in time (``_answered``).
         """
         try:
             loaded = self._answered(self.store.load, "loading the newest checkpoint of")
@@ -211,8 +253,14 @@ class DurableCommits:
         """``call()``'s result, for no longer than twice the time one storage call may retry:
         a storage that never answers (a black-holed endpoint, a hung mount) costs that long
         and a ``CheckpointStorageError``, never the whole job waiting on its rank 0. The call
-        runs on a daemon thread, left to end on its own when it does not answer.
+        runs on a daemon thread, left to end on its own when it does not answer; while it has
+        not, no other is started (one thread at most, however many rounds form meanwhile).
         """
+        if self._caller is not None and self._caller.is_alive():
+            raise CheckpointStorageError(
+                f"{what} {self.url} was not tried: the storage has not answered an earlier call "
+                "yet. Check that it is reachable from this machine, or raise "
+                "ELASTIC_STORAGE_RETRY if it is this slow.")
         result: Future[T] = Future()
 
         def run() -> None:
@@ -221,7 +269,8 @@ class DurableCommits:
             except Exception as exc:  # noqa: BLE001 (handed to the caller, typed there)
                 result.set_exception(exc)
 
-        threading.Thread(target=run, name="checkpoint-call", daemon=True).start()
+        self._caller = threading.Thread(target=run, name="checkpoint-call", daemon=True)
+        self._caller.start()
         deadline = self._hung_after * 2
         try:
             return result.result(timeout=deadline.total_seconds())
@@ -230,6 +279,25 @@ class DurableCommits:
                 f"{what} {self.url} did not answer within {deadline}. Check that the storage "
                 "is reachable from this machine, or raise ELASTIC_STORAGE_RETRY if it is this "
                 "slow.") from None
+
+    def finish(self, timeout: timedelta) -> UnfinishedWriteError | None:
+        """Waits for the in-flight write for up to ``timeout``; closes the store if it ended.
+
+        Returns:
+            None, or (the write still running at the deadline, abandoned: its thread is a
+            daemon, so it never holds the process at exit) the error for ``run()`` to raise.
+        """
+        if self.store.wait(timeout):
+            self.store.close()
+            return None
+        log.error("the last checkpoint write to %s did not finish within %s", self.url, timeout)
+        if self.events:
+            self.events.emit("checkpoint_unfinished", url=self.url,
+                             waited_s=timeout.total_seconds())
+        return UnfinishedWriteError(
+            f"the last checkpoint write did not finish within {timeout} (storage {self.url}); "
+            "the checkpoint before it is intact. Check the storage, or raise "
+            "ELASTIC_FINAL_WRITE_TIMEOUT if its writes are this slow.")
 
     def close(self) -> None:
         """Waits for the in-flight write and closes the store."""

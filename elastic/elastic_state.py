@@ -66,8 +66,8 @@ class ElasticState:
         self._leave_requested = threading.Event()
         self._generation = 0
         self._durable = DurableCommits(
-            self._settings.checkpoint, retry_for=self._settings.timeouts.storage_retry) \
-            if self._settings.checkpoint else None
+            self._settings.checkpoint, retry_for=self._settings.timeouts.storage_retry,
+            job_id=self._settings.job_id) if self._settings.checkpoint else None
         self._warned_not_durable = False
         self._progress_at: float | None = None
         self._progress_every_s = self._settings.timeouts.progress.total_seconds()
@@ -345,6 +345,7 @@ class ElasticState:
             NothingTrainedError: ``fn`` returned without a commit after resuming a finished
                 job from its checkpoint (unless ``ELASTIC_RESUME_FINISHED=1``).
             DurableCommitsFailedError: not one durable commit of this worker was written.
+            UnfinishedWriteError: the last durable write did not finish in ``final_write``.
             SystemExit: before joining, a setup mistake (two checkpoint URLs, or one that
                 cannot be written): one line, exit status 1 (``elastic.setup_check``).
         """
@@ -379,6 +380,7 @@ class ElasticState:
             returned.append(True)
             return result
 
+        final_write = self._settings.timeouts.final_write
         try:
             outcome.initial_version = self._train.version
             result = loop.run(call)
@@ -387,10 +389,11 @@ class ElasticState:
             raise
         finally:
             restore_signals()
-            if self._durable is not None:
-                self._durable.store.wait()
+            unfinished = self._durable.finish(final_write) if self._durable else None
             self._cluster.close()
             self._cluster = None
+        if unfinished is not None:
+            raise unfinished
         if returned:
             outcome.check(self._train.version, self._durable)
         return result

@@ -15,22 +15,23 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from elastic.checkpoint import CheckpointError
+from elastic.checkpoint import CheckpointError, CheckpointIncompatibleError
 from elastic.cluster.cluster import Cluster
 from elastic.cluster.rounds.rendezvous import Topology
 from elastic.cluster.links.restart_in_place import round_environment
 from elastic.durable import DurableCommits
-from elastic.foundation.errors import (EtcdUnavailableError, FencedError, LeaveInterrupt,
-                                       MembershipChangedInterrupt, PeerFailureError,
-                                       RendezvousClosedError)
+from elastic.foundation.errors import (CheckpointResumeError, EtcdUnavailableError, FencedError,
+                                       LeaveInterrupt, MembershipChangedInterrupt,
+                                       PeerFailureError, RendezvousClosedError)
 from elastic.foundation.events import EventLog, Stopwatch
 from elastic.state import ElasticSampler, StateError, TrainState
 from elastic.state.errors import PayloadFormatError
-from elastic.state.sync import newest_source
+from elastic.state.sync import DURABLE_UNREADABLE, Source, newest_source
 from elastic.foundation.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ class RunLoop:
         self._on_formed = on_formed
         self._sync_timeout = sync_timeout
         self._lineage = 0  # the round whose members held this worker's state when it formed
+        self._initial_version = train.version  # a commit no newer than this is no progress
         self._outage = EtcdOutage(cluster.settings.timeouts, cluster.events, leave_requested)
 
     def run(self, call: Callable[[], Any]) -> Any:
@@ -132,6 +134,7 @@ class RunLoop:
             RendezvousTimeoutError: fewer than min_workers for longer than the timeout.
             EtcdUnavailableError: etcd could not be reached.
             PeerFailureError: the group re-formed ``MAX_REFORMATIONS`` times.
+            CheckpointResumeError: a resume could not read the checkpoint URL.
             Exception: whatever ``call`` raised that is not a peer failure.
         """
         events = self._cluster.events
@@ -243,18 +246,24 @@ class RunLoop:
         self._on_formed(topology)
 
     def _sync_newest(self, topology: Topology) -> tuple[int, bool]:
-        """Finds the newest holder (a durable checkpoint newer than every commit is loaded by
+        """Finds the newest holder (a durable checkpoint newer than every commit is read by
         rank 0 first) and broadcasts its commit, unless every rank holds that very commit
         already (the survivors of a round: only their own rollback is needed). Returns the
-        source rank and whether the state was sent."""
-        durable = self._durable
-        on_rank0 = topology.rank == 0 and durable is not None
-        durable_version = self._arm_durable(topology) if on_rank0 else 0
-        source = newest_source(self._train.version, durable_version, lineage=self._lineage)
+        source rank and whether the state was sent.
+
+        Raises:
+            CheckpointResumeError: rank 0 could not read the checkpoint URL and no rank holds
+                a commit beyond the initial state (a resume): starting over is not chosen
+                silently.
+        """
+        on_rank0 = topology.rank == 0 and self._durable is not None
+        found = self._read_durable(topology) if on_rank0 else _Found(0)
+        source = newest_source(self._train.version, found.version, lineage=self._lineage)
+        if source.durable_unreadable:
+            self._check_resumable(source, found.error)
         if source.from_durable and on_rank0:
-            payload = durable.load_latest(self._train.committed())
-            if payload is not None:
-                self._train.load_committed(payload)
+            assert found.payload is not None
+            self._train.load_committed(found.payload)
         if source.held_by_all:
             self._train.restore()
         else:
@@ -262,17 +271,58 @@ class RunLoop:
         self._lineage = topology.lineage
         return source.rank, not source.held_by_all
 
-    def _arm_durable(self, topology: Topology) -> int:
-        """On rank 0: lists the checkpoint URL once, takes the round's fencing token, and
-        returns the newest durable version (0 when the listing failed: the job goes on from
-        memory and the token is claimed at the first durable write)."""
+    def _read_durable(self, topology: Topology) -> _Found:
+        """On rank 0: lists the checkpoint URL once, takes the round's fencing token (claimed
+        at the first durable write instead when the listing failed), and reads the newest
+        checkpoint when it is newer than this rank's commit."""
         durable, cluster = self._durable, self._cluster
         assert durable is not None
         try:
             version, floor = durable.survey()
         except CheckpointError as exc:
-            log.warning("could not list %s while forming round %d (%s); going on from the "
-                        "commits in memory", durable.url, topology.round, exc)
-            version, floor = 0, None
+            durable.arm(topology.round, cluster.fencing_epoch, cluster.lease_confirmer(), None)
+            return _Found(DURABLE_UNREADABLE, error=exc)
         durable.arm(topology.round, cluster.fencing_epoch, cluster.lease_confirmer(), floor)
-        return version
+        if version <= self._train.version:
+            return _Found(version)
+        try:
+            payload = durable.load_latest(self._train.committed())
+        except CheckpointIncompatibleError:
+            raise
+        except CheckpointError as exc:
+            return _Found(DURABLE_UNREADABLE, error=exc)
+        return _Found(0) if payload is None else _Found(int(payload["version"]), payload)
+
+    def _check_resumable(self, source: Source, error: CheckpointError | None) -> None:
+        """Rank 0 could not read the checkpoint URL: going on from the commits in memory costs
+        a warning (on rank 0); at a resume (no rank holds a commit beyond the initial state,
+        nor state synced in an earlier round of this job), every rank stops."""
+        assert self._durable is not None
+        url = self._durable.url
+        if source.version > self._initial_version or source.synced_before:
+            if error is not None:
+                log.warning("could not read %s while forming (%s); going on from the commits "
+                            "in memory (version %d)", url, _one_line(error), source.version)
+            return
+        why = f"({_one_line(error)})" if error is not None else "on rank 0"
+        self._cluster.events.emit("resume_refused", url=url, error=why[:300])
+        raise CheckpointResumeError(
+            f"could not read the checkpoints under {url} to resume from them {why}; the job "
+            "stopped rather than start from scratch while that URL may hold checkpoints. Make "
+            "the storage readable and start the job again, or give a fresh checkpoint URL to "
+            "start over.")
+
+
+@dataclass(frozen=True)
+class _Found:
+    """What rank 0 found at the checkpoint URL while forming: the version it offers
+    (``DURABLE_UNREADABLE`` with the error when the storage could not be read), and its
+    payload when it was read."""
+
+    version: int
+    payload: Mapping[str, Any] | None = None
+    error: CheckpointError | None = None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())

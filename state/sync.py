@@ -22,11 +22,13 @@ from elastic.state.errors import PayloadFormatError, SyncError
 from elastic.state.stateful import rebuild_mapping, rebuild_sequence
 from elastic.state.wire import TensorSlot, decode, encode
 
-__all__ = ["TensorSlot", "BUCKET_BYTES", "MAX_SKELETON_BYTES", "Source", "fill_tensors",
-           "plan_buckets", "broadcast_payload", "newest_source"]
+__all__ = ["TensorSlot", "BUCKET_BYTES", "MAX_SKELETON_BYTES", "DURABLE_UNREADABLE", "Source",
+           "fill_tensors", "plan_buckets", "broadcast_payload", "newest_source"]
 
 BUCKET_BYTES = 64 * 1024 * 1024
 MAX_SKELETON_BYTES = 1024 * 1024 * 1024  # a skeleton costs ~60 bytes a tensor
+#: rank 0's ``durable_version`` when its checkpoint storage could not be read.
+DURABLE_UNREADABLE = -1
 _UNSENDABLE = b"(the source's state has a value with no wire form)"  # announced as length -1
 
 
@@ -40,11 +42,17 @@ class Source:
             in-memory commit: rank 0 loads it first, then is the source.
         held_by_all: every rank holds that very commit already (the same version, made in
             the same round): nothing needs to be sent.
+        version: the newest in-memory commit's version, over all ranks.
+        synced_before: some rank holds state synced in an earlier group (a non-zero lineage).
+        durable_unreadable: rank 0 could not read its checkpoint storage (``DURABLE_UNREADABLE``).
     """
 
     rank: int
     from_durable: bool
     held_by_all: bool = False
+    version: int = 0
+    synced_before: bool = False
+    durable_unreadable: bool = False
 
 
 def newest_source(version: int, durable_version: int = 0,
@@ -58,8 +66,8 @@ def newest_source(version: int, durable_version: int = 0,
 
     Args:
         version: this rank's commit version.
-        durable_version: on rank 0, the version of the newest durable checkpoint (0: none);
-            ignored on the other ranks.
+        durable_version: on rank 0, the version of the newest durable checkpoint (0: none;
+            ``DURABLE_UNREADABLE``: the storage could not be read); ignored on the other ranks.
         group: the process group; None means the default group.
         lineage: names the group in which this rank's commits were made since every member
             of it held the same state (a positive int64, the same on each of its ranks); 0
@@ -78,7 +86,9 @@ def newest_source(version: int, durable_version: int = 0,
         return Source(rank=0, from_durable=True)
     held = {(int(g[0].item()), int(g[2].item())) for g in gathered}
     return Source(rank=versions.index(max(versions)), from_durable=False,
-                  held_by_all=len(held) == 1 and lineage != 0)
+                  held_by_all=len(held) == 1 and lineage != 0, version=max(versions),
+                  synced_before=any(int(g[2].item()) != 0 for g in gathered),
+                  durable_unreadable=newest_durable == DURABLE_UNREADABLE)
 
 
 def fill_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:

@@ -41,6 +41,7 @@ from elastic.cluster.rounds.commit_holders import other_holder
 from elastic.cluster.links.reconnection import await_peers
 from elastic.cluster.rounds.finished_job import clear_finished_job
 from elastic.cluster.links.stuck_verdict import StuckVerdict
+from elastic.cluster.fencing import claim_fencing_epoch
 
 log = logging.getLogger(__name__)
 
@@ -327,28 +328,12 @@ class Cluster:
         return self.membership.confirm_lease
 
     def fencing_epoch(self, floor: int) -> int:
-        """The job's fencing epoch in this etcd: claimed once as ``floor`` (create-if-absent),
-        then the same for every member and every round for as long as the etcd keeps its data.
-
-        Args:
-            floor: the epoch to claim when this etcd holds none yet (one above every epoch the
-                checkpoint URL has seen, so a fresh etcd or a new job id never goes backwards).
+        """The job's fencing epoch, at least ``floor`` (``fencing.claim_fencing_epoch``).
 
         Raises:
             EtcdUnavailableError: etcd stayed unreachable past the retry deadline.
         """
-        existing = self.client.get(self.keys.fence)
-        if existing is None:
-            if self.client.create(self.keys.fence, str(floor)):
-                return floor
-            existing = self.client.get(self.keys.fence)  # another member created it first
-        text = existing.value.decode(errors="replace") if existing is not None else ""
-        if text.isdigit() and int(text) > 0:
-            return int(text)
-        log.warning("the fencing epoch at %s was missing or malformed (%r); claiming %d",
-                    self.keys.fence, text[:40], floor)
-        self.client.put(self.keys.fence, str(floor))
-        return floor
+        return claim_fencing_epoch(self.client, self.keys.fence, floor)
 
     def note_committed(self) -> None:
         """Tells the launcher, once, that this worker committed (it made progress)."""

@@ -74,6 +74,15 @@ class CheckpointUnusableError(SetupError):
     """The checkpoint URL names a location this worker cannot write; the message says why."""
 
 
+class CheckpointResumeError(ElasticError):
+    """A resume (no commit in memory) could not read the checkpoint URL: the job stopped rather
+    than start from scratch while that URL may hold its checkpoints."""
+
+
+class UnfinishedWriteError(ElasticError):
+    """The last durable write had not finished when the worker was done (``final_write``)."""
+
+
 class ElasticInterrupt(Exception):
     """Base class of the expected control-flow signals of the run loop."""
 

@@ -114,6 +114,10 @@ class Timeouts:
     storage_retry: timedelta = _entry(60)
     """Default 60 s (``ELASTIC_STORAGE_RETRY``): how long one checkpoint storage call retries
     transient errors (the checkpoint store's ``retry_for``) before its error is raised."""
+    final_write: timedelta = _entry(300, "ELASTIC_FINAL_WRITE_TIMEOUT")
+    """Default 300 s (``ELASTIC_FINAL_WRITE_TIMEOUT``): how long a worker that is done waits
+    for its last checkpoint write; past it the write is abandoned and ``run()`` raises
+    ``UnfinishedWriteError`` (the checkpoint before it stays valid)."""
 
     # -- etcd ----------------------------------------------------------------------------------
     etcd_rpc: timedelta = _entry(3, "ELASTIC_ETCD_RPC_TIMEOUT")

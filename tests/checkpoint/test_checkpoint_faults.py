@@ -249,3 +249,13 @@ def test_with_keep_one_a_newer_checkpoint_that_fails_its_checksum_never_costs_th
     assert torch.equal(store.load().state_dict["w"], big_state(1.0)["w"])
     store.save(3, big_state(3.0))  # a newer one that verifies: now 1 may go
     assert [ref.step for ref in store.list()] == [3]
+
+
+def test_a_stale_writer_s_higher_step_never_becomes_the_latest_or_outlives_retention(tmp_path):
+    store = CheckpointStore(str(tmp_path), keep=2)
+    store.save(12, {"w": torch.zeros(2)}, {"generation": 1})  # a stale writer ran ahead
+    store.save(10, {"w": torch.ones(2)}, {"generation": 2})
+    store.save(11, {"w": torch.full((2,), 2.0)}, {"generation": 2})
+    assert store.latest().step == 11
+    assert [ref.step for ref in store.list()] == [10, 11]  # gen 1's step 12 went first
+    assert torch.equal(store.load().state_dict["w"], torch.full((2,), 2.0))

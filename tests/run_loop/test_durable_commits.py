@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import threading
 from datetime import timedelta
@@ -9,7 +10,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from elastic.checkpoint import CheckpointIncompatibleError, CheckpointStore, CheckpointWriteError
+from elastic.checkpoint import (CheckpointFencedError, CheckpointIncompatibleError,
+                                CheckpointStorageError, CheckpointStore, CheckpointWriteError)
 from elastic.cluster.etcd.client import EtcdClient
 from elastic.cluster.rounds.keys import JobKeys
 from elastic.cluster.rounds.membership import EtcdMembership
@@ -150,3 +152,57 @@ def test_a_durable_commit_while_storage_hangs_is_skipped_after_the_retry_bound(f
     kinds = [json.loads(line)["event"] for line in events.path.read_text().splitlines()]
     assert kinds == ["checkpoint_skipped", "checkpoint_written"]
     assert durable.survey()[0] == 1
+
+
+def test_a_failed_read_of_the_newest_checkpoint_costs_a_warning_and_loads_the_one_before(
+        faulty_fs, caplog):
+    durable = DurableCommits(URL)
+    for version in (1, 2):
+        durable.write(payload(float(version)), version, {"epoch": version})
+        durable.store.wait()
+    faulty_fs.plan.read_target = "state.pt"
+    faulty_fs.plan.read_failures = 1  # an input/output error: not worth another try
+    faulty_fs.plan.read_error = lambda: OSError(errno.EIO, "injected: input/output error")
+    loaded = durable.load_latest(payload(0.0))
+    assert faulty_fs.plan.reads_failed == 1
+    assert torch.equal(loaded["objects"]["model"]["w"], torch.full((64, 1024), 1.0))
+    assert "falling back to an older one" in caplog.text and "injected" in caplog.text
+    durable.close()
+
+
+def test_storage_that_never_answers_holds_at_most_one_thread_however_often_it_is_asked(
+        faulty_fs):
+    durable = DurableCommits(URL, retry_for=timedelta(seconds=0.2))
+    faulty_fs.plan.read_gate = threading.Event()  # every listing hangs, as on a hard mount
+    for _ in range(3):  # three formations
+        with pytest.raises(CheckpointStorageError, match="did not answer|earlier call"):
+            durable.survey()
+    hung = [t for t in threading.enumerate() if t.name == "checkpoint-call"]
+    assert len(hung) == 1, f"{len(hung)} threads wait on the storage"
+    faulty_fs.plan.read_gate.set()
+    hung[0].join(10)
+    assert not hung[0].is_alive()
+    assert durable.survey() == (0, 1)  # answered again: asked afresh
+
+
+def test_a_write_fenced_by_another_job_on_the_url_is_a_failure_naming_that_job(tmp_path,
+                                                                              caplog):
+    url = str(tmp_path / "ckpt")
+    events = EventLog(str(tmp_path), "a")
+    ours = DurableCommits(url, events)
+    ours.arm(3, claim_epoch=lambda floor: floor, confirm_lease=lambda: True, floor=1)
+    ours.write(payload(1.0), 1, {"epoch": 1})
+    ours.store.wait()
+    theirs = DurableCommits(url)  # a second job on the same URL: one epoch above ours
+    theirs.arm(1, claim_epoch=lambda floor: floor, confirm_lease=lambda: True,
+               floor=theirs.survey()[1])
+    theirs.write(payload(2.0), 2, {"epoch": 2, "job_id": "job-b"})
+    theirs.close()
+    ours.write(payload(3.0), 3, {"epoch": 3})  # this worker's lease is alive: it is current
+    ours.close()
+    assert isinstance(ours.last_error, CheckpointFencedError)
+    assert "'job-b'" in caplog.text and str(fencing_generation(2, 1)) in caplog.text
+    failed = [json.loads(line) for line in events.path.read_text().splitlines()
+              if json.loads(line)["event"] == "checkpoint_failed"]
+    assert [(e["version"], e["fenced"], e["stale"]) for e in failed] == [(3, True, True)]
+    assert failed[0]["newer_job"] == "job-b"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 from collections import Counter
 
 import torch
@@ -53,3 +54,21 @@ def model_params(store: CheckpointStore, ref=None) -> list[float]:
     payload = store.load(ref).state_dict
     model = payload["objects"]["model"]
     return torch.cat([model["weight"].flatten(), model["bias"].flatten()]).tolist()
+
+
+def start_and_expect_refusal(job, url: str, workers: int = 2) -> str:
+    """Starts ``workers`` workers that cannot read ``url`` at their resume, checks that each
+    stopped (exit 1, nothing trained) with one last line naming ``url``; returns their logs."""
+    started = time.monotonic()
+    job.start_together(range(workers))
+    codes = [job.wait_exit(i, timeout=120) for i in range(workers)]
+    took_s = time.monotonic() - started
+    assert codes == [1] * workers, job.tails()
+    assert not [p for i in range(workers) for p in job.progress(i) if "loss" in p], \
+        "a worker trained from scratch while its checkpoint URL could not be read"
+    logs = [(job.out / f"worker-{i}.log").read_text(errors="replace") for i in range(workers)]
+    for log in logs:
+        assert "CheckpointResumeError" in log.strip().splitlines()[-1], job.tails()
+        assert url in log.strip().splitlines()[-1], job.tails()
+    assert took_s < 90, f"stopping took {took_s:.0f} s (under load)"
+    return "".join(logs)

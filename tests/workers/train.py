@@ -16,6 +16,8 @@ the worker without Python's fork (``tests.workers.children``; pids in ``children
 ``kill-freezing-loaders`` stops its ``DataLoader`` workers (SIGSTOP: they never exit, and keep
 open whatever they inherited) and then kills the worker; their pids are in the marker, for the
 test to end.
+``FAULTFS_PLAN`` makes ``faultfile://`` checkpoint URLs fail reads or stall writes
+(``tests/support/faulty_fs.py``).
 """
 
 from __future__ import annotations
@@ -118,6 +120,8 @@ def main() -> None:
     logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "WARNING").upper(),
                         format="%(asctime)s %(threadName)s %(name)s %(message)s")
     args = parse()
+    if os.environ.get("FAULTFS_PLAN"):  # registers faultfile:// with the plan it names
+        import tests.support.faulty_fs  # noqa: F401, PLC0415
     out = Path(args.out)
     index = int(os.environ["TEST_WORKER_INDEX"])
     torch.manual_seed(index)  # different initial weights: the sync must make them equal
