@@ -28,6 +28,7 @@ import torch
 from elastic.checkpoint import (CheckpointError, CheckpointFencedError, CheckpointNotFoundError,
                                 CheckpointRef, CheckpointStorageError, CheckpointStore,
                                 check_compatible)
+from elastic.foundation.daemon_call import DaemonCall
 from elastic.foundation.errors import EtcdUnavailableError, UnfinishedWriteError
 from elastic.foundation.events import EventLog
 from elastic.foundation.timeouts import Timeouts
@@ -261,19 +262,11 @@ class DurableCommits:
                 f"{what} {self.url} was not tried: the storage has not answered an earlier call "
                 "yet. Check that it is reachable from this machine, or raise "
                 "ELASTIC_STORAGE_RETRY if it is this slow.")
-        result: Future[T] = Future()
-
-        def run() -> None:
-            try:
-                result.set_result(call())
-            except Exception as exc:  # noqa: BLE001 (handed to the caller, typed there)
-                result.set_exception(exc)
-
-        self._caller = threading.Thread(target=run, name="checkpoint-call", daemon=True)
-        self._caller.start()
+        caller = DaemonCall(call, "checkpoint-call")
+        self._caller = caller.thread
         deadline = self._hung_after * 2
         try:
-            return result.result(timeout=deadline.total_seconds())
+            return caller.result(deadline.total_seconds())
         except TimeoutError:
             raise CheckpointStorageError(
                 f"{what} {self.url} did not answer within {deadline}. Check that the storage "

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Iterator
 
 from elastic.cluster.worker_lease_file import RAN, SETUP_ERROR, append_mark
+from elastic.foundation.daemon_call import DaemonCall
 from elastic.foundation.errors import CheckpointUnusableError, SetupError
 from elastic.foundation.settings import WorkerSettings
 
@@ -53,10 +54,17 @@ def check_checkpoint(in_script: str | None, settings: WorkerSettings) -> None:
     if url is None or (launched and url == settings.checkpoint_from_env):
         return
     from elastic.checkpoint import CheckpointError, check_writable  # noqa: PLC0415 (torch)
+    retry = settings.timeouts.storage_retry
+    probe = DaemonCall(lambda: check_writable(url, retry_for=retry), "checkpoint-probe")
     try:
-        check_writable(url, retry_for=settings.timeouts.storage_retry)
+        probe.result((retry * 2).total_seconds())
     except CheckpointError as exc:
         raise CheckpointUnusableError(f"{source}: {exc}") from exc
+    except TimeoutError:
+        raise CheckpointUnusableError(
+            f"{source}: the storage did not answer a probe write within {retry * 2}. Check "
+            "that it is reachable from this machine, or raise ELASTIC_STORAGE_RETRY if it is "
+            "this slow.") from None
 
 
 @contextlib.contextmanager
