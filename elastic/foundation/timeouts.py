@@ -33,7 +33,7 @@ class Timeouts:
     """Every timeout and interval of a worker and its launcher; see each field.
 
     The order it enforces (``validate``): 2 x keepalive < lease_ttl; peer_probe <= peer;
-    settle, node_settle and local_start < rendezvous; settle and node_settle < rejoin; release < rejoin;
+    settle and node_settle < rendezvous; settle and node_settle < rejoin; release < rejoin;
     form < collective; sync <= collective; etcd_rpc <= etcd_retry <= etcd_outage; backoff and
     reconnect <= backoff_max. A frozen worker, or one cut from etcd, is dropped within lease_ttl (+ form
     while its survivors connect); one cut from its peers within peer + peer_probe; a killed
@@ -56,7 +56,8 @@ class Timeouts:
     local_start: timedelta = _entry(30)
     """Default 30 s (``ELASTIC_LOCAL_START``): how long a job's first round, while nothing
     changes, waits for the workers a launcher started that have not asked to join yet (under
-    load a node's workers reach ``state.run()`` seconds apart). Under ``rendezvous``."""
+    load a node's workers reach ``state.run()`` seconds apart); capped at half of ``rendezvous``,
+    so a short rendezvous timeout needs no change here."""
     node_settle: timedelta = _entry(1)
     """Default 1 s (``ELASTIC_NODE_SETTLE``): the settle window of ``--plain`` generations,
     whose rounds are of whole nodes."""
@@ -270,7 +271,6 @@ class Timeouts:
         self._check("peer_probe", "peer", or_equal=True)
         self._check("settle", "rendezvous")
         self._check("node_settle", "rendezvous")
-        self._check("local_start", "rendezvous")
         self._check("settle", "rejoin")
         self._check("node_settle", "rejoin")
         self._check("release", "rejoin")

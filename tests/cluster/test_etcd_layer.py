@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -712,7 +713,7 @@ def _killed_embedded_etcd(tmp_path: Path, monkeypatch, restart: bool) -> None:  
     """Starts an embedded etcd whose directory is under ``tmp_path``, SIGKILLs it, restarts it
     if ``restart``, and stops it."""
     import elastic.launch.embedded_etcd as embedded
-    monkeypatch.setattr(embedded.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     server = embedded.EmbeddedEtcd().start()
     try:
         assert server.process is not None

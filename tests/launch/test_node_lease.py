@@ -112,22 +112,19 @@ def test_a_stopped_worker_under_a_node_lease_is_removed_after_a_ttl_and_rejoins_
     assert run.wait(40) == 0, run.text()
 
 
-def test_workers_whose_launcher_dies_under_a_node_lease_come_back_under_leases_of_their_own(
+def test_workers_whose_launcher_dies_under_a_node_lease_end_with_it_and_leave_the_job(
         cli, etcd, tmp_path):
+    # A launcher's workers never outlive it (PR_SET_PDEATHSIG): none trains on unseen, and the
+    # shared lease, no longer renewed, takes their registrations with it.
     run, log_dir, keys = two_workers_in_world_two(cli, etcd, tmp_path, "node-orphans")
-    first = {e["member"] for e in events(log_dir) if e["event"] == "joined"}
-    renewed = lambda: {e["pid"] for e in events(log_dir)  # noqa: E731
-                       if e["event"] == "resumed" and e["world_size"] == 2
-                       and e["member"] not in first}
+    pids = worker_pids(log_dir)
     client = EtcdClient(etcd.url)
     try:
-        [launcher] = client.get_prefix(keys.launchers().members)[0]
-        run.proc.kill()  # the launcher only: its workers live on, and its lease ends in 2 s
+        run.proc.kill()
         run.wait(10)
-        wait_until(lambda: renewed() == worker_pids(log_dir), 60,
-                   "both workers to train in world 2 again, as new members", [])
-        leases = member_leases(client, keys)
-        assert set(leases) == worker_pids(log_dir) and len(set(leases.values())) == 2
-        assert launcher.lease not in leases.values()
+        wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pids), 10,
+                   "the killed launcher's workers to end with it", [])
+        wait_until(lambda: not member_leases(client, keys), 30,
+                   "the workers' registrations to go with the launcher's lease", [])
     finally:
         client.close()

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,7 @@ def test_a_start_without_an_etcd_binary_leaves_no_empty_temporary_directory(
         raise FileNotFoundError("No etcd binary found (on purpose).")
 
     monkeypatch.setattr(embedded, "find_etcd_binary", no_binary)
-    monkeypatch.setattr(embedded.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(FileNotFoundError):
         embedded.EmbeddedEtcd().start()
     assert not list(tmp_path.glob("elastic-etcd-*"))

@@ -13,17 +13,17 @@ import pytest
 from tests.support.cli import WORKERS
 
 pytestmark = pytest.mark.timeout(120)
-CHATTY = str(WORKERS / "chatty.py")
+CHATTY = str(WORKERS / "chatty.py")  # prints only, never joins: run with --plain
 FAILS = str(WORKERS / "fails.py")
-WORKER_LINE = re.compile(r"^\[local(\d)\]: (\d)+$")
+WORKER_LINE = re.compile(r"^\[(?:local|rank)(\d)\]: (\d)+$")  # --plain: [rankN], one node
 
 
 def worker_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.startswith("[local")]
+    return [line for line in text.splitlines() if line.startswith(("[local", "[rank"))]
 
 
 def test_lines_of_two_workers_carry_their_prefix_and_never_merge_mid_line(cli, etcd):
-    run = cli("run", "--etcd", etcd.url, "--job-id", f"chatty-{os.getpid()}", "-n", "2",
+    run = cli("run", "--plain", "--etcd", etcd.url, "--job-id", f"chatty-{os.getpid()}", "-n", "2",
               CHATTY, "200")
     assert run.wait(60) == 0, run.text()[-2000:]
     lines = worker_lines(run.text())
@@ -38,7 +38,7 @@ def test_lines_of_two_workers_carry_their_prefix_and_never_merge_mid_line(cli, e
 def test_tee_writes_each_worker_to_its_own_file_and_the_filter_keeps_the_console_to_one(
         cli, etcd, tmp_path):
     log_dir = tmp_path / "logs"
-    run = cli("run", "--etcd", etcd.url, "--job-id", f"tee-{os.getpid()}", "-n", "2",
+    run = cli("run", "--plain", "--etcd", etcd.url, "--job-id", f"tee-{os.getpid()}", "-n", "2",
               "--log-dir", str(log_dir), "--tee", "3", "--local-ranks-filter", "1", CHATTY, "10")
     assert run.wait(60) == 0, run.text()[-2000:]
     assert {WORKER_LINE.match(line).group(1) for line in worker_lines(run.text())} == {"1"}
@@ -78,8 +78,8 @@ def test_a_script_that_fails_the_same_way_before_its_first_commit_is_restarted_o
 
 
 def test_a_torchrun_style_command_line_runs_with_one_note_per_flag_not_needed(cli):
-    run = cli("run", "--standalone", "--nnodes=1", "--nproc_per_node=2", "--max_restarts=0",
-              CHATTY, "4")
+    run = cli("run", "--plain", "--standalone", "--nnodes=1", "--nproc_per_node=2",
+              "--max_restarts=0", CHATTY, "4")
     assert run.wait(60) == 0, run.text()[-2000:]
     text = run.text()
     assert {WORKER_LINE.match(line).group(1) for line in worker_lines(text)} == {"0", "1"}
@@ -91,7 +91,7 @@ def test_a_tee_file_that_cannot_be_written_costs_the_file_not_the_workers_output
         cli, etcd, tmp_path):
     in_the_way = tmp_path / "a-file"
     in_the_way.write_text("not a directory")
-    run = cli("run", "--etcd", etcd.url, "--job-id", f"badtee-{os.getpid()}", "-n", "1",
+    run = cli("run", "--plain", "--etcd", etcd.url, "--job-id", f"badtee-{os.getpid()}", "-n", "1",
               "--log-dir", str(in_the_way / "logs"), "--tee", "3", CHATTY, "4000")
     assert run.wait(60) == 0, run.text()[-2000:]
     assert len(worker_lines(run.text())) == 4000, "the worker blocked or lost lines"

@@ -36,7 +36,7 @@ DEFAULTS_S = {
 }
 # (shorter, longer, may they be equal): the hierarchy, as README.md states it.
 ORDER = [("keepalive", "lease_ttl", False), ("peer_probe", "peer", True), ("settle", "rendezvous", False),
-         ("node_settle", "rendezvous", False), ("local_start", "rendezvous", False),
+         ("node_settle", "rendezvous", False),
          ("settle", "rejoin", False),
          ("node_settle", "rejoin", False), ("release", "rejoin", False),
          ("form", "collective", False),

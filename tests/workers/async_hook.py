@@ -18,6 +18,7 @@ import json
 import os
 import queue
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -117,6 +118,11 @@ def main() -> None:
     state.run(train)
     params = [p.detach().flatten().tolist() for p in state.model.parameters()]
     (out / f"result-{index}.json").write_text(json.dumps({"step": state.step, "params": params}))
+    if args.untracked:
+        # Untracked, a broken round's reducer thread may still be inside gloo: ending without
+        # the interpreter's teardown keeps its destructors from aborting the process under it.
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

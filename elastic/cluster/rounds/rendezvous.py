@@ -65,7 +65,8 @@ class Rendezvous:
         self.config = config
         self.rule = CloseRule(config.min_workers, config.max_workers,
                               config.timeouts.settle.total_seconds(),
-                              config.timeouts.local_start.total_seconds())
+                              min(config.timeouts.local_start,
+                                  config.timeouts.rendezvous / 2).total_seconds())
         self._changed = threading.Condition()
         self._epoch = 0
         self.standby = config.standby  # a warm spare until a round takes it
