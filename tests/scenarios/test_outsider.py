@@ -74,15 +74,18 @@ class _Impostor:
 def _forged_hello(host: str, port: int, round_: int) -> bytes:
     """Knocks on rank 0's channel with a hello signed by a guessed secret; returns what rank 0
     answered after the hello (empty: it hung up)."""
-    with socket.create_connection((host, port), timeout=_WAIT.total_seconds()) as sock:
-        magic, nonce = CHALLENGE.unpack(sock.recv(CHALLENGE.size, socket.MSG_WAITALL))
-        assert magic == MAGIC
-        sock.sendall(HELLO.pack(MAGIC, round_, 1, secrets.token_bytes(16),
-                                secrets.token_bytes(32)))
-        try:
+    try:
+        with socket.create_connection((host, port), timeout=_WAIT.total_seconds()) as sock:
+            challenge = sock.recv(CHALLENGE.size, socket.MSG_WAITALL)
+            if len(challenge) < CHALLENGE.size:
+                return b""  # hung up before its challenge
+            magic, _ = CHALLENGE.unpack(challenge)
+            assert magic == MAGIC
+            sock.sendall(HELLO.pack(MAGIC, round_, 1, secrets.token_bytes(16),
+                                    secrets.token_bytes(32)))
             return sock.recv(64)
-        except ConnectionResetError:
-            return b""
+    except (ConnectionResetError, BrokenPipeError):
+        return b""  # hung up on, at any point of the exchange
 
 
 def _plant_while_forming(client: EtcdClient, keys: JobKeys, n: int, impostor: _Impostor,
