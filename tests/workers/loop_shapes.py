@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from elastic import ElasticSampler, ElasticState
+from elastic import ElasticSampler, ElasticState, MembershipChangedInterrupt
 from elastic.state import seed_everything
 from tests.workers.global_batch import Regression
 from tests.workers.loop_kinds import LOOPS
@@ -98,12 +98,18 @@ def main() -> None:
         fire("agree")
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, batch[2].tolist())
-        with s.commit_step() if args.copy_free else contextlib.nullcontext():
-            loop.update(fire)
-            s.sampler.record_batch(len(batch[2]))
-            s.step += 1
-            s.ledger[s.epoch].extend(i for part in everyone for i in part)
-            progress.write(json.dumps({"step": s.step, "world": s.world_size}) + "\n")
+        try:
+            with s.commit_step() if args.copy_free else contextlib.nullcontext():
+                loop.update(fire)
+                s.sampler.record_batch(len(batch[2]))
+                s.step += 1
+                s.ledger[s.epoch].extend(i for part in everyone for i in part)
+                progress.write(json.dumps({"step": s.step, "world": s.world_size}) + "\n")
+        except MembershipChangedInterrupt:
+            # The step was applied and the block hands over to a re-formation (a spare's
+            # join seen at this step): still "just after the block" for this step's kill.
+            fire("after")
+            raise
         fire("after")
 
     def train(s: ElasticState) -> None:
