@@ -22,7 +22,7 @@ from typing import Any
 
 from elastic.checkpoint import CheckpointError, CheckpointIncompatibleError
 from elastic.cluster.cluster import Cluster
-from elastic.cluster.rounds.rendezvous import Topology
+from elastic.cluster.rounds.topology import Topology
 from elastic.cluster.links.restart_in_place import round_environment
 from elastic.durable import DurableCommits
 from elastic.foundation.errors import (CheckpointResumeError, EtcdUnavailableError, FencedError,

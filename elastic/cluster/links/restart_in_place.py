@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, NoReturn
 from elastic.cluster.links.process_tree import end_tree
 
 if TYPE_CHECKING:
-    from elastic.cluster.rounds.rendezvous import Topology
+    from elastic.cluster.rounds.topology import Topology
 
 #: What the run loop sets for a plain DDP script at every formation (``round_environment``).
 ROUND_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
