@@ -31,6 +31,7 @@ _TIMEOUT_FLAGS = {field: str(Timeouts.flag_name(field)) for field in Timeouts.FL
 _VALUE_OPTIONS = {"--etcd", "--job-id", "-n", "--nproc-per-node", "--spares", "--min-workers",
                   "--max-workers", "--max-restarts", "--checkpoint", "--backend",
                   "--advertise-addr", "--log-dir", "--tee", "--local-ranks-filter",
+                  "--metrics-port",
                   *_TIMEOUT_FLAGS.values(), *EtcdSecurity.FLAGS.values()}
 
 
@@ -129,6 +130,10 @@ def _run_parser() -> _Parser:
     p.add_argument("--advertise-addr", default="127.0.0.1",
                    help="the address other nodes reach this node on (default 127.0.0.1)")
     p.add_argument("--log-dir", help="directory for the workers' event files (for `report`)")
+    p.add_argument("--metrics-port", type=int, metavar="P",
+                   default=_env_port("ELASTIC_METRICS_PORT"),
+                   help="serve this node's Prometheus metrics on --advertise-addr:P "
+                        "(ELASTIC_METRICS_PORT; default: none)")
     defaults = Timeouts()
     for field, flag in _TIMEOUT_FLAGS.items():
         default_s = getattr(defaults, field).total_seconds()
@@ -143,6 +148,15 @@ def _run_parser() -> _Parser:
     from elastic.launch.output import add_output_arguments  # noqa: PLC0415 (stdlib only)
     add_output_arguments(p)
     return p
+
+
+def _env_port(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise UsageError(f"elastic run: {name}={raw!r} must be a TCP port, e.g. 9400.")
+    return int(raw)
 
 
 def _fresh_job_id() -> str:
@@ -211,7 +225,8 @@ def cmd_run(argv: Sequence[str]) -> int:
             log_dir=log_dir, timeouts=_timeouts(args), plain=args.plain,
             env={**os.environ, **({"ELASTIC_RESUME_FINISHED": "1"} if args.resume_finished
                                   else {})},
-            output=OutputOptions.from_args(args, log_dir), security=_security(args))
+            output=OutputOptions.from_args(args, log_dir), security=_security(args),
+            metrics_port=args.metrics_port)
     except ValueError as exc:
         raise UsageError(f"elastic run: {exc}") from None
     _remove_leftovers()
@@ -237,8 +252,9 @@ def cmd_run(argv: Sequence[str]) -> int:
 def _remove_leftovers() -> None:
     """Removes the etcd data and lease-file directories of launchers that were killed."""
     from elastic.launch.launcher_lease_files import LEASES_PREFIX  # noqa: PLC0415
+    from elastic.launch.metrics import EVENTS_PREFIX  # noqa: PLC0415
     from elastic.launch.parent_death import OwnedDirs  # noqa: PLC0415
-    removed = OwnedDirs.remove_leftovers("elastic-etcd-", LEASES_PREFIX)
+    removed = OwnedDirs.remove_leftovers("elastic-etcd-", LEASES_PREFIX, EVENTS_PREFIX)
     if removed:
         print(f"elastic: removed {len(removed)} directories left by launchers that were killed "
               f"({', '.join(d.name for d in removed)})", file=sys.stderr, flush=True)

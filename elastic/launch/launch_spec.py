@@ -45,6 +45,8 @@ class LaunchSpec:
         env: the environment workers start from (the CLI's, plus the ELASTIC_* variables).
         security: etcd's TLS files and user, passed on to the workers as ELASTIC_ETCD_*.
         output: how the workers' output is shown (prefixes, --tee files, a filter).
+        metrics_port: the port this launcher serves Prometheus metrics on, at
+            ``advertise_addr`` (None: no metrics).
     """
 
     command: tuple[str, ...]
@@ -66,8 +68,12 @@ class LaunchSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     security: EtcdSecurity = EtcdSecurity()
     output: OutputOptions = OutputOptions()
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port ({self.metrics_port}) must be a TCP port, "
+                             "1-65535.")
         if self.nproc < 1:
             raise ValueError(f"--nproc-per-node ({self.nproc}) must be at least 1.")
         if self.min_workers < 1:
@@ -101,6 +107,7 @@ class LaunchSpec:
             "ELASTIC_CHECKPOINT": self.checkpoint or "", "ELASTIC_BACKEND": self.backend,
             "ELASTIC_ADVERTISE_ADDR": self.advertise_addr, "ELASTIC_LOG_DIR": self.log_dir or "",
             "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(self.nproc),
+            "ELASTIC_CONSOLE": "quiet" if self.output.quiet else "launcher",
             **self.timeouts.as_env(), **self.security.as_env(),
             **socket_interface_env(self.advertise_addr, self.env),
         }

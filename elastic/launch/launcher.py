@@ -24,6 +24,7 @@ from elastic.foundation.errors import EtcdUnavailableError
 from elastic.cluster.etcd.client import EtcdClient
 from elastic.launch.job_config import claim
 from elastic.launch.launcher_lease_files import LeaseFiles
+from elastic.launch.metrics import NodeMetrics
 from elastic.launch.node_members import NodeMembers
 from elastic.launch.joined import JoinedWorkers
 from elastic.launch.launch_spec import LaunchSpec
@@ -103,6 +104,7 @@ class Launcher:
         self.etcd_exit: EtcdExit | None = None
         self.node_members: NodeMembers | None = None  # with --node-lease
         self._spares: set[int] = set()  # pids of warm spares that have not taken a place
+        self.metrics: NodeMetrics | None = None  # with --metrics-port
 
     def connect(self) -> bool:
         """Connects to etcd, claims or checks the job's configuration and registers.
@@ -142,6 +144,7 @@ class Launcher:
         """
         assert self.client is not None and self.membership is not None, "connect() first"
         restore = self.stop.install()
+        self._serve_metrics()
         if self.spec.caps_threads:
             _say(f"OMP_NUM_THREADS=1 for each of the {self.spec.nproc + self.spec.spares} "
                  "workers (set OMP_NUM_THREADS to choose another thread count)")
@@ -153,6 +156,28 @@ class Launcher:
         finally:
             restore()
             self.procs.kill()
+            if self.metrics is not None:
+                self.metrics.stop()
+
+    def _serve_metrics(self) -> None:
+        """Serves Prometheus metrics on ``--metrics-port``; a port that cannot be served is
+        one line, and the job runs without them."""
+        if self.spec.metrics_port is None or self.spec.plain:
+            return
+        running = lambda: {w.pid for w in self.procs.running()}  # noqa: E731
+        self.metrics = NodeMetrics(self.spec.metrics_port, self.spec.advertise_addr,
+                                   self.spec.log_dir, lambda: len(self._spares & running()),
+                                   self.spec.timeouts.shutdown)
+        try:
+            self.metrics.start()
+        except OSError as exc:
+            _say(f"cannot serve metrics on {self.spec.advertise_addr}:{self.spec.metrics_port} "
+                 f"({exc}); the job runs without them. Choose a free --metrics-port.")
+            self.metrics.stop()
+            self.metrics = None
+            return
+        _say(f"Prometheus metrics at http://{self.spec.advertise_addr}:"
+             f"{self.spec.metrics_port}/metrics")
 
     def watch_etcd(self, process: subprocess.Popen[bytes], log_path: str) -> None:
         """Ends the run, in one line, if the embedded etcd ``process`` exits before the job."""
@@ -211,6 +236,8 @@ class Launcher:
                     if not self.leases.has_mark(worker.pid, RAN):
                         _say(restarts.never_joined(worker.local_rank, worker.pid))
                     continue
+                if self.metrics is not None:
+                    self.metrics.failed(code)
                 setup_error = self.leases.has_mark(worker.pid, SETUP_ERROR)
                 error_line = worker.last_error_line()
                 self._revoke(worker.pid, code, hint=not setup_error
@@ -269,10 +296,14 @@ class Launcher:
         if self.membership is not None:  # its first round waits for the launcher's workers
             env["ELASTIC_LAUNCHER"] = self.membership.member_id
         env["ELASTIC_LAUNCHER_PID"] = str(os.getpid())  # checked as it joins
+        if self.metrics is not None:
+            env.update(self.metrics.worker_env())
         if self.node_members is not None:
             assert self.membership is not None, "connect() first"
             env["ELASTIC_NODE_LEASE"] = str(self.membership.lease)
         worker = self.procs.start(local_rank, env)
+        if self.metrics is not None:
+            self.metrics.pids.add(worker.pid)
         self.leases.assign(worker.pid, path)
         if standby:
             self._spares.add(worker.pid)
