@@ -105,8 +105,10 @@ def _check_job_id(job_id: str, command: str) -> str:
 
 
 def _run_parser() -> _Parser:
+    from elastic.launch.torchrun_flags import spellings  # noqa: PLC0415 (stdlib only)
     p = _Parser(prog="elastic run", description="Start this node's workers of an elastic job.",
-                usage="elastic run [options] (script.py | -m module) [args...]")
+                usage="elastic run [options] (script.py | -m module) [args...]",
+                epilog=spellings(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--etcd", help="etcd client URL(s), comma-separated; default: start an "
                    "embedded etcd on 127.0.0.1 for this job")
     p.add_argument("--job-id", help="the job's name in etcd (default: a fresh id)")
@@ -119,14 +121,19 @@ def _run_parser() -> _Parser:
                    help="this node's workers share the launcher's etcd lease instead of each "
                         "keeping one alive (for jobs of many nodes: one lease renewal per node); "
                         "the launcher removes a worker that dies or stops sending heartbeats")
-    p.add_argument("--min-workers", type=int, default=1, help="fewest workers to train with")
-    p.add_argument("--max-workers", type=int, help="most workers; extra ones wait as spares")
+    p.add_argument("--min-workers", type=int, default=1,
+                   help="fewest workers to train with, all nodes together (default 1)")
+    p.add_argument("--max-workers", type=int,
+                   help="most workers; extra ones wait as spares (default: no limit)")
     p.add_argument("--max-restarts", type=int, default=3,
-                   help="restarts of crashed workers on this node (--plain: of generations)")
+                   help="restarts of crashed workers on this node (--plain: of generations; "
+                        "default 3)")
     p.add_argument("--checkpoint", default=os.environ.get("ELASTIC_CHECKPOINT") or None,
                    help="fsspec URL for durable commits (ELASTIC_CHECKPOINT); checked at start, "
                         "and must agree with a checkpoint= set in the script")
-    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto")
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="the process group's backend: nccl on GPUs, gloo on CPU (default auto: "
+                        "nccl when CUDA is available, else gloo)")
     p.add_argument("--advertise-addr", default="127.0.0.1",
                    help="the address other nodes reach this node on (default 127.0.0.1)")
     p.add_argument("--log-dir", help="directory for the workers' event files (for `report`)")
