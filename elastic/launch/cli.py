@@ -11,7 +11,6 @@ import argparse
 import logging
 import math
 import os
-import shlex
 import sys
 import threading
 import time
@@ -238,8 +237,10 @@ def cmd_run(argv: Sequence[str]) -> int:
         raise UsageError(f"elastic run: {exc}") from None
     _remove_leftovers()
     if spec.checkpoint and not spec.plain:
+        from elastic.launch.checkpoint_claim import CheckpointClaim  # noqa: PLC0415
         from elastic.launch.preflight import check_checkpoint  # noqa: PLC0415 (imports torch)
         check_checkpoint(spec.checkpoint, spec.timeouts)
+        CheckpointClaim(spec.checkpoint, spec.job_id, spec.timeouts).check()
     if spec.etcd:
         _check_etcd(spec.etcd, spec.security, "elastic run")
         return _launch(spec, embedded=False)
@@ -280,33 +281,8 @@ def _with_etcd(spec, url: str):  # noqa: ANN001, ANN202 (LaunchSpec is imported 
     return replace(spec, etcd=url)
 
 
-def join_command(spec) -> str:  # noqa: ANN001 (LaunchSpec is imported lazily)
-    """The command that adds a worker of ``spec``'s job from another terminal."""
-    parts = ["elastic", "run", "--etcd", spec.etcd, "--job-id", spec.job_id,
-             "-n", str(spec.nproc if spec.plain else 1), *spec.security.as_flags()]
-    if spec.plain:
-        parts.append("--plain")
-    if spec.min_workers != 1:
-        parts += ["--min-workers", str(spec.min_workers)]
-    if spec.max_workers is not None:
-        parts += ["--max-workers", str(spec.max_workers)]
-    if spec.checkpoint:
-        parts += ["--checkpoint", spec.checkpoint]
-    if spec.backend != "auto":
-        parts += ["--backend", spec.backend]
-    if spec.log_dir:
-        parts += ["--log-dir", spec.log_dir]
-    defaults = Timeouts()
-    for field, flag in _TIMEOUT_FLAGS.items():  # the same budget on every node
-        if getattr(spec.timeouts, field) != getattr(defaults, field):
-            parts += [flag, f"{getattr(spec.timeouts, field).total_seconds():g}"]
-    joined = shlex.join(parts + list(spec.command[1:]))
-    if spec.security.password:  # never the password itself
-        joined = f"ELASTIC_ETCD_PASSWORD=... {joined}"
-    return joined
-
-
 def _launch(spec, embedded) -> int:  # noqa: ANN001 (imported lazily: EmbeddedEtcd or False)
+    from elastic.launch.launch_spec import join_command  # noqa: PLC0415
     from elastic.launch.launcher import Launcher  # noqa: PLC0415
     launcher = Launcher(spec)
     try:

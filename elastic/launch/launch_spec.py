@@ -8,6 +8,7 @@ Reads no environment variables itself.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -125,3 +126,30 @@ class LaunchSpec:
         user did not choose a thread count (each would otherwise start one intra-op thread per
         core and they would fight over the cores; torchrun does the same)."""
         return self.nproc + self.spares > 1 and "OMP_NUM_THREADS" not in self.env
+
+
+def join_command(spec: LaunchSpec) -> str:
+    """The command that adds a worker of ``spec``'s job from another terminal."""
+    parts = ["elastic", "run", "--etcd", spec.etcd, "--job-id", spec.job_id,
+             "-n", str(spec.nproc if spec.plain else 1), *spec.security.as_flags()]
+    if spec.plain:
+        parts.append("--plain")
+    if spec.min_workers != 1:
+        parts += ["--min-workers", str(spec.min_workers)]
+    if spec.max_workers is not None:
+        parts += ["--max-workers", str(spec.max_workers)]
+    if spec.checkpoint:
+        parts += ["--checkpoint", spec.checkpoint]
+    if spec.backend != "auto":
+        parts += ["--backend", spec.backend]
+    if spec.log_dir:
+        parts += ["--log-dir", spec.log_dir]
+    defaults = Timeouts()
+    for field_name in Timeouts.FLAGS:  # the same budget on every node
+        if getattr(spec.timeouts, field_name) != getattr(defaults, field_name):
+            parts += [str(Timeouts.flag_name(field_name)),
+                      f"{getattr(spec.timeouts, field_name).total_seconds():g}"]
+    joined = shlex.join(parts + list(spec.command[1:]))
+    if spec.security.password:  # never the password itself
+        joined = f"ELASTIC_ETCD_PASSWORD=... {joined}"
+    return joined
