@@ -367,8 +367,10 @@ COMMANDS = {"run": cmd_run, "status": cmd_status, "report": cmd_report, "etcd": 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``elastic`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "WARNING").upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    level = os.environ.get("ELASTIC_LOG_LEVEL", "WARNING").upper()
+    # Warnings read like the launcher's own lines; asked for more, each line has its time.
+    logging.basicConfig(level=level, format="elastic: %(message)s" if level == "WARNING"
+                        else "%(asctime)s %(name)s %(levelname)s %(message)s")
     if argv and argv[0] in ("--version", "-V"):
         from elastic.launch.version import describe  # noqa: PLC0415
         print(describe())

@@ -76,3 +76,16 @@ def test_run_help_lists_the_defaults_and_the_torchrun_spellings(capsys):
     assert "--nproc_per_node (and the underscore spelling of every flag above)" in shown
     for flag in (*NOT_NEEDED, *INSTEAD):
         assert flag in shown, flag
+
+
+def test_a_launcher_warning_reads_like_its_other_lines_without_a_timestamp():
+    import os
+    import subprocess
+    import sys
+
+    script = ("import logging; from elastic.launch.cli import main; main(['--version']); "
+              "logging.getLogger('elastic.launch.x').warning('could not write %s', 'it')")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, env={k: v for k, v in os.environ.items()
+                                           if k != "ELASTIC_LOG_LEVEL"})
+    assert done.stderr.splitlines() == ["elastic: could not write it"], done.stderr
