@@ -157,7 +157,9 @@ class Launcher:
             if self.spec.plain:
                 from elastic.launch.plain import PlainGenerations  # noqa: PLC0415 (torch import)
                 return PlainGenerations(self).run()
-            return self._run_elastic()
+            code = self._run_elastic()
+            self._serve_others()
+            return code
         finally:
             restore()
             self.procs.kill()
@@ -198,6 +200,36 @@ class Launcher:
             self.etcd_exit.said = True
             _say(self.etcd_exit.message())
         return True
+
+    def _serve_others(self) -> None:
+        """Keeps the embedded etcd this launcher holds serving while other launchers are in the
+        job (their workers train on without this node's), saying so in one line; a second
+        Ctrl-C, or their leaving, ends the wait."""
+        if self.etcd_exit is None or self.stop.forced.is_set() or self.is_etcd_lost():
+            return
+        others = self._other_launchers()
+        if not others:
+            return
+        _say(f"this launcher holds the job's embedded etcd: it keeps serving the {others} other "
+             "launcher(s) until they leave (Ctrl-C again ends it now, and their job with it)")
+        self.stop.again = "asked again: ending the embedded etcd now"
+        wake_s = self.spec.timeouts.wake.total_seconds()
+        while not self.stop.forced.is_set() and not self.is_etcd_lost():
+            if not self._other_launchers():
+                _say("the other launchers left; ending the embedded etcd")
+                return
+            self.procs.changed.wait(wake_s)
+            self.procs.changed.clear()
+
+    def _other_launchers(self) -> int:
+        """How many other launchers are registered in the job (0 when etcd cannot say)."""
+        assert self.client is not None and self.membership is not None
+        launchers = self.keys.launchers()
+        try:
+            kvs, _ = self.client.get_prefix(launchers.members)
+        except EtcdUnavailableError:
+            return 0
+        return sum(kv.key != launchers.member(self.membership.member_id) for kv in kvs)
 
     def close(self) -> None:
         """Leaves the launcher membership and closes the etcd client."""
