@@ -115,13 +115,6 @@ class Timeouts:
     storage_retry: timedelta = _entry(60)
     """Default 60 s (``ELASTIC_STORAGE_RETRY``): how long one checkpoint storage call retries
     transient errors (the checkpoint store's ``retry_for``) before its error is raised."""
-    checkpoint_marker: timedelta = _entry(10)
-    """Default 10 s (``ELASTIC_CHECKPOINT_MARKER``): how often a launcher rewrites its job's
-    marker under ``--checkpoint``."""
-    checkpoint_stale: timedelta = _entry(30)
-    """Default 30 s (``ELASTIC_CHECKPOINT_STALE``): another job's marker under the checkpoint
-    URL younger than this makes a job refuse to start on that URL (an older one is a job that
-    ended without removing it). Keep it a few times ``checkpoint_marker``."""
     final_write: timedelta = _entry(300, "ELASTIC_FINAL_WRITE_TIMEOUT")
     """Default 300 s (``ELASTIC_FINAL_WRITE_TIMEOUT``): how long a worker that is done waits
     for its last checkpoint write; past it the write is abandoned and ``run()`` raises

@@ -237,10 +237,8 @@ def cmd_run(argv: Sequence[str]) -> int:
         raise UsageError(f"elastic run: {exc}") from None
     _remove_leftovers()
     if spec.checkpoint and not spec.plain:
-        from elastic.launch.checkpoint_claim import CheckpointClaim  # noqa: PLC0415
         from elastic.launch.preflight import check_checkpoint  # noqa: PLC0415 (imports torch)
         check_checkpoint(spec.checkpoint, spec.timeouts)
-        CheckpointClaim(spec.checkpoint, spec.job_id, spec.timeouts).check()
     if spec.etcd:
         _check_etcd(spec.etcd, spec.security, "elastic run")
         return _launch(spec, embedded=False)

@@ -23,7 +23,6 @@ from datetime import timedelta
 from elastic.foundation.errors import EtcdUnavailableError
 from elastic.cluster.etcd.client import EtcdClient
 from elastic.launch.job_config import claim
-from elastic.launch.checkpoint_claim import CheckpointClaim
 from elastic.launch.launcher_lease_files import LeaseFiles
 from elastic.launch.metrics import NodeMetrics
 from elastic.launch.node_members import NodeMembers
@@ -146,10 +145,6 @@ class Launcher:
         assert self.client is not None and self.membership is not None, "connect() first"
         restore = self.stop.install()
         self._serve_metrics()
-        claim = None
-        if self.spec.checkpoint and not self.spec.plain:  # one job per checkpoint URL
-            claim = CheckpointClaim(self.spec.checkpoint, self.spec.job_id, self.spec.timeouts)
-            claim.start()
         if self.spec.caps_threads:
             _say(f"OMP_NUM_THREADS=1 for each of the {self.spec.nproc + self.spec.spares} "
                  "workers (set OMP_NUM_THREADS to choose another thread count)")
@@ -165,8 +160,6 @@ class Launcher:
             self.procs.kill()
             if self.metrics is not None:
                 self.metrics.stop()
-            if claim is not None:
-                claim.stop()
 
     def _serve_metrics(self) -> None:
         """Serves Prometheus metrics on ``--metrics-port``; a port that cannot be served is

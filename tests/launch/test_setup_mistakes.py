@@ -74,26 +74,3 @@ def test_a_checkpoint_from_elastic_checkpoint_is_checked_at_launch_like_the_flag
     assert "training started" not in run.text() and "Traceback" not in run.text(), run.text()
     [said] = [line for line in run.text().splitlines() if "is not writable" in line]
     assert "--checkpoint" in said, said
-
-
-def test_a_second_job_on_a_running_jobs_checkpoint_url_is_refused_in_one_line(
-        cli, etcd, tmp_path):
-    from elastic.foundation.timeouts import Timeouts
-    from tests.support.cli import wait_until
-
-    ckpt, job = tmp_path / "ckpt", f"owner-{os.getpid()}"
-    first = cli("run", "--etcd", etcd.url, "--job-id", job, "--checkpoint", str(ckpt),
-                str(WORKERS / "elastic_worker.py"), "--steps", "100000", name="first")
-    wait_until(lambda: list(ckpt.glob(".elastic-live-*")), 60, "the first job's marker",
-               [first])
-    other = cli("run", "--etcd", etcd.url, "--job-id", f"other-{os.getpid()}", "--checkpoint",
-                str(ckpt), NEWCOMER, name="other")
-    assert other.wait(60) == 1, other.text()
-    said = elastic_lines(other.text())
-    assert len(said) == 1 and f"is in use by job '{job}', which is running" in said[0], said
-    assert "training started" not in other.text()
-    from elastic.launch.checkpoint_claim import CheckpointClaim
-    CheckpointClaim(str(ckpt), job, Timeouts()).check()  # the same job (resuming) may start
-    first.proc.terminate()
-    assert first.wait(40) == 0, first.text()
-    assert not list(ckpt.glob(".elastic-live-*")), "the marker outlived the job"
