@@ -68,6 +68,9 @@ REGISTRY: dict[str, Benchmark] = {
     "soak": Benchmark(
         "soak.py", ("--minutes", "30", "--seed", "1"), "file",
         "30 minutes of seeded random faults: hangs, samples lost, training lost per fault"),
+    "goodput": Benchmark(
+        "soak.py", ("--fault-every", "60", "--duration", "1800", "--turns", "1"), "file",
+        "useful work under a mixed fault a minute over fault-free turns of the same job (95 min)"),
     "checkpoint": Benchmark(
         "bench_checkpoint.py", ("--repeats", "7"), "stdout",
         "a 192 MiB checkpoint saved and loaded against torch.save and dd"),
