@@ -1,5 +1,5 @@
 """The goodput benchmark counts only work that was kept, weighs it by the world that did it, and
-fires its faults on its stated schedule."""
+fires its faults on its stated schedule; torchft stays an optional benchmark extra."""
 
 from __future__ import annotations
 
@@ -69,3 +69,10 @@ def test_a_fault_interval_longer_than_the_run_is_refused_with_the_fix(monkeypatc
     assert exited.value.code == 2
     assert "pick a shorter interval or a longer --duration" in capsys.readouterr().err
 
+
+def test_torchft_is_an_optional_benchmark_extra_and_never_a_dependency():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("torchft")]
+    extras = project["optional-dependencies"]
+    assert not [d for d in extras["test"] if d.startswith("torchft")]
+    assert "torchft==0.2.0" in extras["bench-torchft"]
