@@ -45,6 +45,12 @@ class CheckpointFencedError(CheckpointError):
         self.newer = newer
 
 
+class CheckpointRaceError(CheckpointFencedError):
+    """Another writer published the same step first (a conditional create lost the race): its
+    checkpoint stands untouched, this one was not published. ``newer`` is the winner's
+    checkpoint when it could be read."""
+
+
 class CheckpointWriteError(CheckpointError):
     """Writing a checkpoint failed part-way; the previous checkpoints are untouched."""
 
