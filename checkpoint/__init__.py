@@ -15,6 +15,7 @@ from elastic.checkpoint.errors import (
     CheckpointCredentialsError,
     CheckpointError,
     CheckpointFencedError,
+    CheckpointHeldError,
     CheckpointIncompatibleError,
     CheckpointLocationError,
     CheckpointNotFoundError,
@@ -24,6 +25,7 @@ from elastic.checkpoint.errors import (
     CheckpointUnsafeError,
     CheckpointWriteError,
 )
+from elastic.checkpoint.holder import Holder, UrlClaim
 from elastic.checkpoint.listing import CheckpointRef
 from elastic.checkpoint.probe import check_writable
 from elastic.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest
@@ -37,6 +39,7 @@ __all__ = [
     "CheckpointCredentialsError",
     "CheckpointError",
     "CheckpointFencedError",
+    "CheckpointHeldError",
     "CheckpointIncompatibleError",
     "CheckpointLocationError",
     "CheckpointNotFoundError",
@@ -48,8 +51,10 @@ __all__ = [
     "CheckpointUnsafeError",
     "CheckpointWriteError",
     "FileEntry",
+    "Holder",
     "LoadedCheckpoint",
     "Manifest",
+    "UrlClaim",
     "check_compatible",
     "check_writable",
 ]
