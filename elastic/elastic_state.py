@@ -22,11 +22,12 @@ from typing import Any
 from elastic.agreement import MembershipAgreement
 from elastic.cluster.cluster import Cluster
 from elastic.cluster.rounds.topology import Topology
+from elastic.console_story import ConsoleStory
 from elastic.durable import DurableCommits
 from elastic.error_causes import drop_causes
 from elastic.foundation.errors import ElasticError
 from elastic.foundation.events import EventLog
-from elastic.loop_helpers import batches, ddp, print_main
+from elastic.loop_helpers import batches, ddp, print_main, samples_done
 from elastic.outcome import RunOutcome
 from elastic.recovery import RunLoop
 from elastic.foundation.settings import WorkerSettings
@@ -305,6 +306,7 @@ class ElasticState:
         self._progress_at = now
         step = self._train.value_of("step")
         fields = {"step": step} if isinstance(step, int) and not isinstance(step, bool) else {}
+        fields.update(samples_done(self._train))
         cluster.events.emit("progress", version=version, **fields)
 
     @property
@@ -352,6 +354,7 @@ class ElasticState:
         before_joining(self._checkpoint_in_script, self._settings)
         worker = f"{os.uname().nodename}-{os.getpid()}"
         events = EventLog(self._settings.log_dir, worker)
+        events.listen(ConsoleStory(self._settings.console))
         # Before registering: a SIGTERM that lands as this worker joins asks it to leave.
         restore_signals = self._install_signal_handlers()
         try:
