@@ -235,7 +235,7 @@ class RunLoop:
         with Stopwatch() as synced:
             try:
                 if self._sharded is not None:
-                    self._sharded.choose(topology, self._train)
+                    self._sharded.choose(topology, self._train, cluster.group)
                 src, moved = self._sync_newest(topology)
                 if self._sharded is not None:
                     self._sharded.rebuild(topology, self._train, cluster.events, cluster.group)
