@@ -271,18 +271,26 @@ class ElasticState:
             MembershipChangedInterrupt: after the step: the world changes now.
             LeaveInterrupt: after the step: this worker leaves and the others know it.
             FencedError: this member lost its lease (caught by ``run``).
-            StateError: no optimizer is registered (use ``commit()``), or the state is sharded.
+            StateError: no optimizer is registered (use ``commit()``).
+
+        With sharded state (``parallelize``) the live shards are the commit and are not
+        copied: under HSDP the replicas hold each shard; under pure FSDP a rank's death rolls
+        back to the last ``commit()`` (whose shards have buddy copies), see docs/sharded.md.
         """
-        if self._sharded is not None:
-            raise StateError("commit_step() does not take sharded state (parallelize=) yet; "
-                             "use commit(), which keeps buddy copies of every shard.")
         if self._cluster is not None:
             self._cluster.membership.check_not_fenced()
+        if self._sharded is not None:
+            self._sharded.before_commit()
         agreement = self._start_agreement()
         if agreement is not None:
             agreement.wait()  # a failed peer ends the step here, on every rank
         yield
-        self._committed(self._train.commit_live(), agreement)
+        if self._sharded is None:
+            self._committed(self._train.commit_live(), agreement)
+            return
+        version = self._train.commit()  # the small state; the shards are live
+        self._sharded.commit_live(self._train)
+        self._committed(version, agreement)
 
     def check_membership(self) -> None:
         """The membership agreement of ``commit()`` without a snapshot.

@@ -57,9 +57,10 @@ def _worlds(job, index: int) -> list[int]:
     return seen
 
 
-def _kill_then_join(make_job, extra: list[str], fault: str) -> None:
+def _kill_then_join(make_job, extra: list[str], fault: str, rollback: bool = True) -> None:
     """4 workers; the rank named by ``fault`` dies after step 10; the survivors carry on at 3
-    and hold at step 16 until a fifth worker joins them back to 4."""
+    (after redoing steps 9 and 10 from the commit of step 8 when ``rollback``) and hold at
+    step 16 until a fifth worker joins them back to 4."""
     reference = _reference(make_job)
     job = make_job(ARGS + extra + ["--hold-at", "16:4"], {"FAULT": fault}, script=SCRIPT)
     job.start_together(range(4))
@@ -71,6 +72,8 @@ def _kill_then_join(make_job, extra: list[str], fault: str) -> None:
     job.start(4)
     _check(job, reference, survivors + [4])
     assert _worlds(job, survivors[0]) == [4, 3, 4]
+    steps = [p["step"] for p in job.progress(survivors[0]) if "loss" in p]
+    assert steps.count(10) == (2 if rollback else 1), steps
     moves = {(e["from_world"], e["to_world"]) for e in job.events() if e["event"] == "resharded"}
     assert {(4, 3), (3, 4)} <= moves, moves
 
@@ -81,6 +84,11 @@ def test_fsdp_four_to_three_by_a_kill_and_back_to_four_by_a_join_keeps_the_math(
 
 def test_hsdp_two_by_two_losing_a_rank_trains_on_as_fsdp_over_three_and_regains_it(make_job):
     _kill_then_join(make_job, ["--shard-degree", "2"], "kill:3:10:4")
+
+
+def test_hsdp_with_copy_free_commits_loses_a_rank_without_a_rollback_and_regains_it(make_job):
+    _kill_then_join(make_job, ["--shard-degree", "2", "--copy-free"], "kill:0:10:4",
+                    rollback=False)
 
 
 def test_fsdp_four_to_two_by_two_kills_that_leave_a_holder_of_every_shard(make_job):
