@@ -148,6 +148,7 @@ class WorkerSettings:
     launcher: str | None = None  # ELASTIC_LAUNCHER: the launcher that started this worker
     launcher_workers: int = 0  # LOCAL_WORLD_SIZE under that launcher (0: started by hand)
     launcher_pid: int | None = None  # ELASTIC_LAUNCHER_PID: this worker's parent, the launcher
+    started_from: str = "python"  # ELASTIC_STARTED_FROM: "template" when forked warm
 
     @staticmethod
     def resolve(*, etcd: str | None, job_id: str | None, min_workers: int | None,
@@ -182,6 +183,7 @@ class WorkerSettings:
             launcher_workers=(_env_int("LOCAL_WORLD_SIZE") or 0) if env.get("ELASTIC_LAUNCHER")
             else 0,
             launcher_pid=_env_int("ELASTIC_LAUNCHER_PID"),
+            started_from=env.get("ELASTIC_STARTED_FROM") or "python",
         )
         settings.validate()
         return settings

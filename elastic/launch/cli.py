@@ -30,7 +30,7 @@ USAGE_ERROR = 2
 _TIMEOUT_FLAGS = {field: str(Timeouts.flag_name(field)) for field in Timeouts.FLAGS}
 _VALUE_OPTIONS = {"--etcd", "--job-id", "-n", "--nproc-per-node", "--spares", "--min-workers",
                   "--max-workers", "--max-restarts", "--checkpoint", "--backend",
-                  "--advertise-addr", "--log-dir", "--tee", "--local-ranks-filter",
+                  "--advertise-addr", "--log-dir", "--tee", "--local-ranks-filter", "--preload",
                   *_TIMEOUT_FLAGS.values(), *EtcdSecurity.FLAGS.values()}
 
 
@@ -114,6 +114,12 @@ def _run_parser() -> _Parser:
     p.add_argument("--spares", type=int, default=0, metavar="K",
                    help="warm spare workers on this node: started, imported and registered, "
                         "they train only in place of a worker that died (default 0)")
+    p.add_argument("--no-warm-start", action="store_false", dest="warm_start",
+                   help="start every worker as a new Python process, not forked from a "
+                        "template that imported torch and the script's imports once")
+    p.add_argument("--preload", default="", metavar="MOD[,MOD...]",
+                   help="modules the warm-start template also imports (besides torch and the "
+                        "script's top-level imports)")
     p.add_argument("--node-lease", action="store_true",
                    help="this node's workers share the launcher's etcd lease instead of each "
                         "keeping one alive (for jobs of many nodes: one lease renewal per node); "
@@ -200,6 +206,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     job_id = _check_job_id(args.job_id, "elastic run") if args.job_id else _fresh_job_id()
     from elastic.launch.launch_spec import LaunchSpec  # noqa: PLC0415 (keeps `--help` fast)
     from elastic.launch.output import OutputOptions  # noqa: PLC0415
+    from elastic.launch.preload import parse_preload  # noqa: PLC0415
     log_dir = str(Path(args.log_dir).resolve()) if args.log_dir else None
     try:
         spec = LaunchSpec(
@@ -211,7 +218,8 @@ def cmd_run(argv: Sequence[str]) -> int:
             log_dir=log_dir, timeouts=_timeouts(args), plain=args.plain,
             env={**os.environ, **({"ELASTIC_RESUME_FINISHED": "1"} if args.resume_finished
                                   else {})},
-            output=OutputOptions.from_args(args, log_dir), security=_security(args))
+            output=OutputOptions.from_args(args, log_dir), security=_security(args),
+            warm_start=args.warm_start, preload=parse_preload(args.preload))
     except ValueError as exc:
         raise UsageError(f"elastic run: {exc}") from None
     _remove_leftovers()

@@ -45,6 +45,9 @@ class LaunchSpec:
         env: the environment workers start from (the CLI's, plus the ELASTIC_* variables).
         security: etcd's TLS files and user, passed on to the workers as ELASTIC_ETCD_*.
         output: how the workers' output is shown (prefixes, --tee files, a filter).
+        warm_start: fork the workers from a template process that imported their modules
+            once (``elastic.launch.warm_start``); False: each starts as a new interpreter.
+        preload: modules the template imports besides torch and the script's own imports.
     """
 
     command: tuple[str, ...]
@@ -66,6 +69,8 @@ class LaunchSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     security: EtcdSecurity = EtcdSecurity()
     output: OutputOptions = OutputOptions()
+    warm_start: bool = True
+    preload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -82,6 +87,9 @@ class LaunchSpec:
         if self.spares and self.plain:
             raise ValueError("--spares works with elastic workers only: --plain restarts every "
                              "worker at each failure, so a spare would gain nothing.")
+        if self.preload and (self.plain or not self.warm_start):
+            raise ValueError("--preload needs the warm start: it names what the template "
+                             "imports, and --plain or --no-warm-start start no template.")
         if self.node_lease and self.plain:
             raise ValueError("--node-lease works with elastic workers only: --plain workers "
                              "hold no etcd lease.")
