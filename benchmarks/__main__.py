@@ -75,6 +75,10 @@ REGISTRY: dict[str, Benchmark] = {
     "checkpoint": Benchmark(
         "bench_checkpoint.py", ("--repeats", "7"), "stdout",
         "a 192 MiB checkpoint saved and loaded against torch.save and dd"),
+    "checkpoint-io": Benchmark(
+        "bench_checkpoint_io.py", ("--repeats", "3"), "file",
+        "checkpoint load peak RSS vs the payload (streamed vs whole-file), save vs raw fsspec "
+        "write (--small: a quick check)"),
     "equivalence": Benchmark(
         "plot_equivalence.py", ("--out", str(REPO / "docs" / "loss_curves.png")), "stdout",
         "an elastic 3->2->3->2 job against an uninterrupted one (plot: docs/loss_curves.png)"),
