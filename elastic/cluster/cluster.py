@@ -116,7 +116,8 @@ class Cluster:
             carry = self.rendezvous.first_join("start", version, self._port, self._came_from())
         self.membership.register(carry)
         self.events.bind(member=self.membership.member_id)
-        self.events.emit("joined", lease_ttl_s=self.settings.timeouts.lease_ttl.total_seconds())
+        self.events.emit("joined", lease_ttl_s=self.settings.timeouts.lease_ttl.total_seconds(),
+                         started_from=self.settings.started_from)
 
     def _node_lease(self) -> NodeLease | None:
         """The node's lease, for this process's first identity only (``--node-lease``): a

@@ -161,6 +161,17 @@ class Timeouts:
     of a crashed worker's replacement while the survivors re-form without it (it starts
     ``settle`` after their next round formed; a cold start's seconds of CPU would otherwise
     compete with them)."""
+    template_ready: timedelta = _entry(120)
+    """Default 120 s (``ELASTIC_TEMPLATE_READY``): how long ``elastic run``'s warm-start
+    template may take to import torch and the script's imports before workers start cold."""
+    fork: timedelta = _entry(5)
+    """Default 5 s (``ELASTIC_FORK``): how long the warm-start template may take to answer one
+    request for a worker (a fork: milliseconds) before it is given up and workers start cold;
+    also how long a forked worker waits to be adopted by the launcher."""
+    warm_connect: timedelta = _entry(0.3)
+    """Default 0.3 s (``ELASTIC_WARM_CONNECT``): the same hold for a replacement forked from the
+    warm-start template (no imports, but the script's own setup still competes with the
+    survivors' first step)."""
     grace: timedelta = _entry(30)
     """Default 30 s (``ELASTIC_GRACE``, ``--grace``): how long workers get to leave after
     Ctrl-C/SIGTERM before they are killed."""

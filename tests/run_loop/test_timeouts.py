@@ -30,7 +30,8 @@ DEFAULTS_S = {
     "progress": 0.5, "storage_retry": 60, "final_write": 300, "checkpoint_claim": 60, "etcd_rpc": 3, "etcd_retry": 10, "etcd_outage": 600,
     "connect": 5,
     "backoff": 0.05, "backoff_max": 1, "reconnect": 0.2, "etcd_ping": 5, "etcd_ping_timeout": 2,
-    "etcd_start": 20, "replace_wait": 2, "grace": 30, "restart_grace": 3, "shutdown": 5, "drain": 0.2, "reap": 10,
+    "etcd_start": 20, "replace_wait": 2, "template_ready": 120, "fork": 5, "warm_connect": 0.3,
+    "grace": 30, "restart_grace": 3, "shutdown": 5, "drain": 0.2, "reap": 10,
     "wake": 1,
     "poll": 0.05,
 }
