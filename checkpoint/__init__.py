@@ -15,14 +15,17 @@ from elastic.checkpoint.errors import (
     CheckpointCredentialsError,
     CheckpointError,
     CheckpointFencedError,
+    CheckpointHeldError,
     CheckpointIncompatibleError,
     CheckpointLocationError,
     CheckpointNotFoundError,
+    CheckpointRaceError,
     CheckpointReadError,
     CheckpointStorageError,
     CheckpointUnsafeError,
     CheckpointWriteError,
 )
+from elastic.checkpoint.holder import Holder, UrlClaim
 from elastic.checkpoint.listing import CheckpointRef
 from elastic.checkpoint.probe import check_writable
 from elastic.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest
@@ -36,9 +39,11 @@ __all__ = [
     "CheckpointCredentialsError",
     "CheckpointError",
     "CheckpointFencedError",
+    "CheckpointHeldError",
     "CheckpointIncompatibleError",
     "CheckpointLocationError",
     "CheckpointNotFoundError",
+    "CheckpointRaceError",
     "CheckpointRef",
     "CheckpointReadError",
     "CheckpointStorageError",
@@ -46,8 +51,10 @@ __all__ = [
     "CheckpointUnsafeError",
     "CheckpointWriteError",
     "FileEntry",
+    "Holder",
     "LoadedCheckpoint",
     "Manifest",
+    "UrlClaim",
     "check_compatible",
     "check_writable",
 ]

@@ -22,10 +22,12 @@ from elastic.checkpoint.errors import (
     CheckpointError,
     CheckpointFencedError,
     CheckpointNotFoundError,
+    CheckpointRaceError,
     CheckpointReadError,
     CheckpointStorageError,
     CheckpointWriteError,
 )
+from elastic.checkpoint.fence import check_fence, race_lost
 from elastic.checkpoint.listing import CheckpointRef, Scan, scan_checkpoints
 from elastic.checkpoint.manifest import MANIFEST_NAME, Manifest, checked_metadata, step_dir_name
 from elastic.checkpoint.payload import (PAYLOAD_NAME, HostStaging, read_payload, to_host,
@@ -123,6 +125,8 @@ class CheckpointStore:
             ValueError: Bad step or metadata. TypeError: a value that cannot be saved.
             CheckpointError: ``step`` already has a checkpoint, or the store is closed.
             CheckpointFencedError: A newer generation has already published.
+            CheckpointRaceError: Another writer published ``step`` first (a conditional
+                create lost; its checkpoint is left as it is).
             CheckpointWriteError: The storage failed; earlier checkpoints are untouched.
         """
         meta = checked_metadata(step, metadata)
@@ -242,10 +246,12 @@ class CheckpointStore:
                 self._check_fence(self._scan(), manifest.generation, step)
             if before_publish is not None:
                 before_publish()
-            self._storage.write_bytes(f"{step_dir}/{MANIFEST_NAME}", manifest.to_json())
+            self._publish(step, f"{step_dir}/{MANIFEST_NAME}", manifest)
             self._storage.sync_dir(step_dir)
             self._storage.sync_dir(self._storage.root)
             return manifest
+        except CheckpointRaceError:
+            raise  # the directory holds the winner's checkpoint now: nothing of it is ours
         except CheckpointFencedError:
             self._discard(step_dir)
             raise
@@ -255,6 +261,25 @@ class CheckpointStore:
             raise CheckpointWriteError(
                 f"writing checkpoint step {step} to {self._dir_url(step)} failed: {exc!r}. "
                 f"Earlier checkpoints are intact; training can go on and save again.") from exc
+
+    def _publish(self, step: int, path: str, manifest: Manifest) -> None:
+        """Creates the manifest, never over one that is there (``Storage.create_bytes``).
+
+        Raises:
+            CheckpointRaceError: another writer published ``step`` first.
+        """
+        try:
+            self._storage.create_bytes(path, manifest.to_json())
+        except FileExistsError as exc:
+            raise race_lost(step, manifest.generation, self._dir_url(step),
+                            self._published_at(step)) from exc
+
+    def _published_at(self, step: int) -> CheckpointRef | None:
+        """The complete checkpoint of ``step`` (None: none, or the storage cannot be listed)."""
+        try:
+            return next((r for r in self._scan().valid if r.step == step), None)
+        except CheckpointError:
+            return None
 
     def _discard(self, step_dir: str) -> None:
         try:
@@ -279,17 +304,7 @@ class CheckpointStore:
             raise fenced from exc
 
     def _check_fence(self, scan: Scan, generation: int | None, step: int) -> None:
-        if generation is None:
-            return
-        fenced = [r for r in scan.valid if r.generation is not None and r.generation > generation]
-        if fenced:
-            newer = max(fenced, key=lambda r: (r.generation, r.step))
-            writer = newer.metadata.get("job_id")
-            raise CheckpointFencedError(
-                f"step {step} from generation {generation} was not published: generation "
-                f"{newer.generation}{f' of job {writer!r}' if writer else ''} has already "
-                f"written to {self._url}. This writer is stale; rejoin the job to get the "
-                "current generation.", newer=newer)
+        check_fence(scan, generation, step, self._url)
 
     # -- reading -----------------------------------------------------------------------------
 
