@@ -46,7 +46,7 @@ def test_a_stopped_worker_is_left_out_by_its_heartbeats_while_its_lease_lives(ma
 @pytest.mark.parametrize("kind", ["python", "native", "gc", "starve"])
 def test_a_busy_worker_is_never_taken_for_a_frozen_one(make_job, kind):
     """At the default frozen timeout (0.5 s): each lasts four times as long (the starved CPU
-    six times), the collection of two million lists longer than it."""
+    six times), one full collection of a heap of lists longer than it (up to twice)."""
     busy_ms = 2000 if kind != "starve" else 3000
     job = make_job(SHORT + ["--step-ms", "20"],
                    {"FAULTS": f"{kind}:1:8", "SLOW_STEP_MS": str(busy_ms),

@@ -51,14 +51,19 @@ def busy(kind: str, out: Path, index: int, seconds: float) -> None:
         x = torch.full((2048, 2048), 0.01, dtype=torch.float32)
         while time.monotonic() - started < seconds:
             torch.mm(x, x)  # a long op that releases the GIL
-    elif kind == "gc":
+    elif kind == "gc":  # a heap grown until one full collection lasts half of ``seconds``
         gc.disable()
-        heap = [[i] for i in range(int(os.environ.get("GC_OBJECTS", "2000000")))]
-        collecting = time.monotonic()
-        gc.collect()  # stops every thread of the process for its whole length
-        report["collect_s"] = time.monotonic() - collecting
+        heap: list[list[int]] = []
+        while len(heap) < 8_000_000:
+            heap.extend([i] for i in range(1_000_000))
+            collecting = time.monotonic()
+            gc.collect()  # stops every thread of the process for its whole length
+            report["collect_s"] = time.monotonic() - collecting
+            if report["collect_s"] >= seconds / 2:
+                break
+        report["objects"] = len(heap)
         gc.enable()
-        del heap
+        del heap  # freed in one call, holding the GIL too
     elif kind == "starve":
         cpu = min(os.sched_getaffinity(0))
         sibling = subprocess.Popen([sys.executable, "-c", _SIBLING, str(os.getpid()),
