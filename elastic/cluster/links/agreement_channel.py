@@ -32,7 +32,6 @@ kernel keeps its connection open. No torch.
 from __future__ import annotations
 
 import logging
-import select
 import socket
 import struct
 import threading
