@@ -32,6 +32,7 @@ from elastic.foundation.events import EventLog, Stopwatch
 from elastic.state import ElasticSampler, StateError, TrainState
 from elastic.state.errors import PayloadFormatError
 from elastic.state.sync import DURABLE_UNREADABLE, Source, newest_source
+from elastic.sharded import ShardedRuntime
 from elastic.foundation.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
@@ -109,12 +110,14 @@ class RunLoop:
         leave_requested: set when this worker should leave at its next commit.
         on_formed: called with the topology after every formation, once the state is synced.
         sync_timeout: bound on each broadcast of the state after forming.
+        sharded: the sharded objects and their commits, rebuilt at every formation, or None.
     """
 
     def __init__(self, cluster: Cluster, train: TrainState, durable: DurableCommits | None,
                  leave_requested: threading.Event, on_formed: Callable[[Topology], None],
-                 sync_timeout: timedelta) -> None:
+                 sync_timeout: timedelta, sharded: ShardedRuntime | None = None) -> None:
         self._cluster = cluster
+        self._sharded = sharded
         self._train = train
         self._durable = durable
         self._leave_requested = leave_requested
@@ -123,6 +126,7 @@ class RunLoop:
         self._lineage = 0  # the round whose members held this worker's state when it formed
         self._initial_version = train.version  # a commit no newer than this is no progress
         self._outage = EtcdOutage(cluster.settings.timeouts, cluster.events, leave_requested)
+        self._live_step: int | None = None  # the step a failure interrupted (for the story)
 
     def run(self, call: Callable[[], Any]) -> Any:
         """Forms, calls ``call()``, and on a change or a peer failure forms again.
@@ -151,7 +155,7 @@ class RunLoop:
                 reason = formed.reason
                 continue
             events.emit("resumed", reason=reason, recovery_s=recovery.seconds,
-                        version=self._train.version)
+                        version=self._train.version, **self._steps())
             outcome = self._call(call)
             if isinstance(outcome, _Left):
                 events.emit("leaving", version=self._train.version)
@@ -165,6 +169,18 @@ class RunLoop:
         raise PeerFailureError(
             f"gave up after {MAX_REFORMATIONS} re-formations: some worker keeps failing. Look "
             "for a crash loop in the workers' logs or the 'error' events of --log-dir.")
+
+    def _step(self) -> int | None:
+        step = self._train.value_of("step")
+        return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+    def _steps(self) -> dict[str, int]:
+        """The registered ``step`` after a formation, and how many steps the last failure
+        rolled back (for the console's story; empty without a ``step``)."""
+        step, live, self._live_step = self._step(), self._live_step, None
+        if step is None:
+            return {}
+        return {"step": step, **({"rolled_back": live - step} if live is not None else {})}
 
     def _form(self, reason: str) -> _Left | _Retry | None:
         """One formation; a _Retry when a peer failed while forming or etcd could not be
@@ -211,6 +227,7 @@ class RunLoop:
                 events.emit("error", error=repr(exc)[:500])
                 raise
             events.emit("failure_detected", source="collective", error=repr(exc)[:300])
+        self._live_step = self._step()
         self._train.restore()  # outside the handler: the traceback (and the old DDP) are freed
         gc.collect()
         return _Retry("failure")
@@ -222,6 +239,8 @@ class RunLoop:
             PeerFailureError: a peer failed while forming or while the state moved.
         """
         cluster = self._cluster
+        if self._sharded is not None:
+            self._sharded.settle()  # its copies travel on a group the formation destroys
         topology = cluster.form(reason, self._train.version, self._leave_requested.is_set)
         os.environ.update(round_environment(topology))
         # A warm spare that took a place is a member now: restarted in place, it comes back as
@@ -229,7 +248,11 @@ class RunLoop:
         os.environ.pop("ELASTIC_STANDBY", None)
         with Stopwatch() as synced:
             try:
+                if self._sharded is not None:
+                    self._sharded.choose(topology, self._train, cluster.group)
                 src, moved = self._sync_newest(topology)
+                if self._sharded is not None:
+                    self._sharded.rebuild(topology, self._train, cluster.events, cluster.group)
             except PayloadFormatError as exc:  # the source is broken or hostile: none of it ran
                 raise PeerFailureError(f"refused the state sent in round {topology.round}: "
                                        f"{exc}") from exc
