@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-import pytest
 import torch
 
 from elastic.cluster.links.process_group import ProcessGroup
@@ -17,7 +16,6 @@ from elastic.state.sharded.commits import ShardCommit
 from elastic.state.sharded.layout import TensorSpec
 from tests.support.gloo_group import run_in_group
 
-pytestmark = pytest.mark.unit
 
 
 def _parallelize(mesh):

@@ -16,7 +16,6 @@ from elastic.state.sharded.layout import (ShardLostError, TensorSpec, holders_of
 from elastic.state.sharded.moves import assemble
 from tests.support.gloo_group import run_in_group
 
-pytestmark = pytest.mark.unit
 
 SPECS = {"a": TensorSpec(7, 16), "b": TensorSpec(13, 8), "step": TensorSpec(1, 4, False)}
 
@@ -43,6 +42,7 @@ def _commit(version: int, world: int, own: int, held: tuple[int, ...] = ()) -> S
     return commit
 
 
+@pytest.mark.unit
 def test_a_report_row_reads_back_as_the_commits_and_shards_a_rank_holds():
     commits = ShardCommits(max_held=2)
     commits.add(_commit(3, 4, 1, (0,)))
@@ -51,6 +51,7 @@ def test_a_report_row_reads_back_as_the_commits_and_shards_a_rank_holds():
         Holding(3, 4, 4, 1, frozenset({0, 1})), Holding(4, 4, 4, 1, frozenset({1}))]
 
 
+@pytest.mark.unit
 def test_a_new_commit_drops_the_oldest_and_any_rolled_back_future():
     commits = ShardCommits(max_held=2)
     for version in (1, 2, 3):
@@ -62,6 +63,7 @@ def test_a_new_commit_drops_the_oldest_and_any_rolled_back_future():
     assert [h.version for h in read_report(commits.report().tolist(), 2)] == [2]
 
 
+@pytest.mark.unit
 def test_a_live_commit_is_kept_only_while_it_is_the_newest():
     commits = ShardCommits(max_held=2)
     commits.add(_commit(1, 2, 0))
@@ -74,6 +76,7 @@ def test_a_live_commit_is_kept_only_while_it_is_the_newest():
     assert [h.version for h in read_report(commits.report().tolist(), 2)] == [1, 4]
 
 
+@pytest.mark.unit
 def test_the_newest_commit_held_whole_is_chosen_and_a_partly_copied_one_is_passed_over():
     # version 5's buddy copies had not landed when old rank 2 died; version 4's had
     ranks = [[Holding(4, 3, 3, 0, frozenset({0, 2})), Holding(5, 3, 3, 0, frozenset({0}))],
@@ -84,6 +87,7 @@ def test_the_newest_commit_held_whole_is_chosen_and_a_partly_copied_one_is_passe
     assert choice.owners_alive == (True, True, False)
 
 
+@pytest.mark.unit
 def test_no_holdings_mean_a_fresh_start_and_a_gap_in_every_commit_is_a_lost_shard():
     assert choose([[], []]) is None
     with pytest.raises(ShardLostError, match="version 5"):

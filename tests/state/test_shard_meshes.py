@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import datetime
 
-import pytest
 import torch
 
 from tests.support.gloo_group import run_in_group
 
-pytestmark = pytest.mark.unit
 
 
 def _two_rounds(rank: int, world: int, store_dir: str, forget: bool) -> str:
