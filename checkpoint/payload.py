@@ -201,6 +201,18 @@ def _local_digest(storage: Storage, path: str) -> tuple[int, str]:
     return size, sha.hexdigest()
 
 
+def file_entry(storage: Storage, path: str) -> FileEntry:
+    """Reads ``path`` back and returns its size and sha256 (for files written by others).
+
+    Raises:
+        OSError: (or the filesystem's own error) the file is missing or unreadable.
+    """
+    if storage.is_local:
+        return FileEntry(*_local_digest(storage, path))
+    data = storage.read_bytes(path)
+    return FileEntry(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+
 def verify_payload(storage: Storage, path: str, expected: FileEntry) -> Any:
     """Checks ``path``'s size and sha256 against its manifest entry.
 

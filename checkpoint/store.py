@@ -12,44 +12,23 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 from elastic.checkpoint.backend import DEFAULT_RETRY_FOR, Storage, resolve_filesystem
-from elastic.checkpoint.errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointFencedError,
-    CheckpointNotFoundError,
-    CheckpointReadError,
-    CheckpointStorageError,
-    CheckpointWriteError,
-)
+from elastic.checkpoint.errors import (CheckpointError, CheckpointFencedError,
+                                       CheckpointWriteError)
+from elastic.checkpoint.fence import check_fence, check_fence_after
 from elastic.checkpoint.listing import CheckpointRef, Scan, scan_checkpoints
-from elastic.checkpoint.manifest import MANIFEST_NAME, Manifest, checked_metadata, step_dir_name
-from elastic.checkpoint.payload import (PAYLOAD_NAME, HostStaging, read_payload, to_host,
-                                        write_payload)
+from elastic.checkpoint.manifest import (MANIFEST_NAME, PAYLOAD_FORMAT, FileEntry, Manifest,
+                                        checked_metadata, step_dir_name)
+from elastic.checkpoint.payload import PAYLOAD_NAME, HostStaging, to_host, write_payload
+from elastic.checkpoint.reading import LoadedCheckpoint, newest_readable, read_checkpoint
 from elastic.checkpoint.retention import Retention
 
 logger = logging.getLogger(__name__)
 #: Storage failures that a write translates into CheckpointWriteError.
 _WRITE_FAILURES = (OSError, RuntimeError, ValueError)
-
-
-@dataclass(frozen=True)
-class LoadedCheckpoint:
-    """What ``CheckpointStore.load`` returns.
-
-    Attributes:
-        ref: The checkpoint that was read.
-        state_dict: The decoded state (tensors on the CPU).
-        metadata: The metadata saved with it.
-    """
-
-    ref: CheckpointRef
-    state_dict: Any
-    metadata: Mapping[str, Any]
 
 
 class CheckpointStore:
@@ -74,7 +53,8 @@ class CheckpointStore:
                  retry_for: timedelta = DEFAULT_RETRY_FOR) -> None:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep ({keep!r}) must be an int >= 1, or None to keep all.")
-        fs, root = resolve_filesystem(url, dict(storage_options or {}))
+        self._storage_options = dict(storage_options or {})
+        fs, root = resolve_filesystem(url, self._storage_options)
         self._storage = Storage(fs, root, retry_for)
         self._url = url
         self._keep = keep
@@ -209,6 +189,74 @@ class CheckpointStore:
 
     def _write(self, step: int, payload: Any, meta: dict[str, Any],
                before_publish: Callable[[], None] | None) -> CheckpointRef:
+        step_dir = self._claim(step, meta)
+        self._writing_step = step
+        try:
+            try:
+                files = {PAYLOAD_NAME: write_payload(self._storage, f"{step_dir}/{PAYLOAD_NAME}",
+                                                     payload)}
+            except _WRITE_FAILURES as exc:
+                self._failed_write(step, step_dir, meta, exc)
+            manifest = self._publish(step, step_dir, files, meta, PAYLOAD_FORMAT, before_publish)
+        finally:
+            self._writing_step = None
+        return self._published(step, manifest)
+
+    # -- files written by others (every rank's shards of a sharded checkpoint) ---------------
+
+    def open_step(self, step: int, metadata: Mapping[str, Any] | None = None) -> str:
+        """Readies ``step``'s directory for files others write there (every rank's shards);
+        :meth:`publish_files` then makes it a checkpoint. Returns the directory's URL.
+
+        Raises:
+            ValueError: bad step or metadata (as for :meth:`save`).
+            CheckpointError: ``step`` already has a checkpoint, the store is closed, or
+                listing failed.
+            CheckpointFencedError: a newer generation than ``metadata``'s has published.
+        """
+        meta = checked_metadata(step, metadata)
+        with self._lock:
+            self._check_open()
+            self._claim(step, meta)
+            return self._dir_url(step)
+
+    def publish_files(self, step: int, files: Mapping[str, FileEntry],
+                      metadata: Mapping[str, Any] | None, payload_format: str,
+                      before_publish: Callable[[], None] | None = None) -> CheckpointRef:
+        """Writes the manifest of the files already in ``step``'s directory (relative name to
+        size and sha256, encoded as ``payload_format``), then applies retention; on failure the
+        files are removed. ``metadata`` and ``before_publish`` are as for :meth:`save`.
+
+        Raises:
+            CheckpointFencedError: a newer generation published meanwhile.
+            CheckpointWriteError: the storage failed.
+        """
+        meta = checked_metadata(step, metadata)
+        with self._lock:
+            self._check_open()
+            manifest = self._publish(step, self._storage.join(step_dir_name(step)), dict(files),
+                                     meta, payload_format, before_publish)
+            return self._published(step, manifest)
+
+    def discard_step(self, step: int) -> None:
+        """Removes ``step``'s files unless they are a published checkpoint."""
+        with self._lock:
+            if all(ref.step != step for ref in self._scan().valid):
+                self._discard(self._storage.join(step_dir_name(step)))
+
+    @property
+    def storage(self) -> Storage:
+        """The store's root and its retried I/O (for the shards' writers and readers)."""
+        return self._storage
+
+    @property
+    def storage_options(self) -> Mapping[str, Any]:
+        """The fsspec options the store was given (for writers that open the URL themselves)."""
+        return self._storage_options
+
+    def _claim(self, step: int, meta: dict[str, Any]) -> str:
+        """Checks that ``step`` is free and this writer not fenced; removes a torn leftover of
+        the same step. Returns the step's directory path."""
         scan = self._scan()
         if any(ref.step == step for ref in scan.valid):
             raise CheckpointError(
@@ -216,13 +264,11 @@ class CheckpointStore:
                 f"never overwritten: save under a new step, or delete that directory first.")
         self._check_fence(scan, meta.get("generation"), step)
         step_dir = self._storage.join(step_dir_name(step))
-        self._writing_step = step
-        try:
-            if step in scan.invalid:
-                self._discard(step_dir)  # leftover of a torn write
-            manifest = self._write_files(step, step_dir, payload, meta, before_publish)
-        finally:
-            self._writing_step = None
+        if step in scan.invalid:
+            self._discard(step_dir)  # leftover of a torn write
+        return step_dir
+
+    def _published(self, step: int, manifest: Manifest) -> CheckpointRef:
         logger.info("checkpoint step %d written to %s", step, self._dir_url(step))
         try:
             self._retention.apply(self._scan(), self._writing_step)
@@ -230,14 +276,14 @@ class CheckpointStore:
             logger.warning("retention after step %d failed: %s", step, exc)
         return CheckpointRef(step, self._dir_url(step), manifest)
 
-    def _write_files(self, step: int, step_dir: str, payload: Any, meta: dict[str, Any],
-                     before_publish: Callable[[], None] | None) -> Manifest:
+    def _publish(self, step: int, step_dir: str, files: dict[str, FileEntry],
+                 meta: dict[str, Any], payload_format: str,
+                 before_publish: Callable[[], None] | None) -> Manifest:
         try:
-            entry = write_payload(self._storage, f"{step_dir}/{PAYLOAD_NAME}", payload)
             manifest = Manifest(step=step, epoch=meta.get("epoch"),
                                 world_size=meta.get("world_size"),
                                 generation=meta.get("generation"), metadata=meta,
-                                files={PAYLOAD_NAME: entry})
+                                files=files, payload_format=payload_format)
             if manifest.generation is not None:  # re-check: a newer one may have published
                 self._check_fence(self._scan(), manifest.generation, step)
             if before_publish is not None:
@@ -250,11 +296,15 @@ class CheckpointStore:
             self._discard(step_dir)
             raise
         except _WRITE_FAILURES as exc:
-            self._discard(step_dir)
-            self._check_fence_after(exc, meta.get("generation"), step)
-            raise CheckpointWriteError(
-                f"writing checkpoint step {step} to {self._dir_url(step)} failed: {exc!r}. "
-                f"Earlier checkpoints are intact; training can go on and save again.") from exc
+            self._failed_write(step, step_dir, meta, exc)
+
+    def _failed_write(self, step: int, step_dir: str, meta: dict[str, Any],
+                      exc: Exception) -> NoReturn:
+        self._discard(step_dir)
+        self._check_fence_after(exc, meta.get("generation"), step)
+        raise CheckpointWriteError(
+            f"writing checkpoint step {step} to {self._dir_url(step)} failed: {exc!r}. "
+            f"Earlier checkpoints are intact; training can go on and save again.") from exc
 
     def _discard(self, step_dir: str) -> None:
         try:
@@ -264,32 +314,10 @@ class CheckpointStore:
                            "by readers and removed by a later save", step_dir, exc)
 
     def _check_fence_after(self, exc: BaseException, generation: int | None, step: int) -> None:
-        """After a failed write: ``CheckpointFencedError`` if a newer generation published
-        meanwhile (whose cleanup of unfinished writes may be why this one failed). When the
-        storage cannot even be listed, the write's own error stands."""
-        if generation is None:
-            return
-        try:
-            scan = self._scan()
-        except CheckpointError:
-            return
-        try:
-            self._check_fence(scan, generation, step)
-        except CheckpointFencedError as fenced:
-            raise fenced from exc
+        check_fence_after(self._scan, exc, generation, step, self._url)
 
     def _check_fence(self, scan: Scan, generation: int | None, step: int) -> None:
-        if generation is None:
-            return
-        fenced = [r for r in scan.valid if r.generation is not None and r.generation > generation]
-        if fenced:
-            newer = max(fenced, key=lambda r: (r.generation, r.step))
-            writer = newer.metadata.get("job_id")
-            raise CheckpointFencedError(
-                f"step {step} from generation {generation} was not published: generation "
-                f"{newer.generation}{f' of job {writer!r}' if writer else ''} has already "
-                f"written to {self._url}. This writer is stale; rejoin the job to get the "
-                "current generation.", newer=newer)
+        check_fence(scan, generation, step, self._url)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -334,42 +362,28 @@ class CheckpointStore:
         if ref is not None:
             return self._read(ref)
         scan = self._scan()
+        return newest_readable(scan.valid, self._read, self.skipped_newer(scan), self._url)
+
+    def scan(self) -> Scan:
+        """Lists the root once: the complete checkpoints, and why other directories are not.
+
+        Raises:
+            CheckpointError: The storage failed while listing.
+        """
+        return self._scan()
+
+    def skipped_newer(self, scan: Scan) -> list[str]:
+        """Logs and returns why the directories newer than every checkpoint in ``scan`` are not
+        checkpoints (this store's own write in progress aside)."""
         skipped = [f"{self._dir_url(s)}: {why}" for s, why in sorted(scan.invalid.items())
                    if s != self._writing_step
                    and (not scan.valid or s > max(r.step for r in scan.valid))]
         for reason in skipped:
             logger.warning("skipping checkpoint %s", reason)
-        unread: CheckpointReadError | None = None
-        for candidate in reversed(scan.valid):
-            try:
-                return self._read(candidate)
-            except (CheckpointCorruptError, CheckpointReadError) as exc:
-                logger.warning("skipping checkpoint %s: %s; falling back to an older one",
-                               candidate.url, exc)
-                skipped.append(f"{candidate.url}: {exc}")
-                if isinstance(exc, CheckpointReadError):
-                    unread = unread or exc
-        if unread is not None:  # may read fine later: never "not found", which starts over
-            raise unread
-        raise CheckpointNotFoundError(
-            f"no readable checkpoint under {self._url}"
-            + (f"; skipped: {'; '.join(skipped)}" if skipped else "")
-            + ". Start from scratch, or point the store at the right URL.")
+        return skipped
 
     def _read(self, ref: CheckpointRef) -> LoadedCheckpoint:
-        step_dir = self._storage.join(step_dir_name(ref.step))
-        if ref.manifest.payload_format != "torch.save" or PAYLOAD_NAME not in ref.manifest.files:
-            raise CheckpointCorruptError(
-                f"checkpoint {ref.url} has payload format {ref.manifest.payload_format!r} with "
-                f"files {sorted(ref.manifest.files)}; this version reads 'torch.save' only.")
-        try:
-            state = read_payload(self._storage, f"{step_dir}/{PAYLOAD_NAME}",
-                                 ref.manifest.files[PAYLOAD_NAME])
-        except (OSError, CheckpointStorageError) as exc:
-            raise CheckpointReadError(
-                f"reading checkpoint {ref.url} failed: {exc!r}. Check that the storage is "
-                "reachable; the checkpoint itself may be intact.") from exc
-        return LoadedCheckpoint(ref=ref, state_dict=state, metadata=ref.manifest.metadata)
+        return read_checkpoint(self._storage, ref)
 
     def _dir_url(self, step: int) -> str:
         return self._storage.url_of(self._storage.join(step_dir_name(step)))
