@@ -67,11 +67,14 @@ class Piece:
 @dataclass(frozen=True)
 class Plan:
     """The pieces of a move, in one order every rank computes alike, and its byte counts:
-    ``moved`` (sent between ranks) and ``lost`` (the bytes of old shards that no longer have
-    their owner: the dead ranks' shards once, the least any recovery must move)."""
+    ``moved`` (sent between ranks), ``minimum`` (what the new ranks lack of their new shards,
+    the least any plan for this layout sends) and ``lost`` (the old shards whose owner is gone:
+    the dead ranks' shards once; less may move when buddies hold them already, more when the
+    layout's rows shift)."""
 
     pieces: tuple[Piece, ...]
     moved: int
+    minimum: int
     lost: int
 
     def to(self, dst: int) -> list[Piece]:
@@ -154,7 +157,26 @@ def plan_moves(specs: Mapping[str, TensorSpec], old_shards: int, holders: Sequen
                     load[src] += (stop - start) * spec.row_bytes
                 pieces.append(Piece(name, start, stop, shard, src, dst))
     moved = sum((p.stop - p.start) * specs[p.name].row_bytes for p in pieces if p.moves)
-    return Plan(tuple(pieces), moved, lost)
+    return Plan(tuple(pieces), moved, _lacking(specs, old_shards, holders, new_shard_of,
+                                               new_shards), lost)
+
+
+def _lacking(specs: Mapping[str, TensorSpec], old_shards: int, holders: Sequence[set[int]],
+             new_shard_of: Sequence[int], new_shards: int) -> int:
+    """Bytes of their new shards that the new ranks do not hold themselves."""
+    total = 0
+    for spec in specs.values():
+        for dst, new_shard in enumerate(new_shard_of):
+            mine = [shard for shard, held in enumerate(holders) if dst in held]
+            if not spec.sharded:
+                total += 0 if mine else spec.row_bytes
+                continue
+            want = shard_range(spec.rows, new_shards, new_shard)
+            have = set()
+            for shard in mine:
+                have.update(range(*shard_range(spec.rows, old_shards, shard)))
+            total += sum(row not in have for row in range(*want)) * spec.row_bytes
+    return total
 
 
 def _whole(name: str, spec: TensorSpec, holders: Sequence[set[int]], dst: int,
