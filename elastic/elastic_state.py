@@ -29,11 +29,12 @@ from elastic.foundation.events import EventLog
 from elastic.loop_helpers import batches, ddp, print_main
 from elastic.outcome import RunOutcome
 from elastic.recovery import RunLoop
+from elastic.sharded import Parallelize, ShardedRuntime
 from elastic.foundation.settings import WorkerSettings
 from elastic.setup_check import before_joining
 from elastic.foundation.signals import relay_signals
 from elastic.step_collectives import StepCollectives
-from elastic.state import TrainState
+from elastic.state import StateError, TrainState
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,19 @@ class ElasticState:
         max_workers: most workers to train with; extra ones wait as spares.
         etcd: comma-separated etcd client URLs (default ``ELASTIC_ETCD``).
         job_id: the job's name in etcd (default ``ELASTIC_JOB_ID``).
+        parallelize: for sharded state (FSDP2 / HSDP), ``parallelize(mesh)`` builds the model
+            and optimizer of a round on its ``DeviceMesh`` and returns them by name
+            (``{"model": ..., "optimizer": ...}``, read as ``state.model``); called at every
+            formation (see ``elastic.sharded`` and docs/sharded.md).
+        shard_degree: None for FSDP over every rank, S for HSDP ("replicate", "shard").
+        buddies: extra host copies of each rank's shards under FSDP (default 1).
         **objects: Stateful objects and plain values, as for ``TrainState``.
     """
 
     def __init__(self, checkpoint: str | None = None, *, min_workers: int | None = None,
                  max_workers: int | None = None, etcd: str | None = None,
-                 job_id: str | None = None, **objects: Any) -> None:
+                 job_id: str | None = None, parallelize: Parallelize | None = None,
+                 shard_degree: int | None = None, buddies: int = 1, **objects: Any) -> None:
         self._settings = WorkerSettings.resolve(etcd=etcd, job_id=job_id,
                                                 min_workers=min_workers,
                                                 max_workers=max_workers, checkpoint=checkpoint)
@@ -72,12 +80,17 @@ class ElasticState:
         self._progress_at: float | None = None
         self._progress_every_s = self._settings.timeouts.progress.total_seconds()
         self._step_collectives = StepCollectives()
+        self._sharded = ShardedRuntime(parallelize, shard_degree, buddies,
+                                       self._settings.timeouts.collective) if parallelize else None
         for name, obj in objects.items():
             self.register(name, obj)
 
     # -- the registered objects, held by the TrainState --------------------------------------
     def __getattr__(self, name: str) -> Any:
         # Called only when normal lookup fails: registered objects sit in __dict__.
+        sharded = self.__dict__.get("_sharded")
+        if sharded is not None and name in sharded.objects:
+            return sharded.objects[name]
         raise AttributeError(f"ElasticState has no attribute or registered object {name!r}.")
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -217,8 +230,12 @@ class ElasticState:
         """
         if self._cluster is not None:
             self._cluster.membership.check_not_fenced()
+        if self._sharded is not None:
+            self._sharded.before_commit()  # the last commit's buddy copies have landed
         agreement = self._start_agreement()
         version = self._train.commit()
+        if self._sharded is not None:
+            self._sharded.commit(self._train)
         if durable:
             self._commit_durably(version)
         self._committed(version, agreement)
@@ -254,8 +271,11 @@ class ElasticState:
             MembershipChangedInterrupt: after the step: the world changes now.
             LeaveInterrupt: after the step: this worker leaves and the others know it.
             FencedError: this member lost its lease (caught by ``run``).
-            StateError: no optimizer is registered (use ``commit()``).
+            StateError: no optimizer is registered (use ``commit()``), or the state is sharded.
         """
+        if self._sharded is not None:
+            raise StateError("commit_step() does not take sharded state (parallelize=) yet; "
+                             "use commit(), which keeps buddy copies of every shard.")
         if self._cluster is not None:
             self._cluster.membership.check_not_fenced()
         agreement = self._start_agreement()
@@ -312,8 +332,23 @@ class ElasticState:
         """The last failed durable write, if any (training goes on; the previous one is valid)."""
         return self._durable.last_error if self._durable else None
 
+    def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The current formation's model and optimizer state dicts as DTensors (torch's
+        ``get_state_dict``), for a durable sharded writer.
+
+        Raises:
+            StateError: the state is not sharded (no ``parallelize``).
+        """
+        if self._sharded is None:
+            raise StateError("sharded_state_dict() needs ElasticState(parallelize=...).")
+        return self._sharded.state_dict()
+
     def _commit_durably(self, version: int) -> None:
-        """Has rank 0 write the commit to the checkpoint URL in the background."""
+        """Has rank 0 write the commit to the checkpoint URL in the background (sharded: every
+        rank hands its shards to the durable writer hook)."""
+        if self._sharded is not None:
+            self._sharded.write_durable(self._train)
+            return
         if self._durable is None:
             if not self._warned_not_durable:
                 log.warning("commit(durable=True) without a checkpoint URL: the commit stays in "
@@ -370,7 +405,7 @@ class ElasticState:
             self._durable.on_published(self._cluster.publish_checkpoint)
         gc.freeze()  # keeps the full collections after a failure cheap
         loop = RunLoop(self._cluster, self._train, self._durable, self._leave_requested,
-                       self._on_formed, self._settings.timeouts.sync)
+                       self._on_formed, self._settings.timeouts.sync, self._sharded)
         outcome, returned = RunOutcome(self._settings.resume_finished), []
 
         def call() -> Any:

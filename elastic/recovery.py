@@ -32,6 +32,7 @@ from elastic.foundation.events import EventLog, Stopwatch
 from elastic.state import ElasticSampler, StateError, TrainState
 from elastic.state.errors import PayloadFormatError
 from elastic.state.sync import DURABLE_UNREADABLE, Source, newest_source
+from elastic.sharded import ShardedRuntime
 from elastic.foundation.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
@@ -109,12 +110,14 @@ class RunLoop:
         leave_requested: set when this worker should leave at its next commit.
         on_formed: called with the topology after every formation, once the state is synced.
         sync_timeout: bound on each broadcast of the state after forming.
+        sharded: the sharded objects and their commits, rebuilt at every formation, or None.
     """
 
     def __init__(self, cluster: Cluster, train: TrainState, durable: DurableCommits | None,
                  leave_requested: threading.Event, on_formed: Callable[[Topology], None],
-                 sync_timeout: timedelta) -> None:
+                 sync_timeout: timedelta, sharded: ShardedRuntime | None = None) -> None:
         self._cluster = cluster
+        self._sharded = sharded
         self._train = train
         self._durable = durable
         self._leave_requested = leave_requested
@@ -222,6 +225,8 @@ class RunLoop:
             PeerFailureError: a peer failed while forming or while the state moved.
         """
         cluster = self._cluster
+        if self._sharded is not None:
+            self._sharded.settle()  # its copies travel on a group the formation destroys
         topology = cluster.form(reason, self._train.version, self._leave_requested.is_set)
         os.environ.update(round_environment(topology))
         # A warm spare that took a place is a member now: restarted in place, it comes back as
@@ -229,7 +234,11 @@ class RunLoop:
         os.environ.pop("ELASTIC_STANDBY", None)
         with Stopwatch() as synced:
             try:
+                if self._sharded is not None:
+                    self._sharded.choose(topology, self._train)
                 src, moved = self._sync_newest(topology)
+                if self._sharded is not None:
+                    self._sharded.rebuild(topology, self._train, cluster.events, cluster.group)
             except PayloadFormatError as exc:  # the source is broken or hostile: none of it ran
                 raise PeerFailureError(f"refused the state sent in round {topology.round}: "
                                        f"{exc}") from exc

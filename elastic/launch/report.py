@@ -48,6 +48,7 @@ class Timeline:
     leaves: list[float] = field(default_factory=list)
     steps: list[tuple[float, int]] = field(default_factory=list)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    reshards: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # by round
     changes_at_commit: int = 0
 
 
@@ -92,6 +93,8 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
             timeline.leaves.append(t)
         elif kind == "progress" and "step" in e:
             timeline.steps.append((t, int(e["step"])))
+        elif kind == "resharded":
+            timeline.reshards.setdefault(int(e.get("round", 0)), []).append({**e, "t": t})
         elif kind in ("checkpoint_written", "checkpoint_failed", "checkpoint_loaded"):
             timeline.checkpoints.append({**e, "t": t})
         elif kind == "membership_changed" and e.get("rank") == 0:
@@ -159,8 +162,21 @@ def render_tables(timeline: Timeline) -> str:
     lines.append(f"world changes agreed at a commit: {timeline.changes_at_commit}")
     if timeline.steps:
         lines.append(f"progress: {timeline.steps[-1][1]} steps in {timeline.end:.1f} s")
+    lines += _reshard_lines(timeline.reshards)
     lines += _checkpoint_lines(timeline.checkpoints)
     return "\n".join(lines)
+
+
+def _reshard_lines(reshards: dict[int, list[dict[str, Any]]]) -> list[str]:
+    """One line per round that resharded sharded state: the world change, the bytes moved next
+    to the least this layout needs and to the dead ranks' shards, the slowest rank's time."""
+    lines = [f"resharded in round {n} at {es[0]['t']:.2f} s: world {es[0].get('from_world')} -> "
+             f"{es[0].get('to_world')}, version {es[0].get('version')}: moved "
+             f"{es[0].get('bytes_moved')} bytes (minimum {es[0].get('bytes_minimum')}, dead "
+             f"ranks' shards {es[0].get('bytes_lost')}), "
+             f"{max(float(e.get('reshard_s', 0.0)) for e in es):.2f} s"
+             for n, es in sorted(reshards.items())]
+    return [""] + lines if lines else []
 
 
 def _checkpoint_lines(checkpoints: list[dict[str, Any]]) -> list[str]:

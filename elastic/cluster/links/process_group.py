@@ -279,6 +279,24 @@ class ProcessGroup:
             self._released.clear()
 
     @staticmethod
+    def sockets_now() -> dict[int, int]:
+        """This process's sockets ({fd: inode}), to hand to ``adopt`` after making subgroups."""
+        return _socket_fds()
+
+    def adopt(self, before: dict[int, int]) -> None:
+        """Takes in the connections opened since ``before`` (``sockets_now``) by subgroups of
+        this round (a ``DeviceMesh``'s, a side group's): ``release`` shuts them down too and
+        ``is_broken`` watches them, so a peer that dies in a subgroup's collective is seen as a
+        peer failure like one in the default group's. Call it while nothing else connects."""
+        new = {fd: inode for fd, inode in _socket_fds().items() if before.get(fd) != inode}
+        fork_guard.hold(list(new))
+        ends = {fd: p for fd, p in ((fd, _tcp_ports(fd)) for fd in new) if p is not None}
+        found = _group_sockets(new, ends, set(), self._skip_ports)
+        with self._lock:
+            self._sockets.extend(found)
+            self._held.extend(new)
+
+    @staticmethod
     def _listener_ports(ends: dict[int, tuple[int, int | None]]) -> set[int]:
         """Every rank's gloo listening port (one small all-gather), from the listening socket
         this rank's group opened; empty when some rank found none."""

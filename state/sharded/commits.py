@@ -1,0 +1,162 @@
+"""The sharded commits a rank keeps in host memory, and which one a new formation rebuilds.
+
+A ``ShardCommit`` is one version of the sharded state in one layout: this rank's own shard
+(copied at the commit) and the shards of the ranks it is a buddy of (received afterwards, in the
+background). ``ShardCommits`` keeps the newest two, so that the previous rollback point survives
+until the new one is wholly held. At a formation every rank reports what it holds as a row of
+ints (``report``; no pickling) and all rows choose the same commit: the newest version whose
+every shard has a live holder (``choose``). Torch only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from elastic.state.sharded.layout import ShardLostError, TensorSpec
+
+KEEP = 2  # the newest commit and the one before it, until the newest is wholly held
+_HEAD = 5  # version, world, shards, own shard, count of held shards
+
+
+@dataclass
+class ShardCommit:
+    """One version of the sharded state in one layout, as this rank holds it.
+
+    ``held`` maps a shard index to its tensors (flat name -> that shard's rows, on host);
+    ``small`` is the rest of the commit (``TrainState.committed()`` copied), so that a
+    rollback to this version restores the sampler and plain values with it.
+    """
+
+    version: int
+    world: int
+    shards: int
+    own: int
+    specs: Mapping[str, TensorSpec]
+    small: Mapping[str, Any]
+    held: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return self.version, self.world, self.shards
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one rank reported holding of one commit."""
+
+    version: int
+    world: int
+    shards: int
+    own: int
+    held: frozenset[int]
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return self.version, self.world, self.shards
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The commit a formation rebuilds: its key, each shard's holders (ranks of the new round)
+    and whether a rank that trained on each shard lives."""
+
+    version: int
+    world: int
+    shards: int
+    holders: tuple[frozenset[int], ...]
+    owners_alive: tuple[bool, ...]
+
+
+class ShardCommits:
+    """The newest ``KEEP`` sharded commits of this rank; safe to add copies from a thread.
+
+    Args:
+        max_held: the most shards one rank holds of a commit (its own and its buddies').
+    """
+
+    def __init__(self, max_held: int) -> None:
+        self._max_held = max_held
+        self._lock = threading.Lock()
+        self._commits: list[ShardCommit] = []
+
+    def add(self, commit: ShardCommit) -> None:
+        """Keeps ``commit`` as the newest; commits of its version or newer (an abandoned
+        future, rolled back) and all but the newest ``KEEP`` go."""
+        with self._lock:
+            kept = [c for c in self._commits if c.version < commit.version]
+            self._commits = (kept + [commit])[-KEEP:]
+
+    def add_copy(self, commit: ShardCommit, shard: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Records a buddy's shard of ``commit`` once all of it arrived."""
+        with self._lock:
+            commit.held[shard] = tensors
+
+    def drop_newer(self, version: int) -> None:
+        with self._lock:
+            self._commits = [c for c in self._commits if c.version <= version]
+
+    def find(self, key: tuple[int, int, int]) -> ShardCommit | None:
+        with self._lock:
+            return next((c for c in self._commits if c.key == key), None)
+
+    @property
+    def width(self) -> int:
+        """Length of a report row."""
+        return KEEP * (_HEAD + self._max_held)
+
+    def report(self) -> torch.Tensor:
+        """This rank's holdings as one int64 row (``-1`` pads)."""
+        row = torch.full((self.width,), -1, dtype=torch.int64)
+        with self._lock:
+            for slot, commit in enumerate(self._commits):
+                held = sorted(commit.held)[: self._max_held]
+                at = slot * (_HEAD + self._max_held)
+                values = [commit.version, commit.world, commit.shards, commit.own, len(held)]
+                row[at: at + _HEAD + len(held)] = torch.tensor(values + held, dtype=torch.int64)
+        return row
+
+
+def read_report(row: Sequence[int], max_held: int) -> list[Holding]:
+    """Decodes one rank's report row (from ``ShardCommits.report``)."""
+    found = []
+    step = _HEAD + max_held
+    for at in range(0, len(row) - step + 1, step):
+        version, world, shards, own, count = (int(v) for v in row[at: at + _HEAD])
+        if version < 0 or not 0 <= count <= max_held or shards < 1:
+            continue
+        found.append(Holding(version, world, shards, own,
+                             frozenset(int(v) for v in row[at + _HEAD: at + _HEAD + count])))
+    return found
+
+
+def choose(reports: Sequence[Sequence[Holding]]) -> Choice | None:
+    """The newest commit whose every shard some rank of the new round holds; None when no
+    rank holds any (a fresh start).
+
+    Raises:
+        ShardLostError: ranks hold commits, but none of them wholly.
+    """
+    keys = sorted({h.key for rows in reports for h in rows}, reverse=True)
+    for version, world, shards in keys:
+        holders: list[set[int]] = [set() for _ in range(shards)]
+        alive = [False] * shards
+        for rank, rows in enumerate(reports):
+            for h in rows:
+                if h.key == (version, world, shards):
+                    alive[h.own] = True
+                    for shard in h.held:
+                        holders[shard].add(rank)
+        if all(holders):
+            return Choice(version, world, shards, tuple(frozenset(h) for h in holders),
+                          tuple(alive))
+    if keys:
+        version, world, shards = keys[0]
+        raise ShardLostError(f"no live rank holds every shard of any kept commit (newest: "
+                             f"version {version}, {shards} shards over {world} ranks): the "
+                             "ranks that held some shard all died together.")
+    return None

@@ -1,0 +1,124 @@
+"""The buddy copies of a commit: each rank sends its own shard to its buddies and receives the
+shards of the ranks it is a buddy of, point to point on a group of their own.
+
+The exchange runs on a thread (``BuddyExchange.start``), so training goes on while it travels;
+every rank posts its sends and receives tensor by tensor in the same order, and waits for the
+oldest ones whenever more than ``max_in_flight`` bytes are under way. A received shard is
+recorded only once all of its tensors arrived. The group is not the training group, so a copy
+never interleaves with (or blocks) the step's collectives. Torch only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.state.errors import SyncError
+from elastic.state.sharded.commits import ShardCommit, ShardCommits
+from elastic.state.sharded.layout import buddy_ranks, shard_range
+
+DEFAULT_IN_FLIGHT = 64 << 20
+
+
+class BuddyCopyError(SyncError):
+    """A buddy copy did not complete (a peer failed while it travelled)."""
+
+
+def shard_shape(commit: ShardCommit, name: str, shard: int) -> tuple[int, ...]:
+    """The shape of ``shard``'s part of tensor ``name`` (its trailing dims from this rank's own
+    part, which every shard shares)."""
+    own = commit.held[commit.own][name]
+    spec = commit.specs[name]
+    if not spec.sharded:
+        return tuple(own.shape)
+    start, stop = shard_range(spec.rows, commit.shards, shard)
+    return (stop - start, *own.shape[1:])
+
+
+class BuddyExchange:
+    """Sends and receives one commit's buddy copies, on a thread.
+
+    Args:
+        group: the copies' own process group (all ranks of the round).
+        rank: this rank in it.
+        copies: how many buddies each rank has (0 for HSDP, whose replicas hold each shard).
+        nodes: one node id per rank (buddies on another node first).
+        max_in_flight: bytes under way at most before waiting.
+    """
+
+    def __init__(self, group: Any, rank: int, world: int, copies: int, nodes: Sequence[int],
+                 max_in_flight: int = DEFAULT_IN_FLIGHT) -> None:
+        self._group = group
+        self._rank = rank
+        self._buddies = buddy_ranks(rank, world, copies, nodes)
+        self._senders = [r for r in range(world) if rank in buddy_ranks(r, world, copies, nodes)]
+        self._max_in_flight = max_in_flight
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, commit: ShardCommit, commits: ShardCommits) -> None:
+        """Starts sending ``commit``'s own shard (the previous exchange must be waited for)."""
+        assert self._thread is None, "wait() for the previous exchange first"
+        self._error = None
+        self._thread = threading.Thread(target=self._run, args=(commit, commits),
+                                        name="elastic-buddy-copies", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: timedelta) -> None:
+        """Returns once the exchange in flight (if any) completed.
+
+        Raises:
+            BuddyCopyError: it failed, or did not end within ``timeout``.
+        """
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        thread.join(timeout.total_seconds())
+        if thread.is_alive():
+            raise BuddyCopyError(f"the buddy copies did not complete within {timeout}.")
+        if self._error is not None:
+            raise BuddyCopyError(f"a buddy copy failed: {self._error}") from self._error
+
+    def _run(self, commit: ShardCommit, commits: ShardCommits) -> None:
+        try:
+            self.exchange(commit, commits)
+        except (RuntimeError, ValueError) as exc:  # torch's DistError family: a peer failed
+            self._error = exc
+
+    def exchange(self, commit: ShardCommit, commits: ShardCommits) -> int:
+        """Sends and receives every tensor of the commit; returns the bytes sent."""
+        own = commit.held[commit.own]
+        received = {src: {} for src in self._senders}
+        in_flight: deque[tuple[Any, int]] = deque()
+        pending = sent = 0
+        for tag, name in enumerate(sorted(commit.specs)):
+            tensor = own[name]
+            for dst in self._buddies:
+                if tensor.numel():
+                    in_flight.append((dist.isend(tensor, dst, group=self._group, tag=tag),
+                                      tensor.nbytes))
+                    pending += tensor.nbytes
+                    sent += tensor.nbytes
+            for src in self._senders:
+                shard = src % commit.shards
+                buffer = torch.empty(shard_shape(commit, name, shard), dtype=tensor.dtype)
+                received[src][name] = buffer
+                if buffer.numel():
+                    in_flight.append((dist.irecv(buffer, src, group=self._group, tag=tag),
+                                      buffer.nbytes))
+                    pending += buffer.nbytes
+            while in_flight and pending > self._max_in_flight:
+                work, size = in_flight.popleft()
+                work.wait()
+                pending -= size
+        for work, _ in in_flight:
+            work.wait()
+        for src, tensors in received.items():
+            commits.add_copy(commit, src % commit.shards, tensors)
+        return sent

@@ -1,0 +1,65 @@
+"""Carrying out a reshard plan: each rank assembles its new shard of every tensor from the
+rows it holds and the rows live holders send it, point to point; no rank holds more than its
+new shard plus what it held already. Torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.state.sharded.commits import ShardCommit
+from elastic.state.sharded.layout import Piece, Plan, TensorSpec, shard_range
+
+
+def _rows(spec: TensorSpec, shards: int, shard: int) -> tuple[int, int]:
+    return (0, spec.rows) if not spec.sharded else shard_range(spec.rows, shards, shard)
+
+
+def assemble(plan: Plan, rank: int, commit: ShardCommit | None, specs: Mapping[str, TensorSpec],
+             new_shards: int, new_shard: int, templates: Mapping[str, torch.Tensor],
+             group: Any = None) -> dict[str, torch.Tensor]:
+    """This rank's new shard of every tensor, on host.
+
+    Args:
+        plan: the move, computed alike on every rank (``layout.plan_moves``).
+        rank: this rank in the new round.
+        commit: the chosen commit as this rank holds it (None: it holds nothing).
+        specs: every tensor's rows and row bytes (the same in both layouts).
+        new_shards, new_shard: the new layout and this rank's shard in it.
+        templates: this rank's new local parts (shape and dtype), by flat name.
+        group: the process group of the new round (its timeout bounds every wait).
+    """
+    out = {name: torch.empty_like(t, device="cpu") for name, t in templates.items()}
+    works = []
+    for tag, piece in enumerate(plan.pieces):
+        spec = specs[piece.name]
+        if piece.dst == rank:
+            first = _rows(spec, new_shards, new_shard)[0]
+            target = out[piece.name]
+            view = target[piece.start - first: piece.stop - first] if spec.sharded else target
+            if piece.src == rank:
+                assert commit is not None
+                view.copy_(_held_rows(commit, spec, piece))
+            elif view.numel():
+                works.append(dist.irecv(view, piece.src, group=group, tag=tag))
+        elif piece.src == rank:
+            assert commit is not None
+            rows = _held_rows(commit, spec, piece).contiguous()
+            if rows.numel():
+                works.append(dist.isend(rows, piece.dst, group=group, tag=tag))
+    for work in works:
+        work.wait()
+    return out
+
+
+def _held_rows(commit: ShardCommit, spec: TensorSpec, piece: Piece) -> torch.Tensor:
+    """Rows ``[piece.start, piece.stop)`` of the whole tensor, from the held shard."""
+    tensor = commit.held[piece.shard][piece.name]
+    if not spec.sharded:
+        return tensor
+    first, _ = shard_range(spec.rows, commit.shards, piece.shard)
+    return tensor[piece.start - first: piece.stop - first]

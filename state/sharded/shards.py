@@ -1,0 +1,101 @@
+"""One rank's shards of a sharded model and its optimizer, as flat named tensors.
+
+``torch.distributed.checkpoint.state_dict.get_state_dict`` gives the model's parameters and
+the optimizer's state as DTensors (FSDP2 ``Shard(0)`` on the shard dimension of the mesh) and
+plain tensors (Adam's ``step``: the same on every rank). Owns naming them flat
+(``model/<fqn>``, ``optim/<fqn>/<key>``), copying this rank's local parts to host memory
+(pinned when they live on a GPU) with each tensor's ``TensorSpec``, and writing local parts
+back into the objects of a new formation (``load_local``). Torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor, Shard
+
+from elastic.state.device_copy import copy_to_host, host_buffer
+from elastic.state.errors import StateError
+from elastic.state.sharded.layout import TensorSpec
+
+MODEL, OPTIM = "model/", "optim/"
+
+
+class ShardLayoutError(StateError):
+    """A sharded tensor is not sharded the way FSDP2 shards (``Shard(0)`` on one mesh
+    dimension, replicated on the others)."""
+
+
+def sharded_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                       ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and the optimizer's state dicts, sharded (DTensors), from torch's
+    ``get_state_dict`` (optimizer state initialised when no step ran yet)."""
+    return get_state_dict(model, optimizer)
+
+
+def flat_tensors(model_sd: Mapping[str, Any], optim_sd: Mapping[str, Any]
+                 ) -> dict[str, torch.Tensor]:
+    """Every tensor of the two state dicts by flat name; the optimizer's param groups (plain
+    values, the same on every rank) are left out."""
+    flat = {MODEL + fqn: value for fqn, value in model_sd.items() if torch.is_tensor(value)}
+    for fqn, entry in optim_sd.get("state", {}).items():
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                flat[f"{OPTIM}{fqn}/{key}"] = value
+    return flat
+
+
+def spec_of(value: torch.Tensor) -> TensorSpec:
+    """The tensor's dim-0 rows and bytes per row; a plain tensor or 0-dim value is whole.
+
+    Raises:
+        ShardLayoutError: a DTensor sharded otherwise than on dim 0.
+    """
+    if not isinstance(value, DTensor):
+        return TensorSpec(1, value.numel() * value.element_size(), sharded=False)
+    shards = [p for p in value.placements if p.is_shard()]
+    if len(shards) != 1 or shards[0] != Shard(0) or value.dim() == 0:
+        raise ShardLayoutError(f"a DTensor placed {value.placements} is not sharded as FSDP2 "
+                               "shards (Shard(0) on one mesh dimension); apply fully_shard only.")
+    row = value.numel() // value.shape[0] if value.shape[0] else 0
+    return TensorSpec(value.shape[0], row * value.element_size())
+
+
+def local_part(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def host_copy(flat: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's local part of every tensor, copied to host memory (pinned from a GPU)."""
+    copies = {name: host_buffer(local_part(value)) for name, value in flat.items()}
+    copy_to_host([(copies[name], local_part(value).detach()) for name, value in flat.items()])
+    return copies
+
+
+def load_local(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               model_sd: dict[str, Any], optim_sd: dict[str, Any],
+               local: Mapping[str, torch.Tensor]) -> None:
+    """Writes ``local`` (flat name -> this rank's part, on host) into the state dicts from
+    ``sharded_state_dict`` and loads them with torch's ``set_state_dict``.
+
+    Raises:
+        ShardLayoutError: a local part's shape is not the one this rank's shard has.
+    """
+    flat = flat_tensors(model_sd, optim_sd)
+    missing = sorted(set(flat) - set(local))
+    if missing:
+        raise ShardLayoutError(f"the resharded state lacks {missing[:3]}: the model built by "
+                               "parallelize differs from the committed one.")
+    with torch.no_grad():
+        for name, value in flat.items():
+            target = local_part(value)
+            if target.shape != local[name].shape:
+                raise ShardLayoutError(
+                    f"{name}: this rank's shard is {tuple(target.shape)} but the reshard made "
+                    f"{tuple(local[name].shape)}; the model built by parallelize differs from "
+                    "the committed one.")
+            target.copy_(local[name])
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)

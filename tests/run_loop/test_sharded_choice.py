@@ -1,0 +1,64 @@
+"""Which sharded commit a formation rebuilds, agreed over a real gloo group of two ranks: the
+newest one held whole (the small state rolled back with it), or a typed error that names what to
+do when some shard has no live holder."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+
+from elastic.cluster.rounds.topology import Topology
+from elastic.sharded import ShardedRuntime, ShardedStateLostError
+from elastic.state import TrainState
+from elastic.state.sharded.commits import ShardCommit
+from elastic.state.sharded.layout import TensorSpec
+from tests.support.gloo_group import run_in_group
+
+pytestmark = pytest.mark.unit
+
+
+def _parallelize(mesh):
+    raise AssertionError("choose() builds nothing")
+
+
+def _commit(train: TrainState, world: int, own: int, held: tuple[int, ...]) -> ShardCommit:
+    commit = ShardCommit(train.version, world, world, own, {"w": TensorSpec(4, 8)},
+                         {"version": train.version, "objects": dict(train.committed()["objects"])})
+    for shard in held:
+        commit.held[shard] = {"w": torch.zeros(2, 1, dtype=torch.float64)}
+    return commit
+
+
+def _choose(rank: int, world: int, missing: bool) -> dict:
+    runtime = ShardedRuntime(_parallelize, None, 1, timedelta(seconds=30))
+    train = TrainState(step=0)
+    # two commits of a 3-rank FSDP round whose rank 2 died: it had sent its shard of the first
+    # to its buddy, rank 0, but not its shard of the second
+    for step in (4, 5):
+        train.step = step
+        train.commit()
+        held = (0, 2) if rank == 0 and step == 4 and not missing else (rank,)
+        runtime._commits.add(_commit(train, 3, rank, held))
+    topology = Topology(round=2, rank=rank, world_size=world, member_id=f"m{rank}", rank0="m0",
+                        master_addr="127.0.0.1", master_port=0, store_prefix="", lineage=2)
+    try:
+        runtime.choose(topology, train)
+    except ShardedStateLostError as exc:
+        return {"error": str(exc)}
+    train.restore()
+    return {"version": train.version, "step": train.step}
+
+
+def test_a_formation_rebuilds_the_newest_commit_held_whole_and_rolls_the_step_back_with_it(
+        tmp_path):
+    results = run_in_group(_choose, 2, tmp_path, False)
+    assert results == {0: {"version": 1, "step": 4}, 1: {"version": 1, "step": 4}}
+
+
+def test_a_shard_with_no_live_holder_stops_with_a_line_that_names_the_missing_loader(tmp_path):
+    results = run_in_group(_choose, 2, tmp_path, True)
+    for result in results.values():
+        assert "no live rank holds every shard" in result["error"]
+        assert "durable sharded checkpoint" in result["error"]

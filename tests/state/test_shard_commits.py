@@ -1,0 +1,110 @@
+"""Sharded commits in host memory: what a rank reports, which commit a formation rebuilds, and
+the buddy copies and the reshard moves over a real gloo group."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+
+from elastic.state.sharded.commits import (Holding, ShardCommit, ShardCommits, choose,
+                                           read_report)
+from elastic.state.sharded.copies import BuddyExchange
+from elastic.state.sharded.layout import (ShardLostError, TensorSpec, holders_of, plan_moves,
+                                          shard_range)
+from elastic.state.sharded.moves import assemble
+from tests.support.gloo_group import run_in_group
+
+pytestmark = pytest.mark.unit
+
+SPECS = {"a": TensorSpec(7, 16), "b": TensorSpec(13, 8), "step": TensorSpec(1, 4, False)}
+
+
+def _whole(name: str) -> torch.Tensor:
+    if name == "step":
+        return torch.tensor(5.0)
+    rows = SPECS[name].rows
+    cols = SPECS[name].row_bytes // 8
+    return torch.arange(rows * cols, dtype=torch.float64).reshape(rows, cols)
+
+
+def _shard(name: str, shards: int, index: int) -> torch.Tensor:
+    if not SPECS[name].sharded:
+        return _whole(name)
+    start, stop = shard_range(SPECS[name].rows, shards, index)
+    return _whole(name)[start:stop].clone()
+
+
+def _commit(version: int, world: int, own: int, held: tuple[int, ...] = ()) -> ShardCommit:
+    commit = ShardCommit(version, world, world, own, SPECS, {"version": version, "objects": {}})
+    for shard in (own, *held):
+        commit.held[shard] = {n: _shard(n, world, shard) for n in SPECS}
+    return commit
+
+
+def test_a_report_row_reads_back_as_the_commits_and_shards_a_rank_holds():
+    commits = ShardCommits(max_held=2)
+    commits.add(_commit(3, 4, 1, (0,)))
+    commits.add(_commit(4, 4, 1))
+    assert read_report(commits.report().tolist(), 2) == [
+        Holding(3, 4, 4, 1, frozenset({0, 1})), Holding(4, 4, 4, 1, frozenset({1}))]
+
+
+def test_a_new_commit_drops_the_oldest_and_any_rolled_back_future():
+    commits = ShardCommits(max_held=2)
+    for version in (1, 2, 3):
+        commits.add(_commit(version, 2, 0))
+    assert [h.version for h in read_report(commits.report().tolist(), 2)] == [2, 3]
+    commits.add(_commit(3, 2, 0))  # after a rollback to 2, version 3 again
+    assert [h.version for h in read_report(commits.report().tolist(), 2)] == [2, 3]
+    commits.add(_commit(2, 2, 0))  # a rollback to 1 and version 2 again
+    assert [h.version for h in read_report(commits.report().tolist(), 2)] == [2]
+
+
+def test_the_newest_commit_held_whole_is_chosen_and_a_partly_copied_one_is_passed_over():
+    # version 5's buddy copies had not landed when old rank 2 died; version 4's had
+    ranks = [[Holding(4, 3, 3, 0, frozenset({0, 2})), Holding(5, 3, 3, 0, frozenset({0}))],
+             [Holding(4, 3, 3, 1, frozenset({1, 0})), Holding(5, 3, 3, 1, frozenset({1}))]]
+    choice = choose(ranks)
+    assert (choice.version, choice.holders) == (4, (frozenset({0, 1}), frozenset({1}),
+                                                   frozenset({0})))
+    assert choice.owners_alive == (True, True, False)
+
+
+def test_no_holdings_mean_a_fresh_start_and_a_gap_in_every_commit_is_a_lost_shard():
+    assert choose([[], []]) is None
+    with pytest.raises(ShardLostError, match="version 5"):
+        choose([[Holding(5, 3, 3, 0, frozenset({0}))]])
+
+
+def _exchange_then_reshard(rank: int, world: int) -> dict[str, list]:
+    """Commits shard ``rank`` of 3, exchanges buddy copies (1 each, 64 bytes in flight), then
+    rebuilds the same layout as if rank 1 were a joiner that holds nothing: its shard comes
+    from its buddy, rank 2, and the unsharded ``step`` from a holder."""
+    import torch.distributed as dist
+
+    commits = ShardCommits(max_held=2)
+    commit = _commit(7, world, rank)
+    commits.add(commit)
+    exchange = BuddyExchange(dist.group.WORLD, rank, world, 1, [0] * world, max_in_flight=64)
+    exchange.start(commit, commits)
+    exchange.wait(timedelta(seconds=60))
+    copies_right = all(torch.equal(commit.held[s][n], _shard(n, world, s))
+                       for s in commit.held for n in SPECS)
+    holders = [owners - {1} for owners in holders_of(world, world, 1)]
+    plan = plan_moves(SPECS, world, holders, [0, 1, 2], 3)
+    templates = {n: _shard(n, world, rank) for n in SPECS}
+    got = assemble(plan, rank, None if rank == 1 else commit, SPECS, 3, rank,
+                   {n: torch.empty_like(t) for n, t in templates.items()})
+    return {"held": sorted(commit.held), "copies_right": copies_right,
+            "rebuilt": all(torch.equal(got[n], templates[n]) for n in SPECS),
+            "sent": [p.src for p in plan.sent_by(rank)]}
+
+
+def test_buddy_copies_land_on_the_next_rank_and_a_holderless_rank_is_rebuilt_from_them(
+        tmp_path):
+    results = run_in_group(_exchange_then_reshard, 3, tmp_path)
+    assert [results[r]["held"] for r in range(3)] == [[0, 2], [0, 1], [1, 2]]
+    assert all(results[r]["copies_right"] and results[r]["rebuilt"] for r in range(3))
+    assert results[1]["sent"] == []  # the joiner sends nothing

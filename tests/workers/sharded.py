@@ -1,0 +1,148 @@
+"""A sharded (FSDP2 / HSDP) test job: constant global batch, float64, AdamW, under
+``ElasticState(parallelize=...)``.
+
+Three Linear layers with uneven dim-0 sizes (7, 13 and 1 rows), built whole on CPU from one seed
+and sharded by ``fully_shard`` on the mesh of each round. Every step trains the same global batch
+of the ``ElasticSampler`` whatever the world; its global loss goes into a committed ``history``
+and its sample indices into a committed ``ledger``. ``FAULT="kill:1,3:10:4"`` makes the ranks 1
+and 3 of a world of 4 SIGKILL themselves after step 10 (once); ``--hold-at 16:4`` keeps agreeing
+on membership at step 16 until the world is 4. Writes the whole parameters (gathered inside the
+last call) and the committed history and ledger to ``result-{index}.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, Dataset
+
+from tests.workers.markers import write_marker
+from tests.workers.sync_points import hold_until_world, wait_for_peers
+from elastic import ElasticSampler, ElasticState
+
+
+class Regression(Dataset):
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, 5, generator=g, dtype=torch.float64)
+        self.y = torch.tanh(self.x.sum(1) / 3) + 0.01 * torch.randn(n, generator=g,
+                                                                     dtype=torch.float64)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], i
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(5, 7, dtype=torch.float64),
+                                           torch.nn.Linear(7, 13, dtype=torch.float64)])
+        self.head = torch.nn.Linear(13, 1, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x).squeeze(1)
+
+
+def parallelize(mesh) -> dict[str, object]:
+    torch.manual_seed(0)  # the same initial weights at any world size
+    model = Net()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=0.01)}
+
+
+def fire_fault(state: ElasticState, out: Path, index: int) -> None:
+    spec = os.environ.get("FAULT", "")
+    if not spec:
+        return
+    _, ranks, step, world = spec.split(":")
+    marker = out / f"fired-kill-{index}"
+    if (state.step != int(step) or state.world_size != int(world) or marker.exists()
+            or str(state.rank) not in ranks.split(",")):
+        return
+    write_marker(marker, {"step": state.step, "rank": state.rank, "world": state.world_size,
+                          "t": time.time()})
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hold(state: ElasticState, hold_at: str) -> None:
+    """At ``--hold-at STEP:WORLD``, agrees on membership until the world is WORLD."""
+    if hold_at:
+        step, world = (int(v) for v in hold_at.split(":"))
+        if state.step == step:
+            hold_until_world(state, world, timeout_s=60)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--samples", type=int, default=96)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--commit-every", type=int, default=4)
+    p.add_argument("--shard-degree", type=int, default=None)
+    p.add_argument("--hold-at", default="")
+    args = p.parse_args()
+    out = Path(args.out)
+    index = int(os.environ["TEST_WORKER_INDEX"])
+    data = Regression(args.samples)
+    sampler = ElasticSampler(data, seed=7, global_batch_size=args.global_batch)
+    state = ElasticState(parallelize=parallelize, shard_degree=args.shard_degree,
+                         sampler=sampler, epoch=0, step=0, history=[],
+                         ledger=[[] for _ in range(args.epochs)])
+    progress = open(out / f"progress-{index}.jsonl", "a", buffering=1)
+    final: dict[str, list[float]] = {}
+
+    def train(s: ElasticState) -> None:
+        loader = DataLoader(data, batch_sampler=s.sampler, generator=torch.Generator())
+        while s.epoch < args.epochs:
+            s.sampler.set_epoch(s.epoch)
+            for x, y, ids in loader:
+                share = s.sampler.share()
+                squared = (s.model(x) - y) ** 2
+                s.optimizer.zero_grad()
+                (squared.sum() * share.loss_scale).backward()
+                s.optimizer.step()
+                s.sampler.record_batch(len(x))
+                total = squared.detach().sum() if share.size else torch.zeros((),
+                                                                               dtype=torch.float64)
+                dist.all_reduce(total)
+                everyone: list = [None] * dist.get_world_size()
+                dist.all_gather_object(everyone, ids.tolist())
+                s.ledger[s.epoch].extend(i for part in everyone for i in part)
+                s.step += 1
+                s.history.append(total.item() / share.total)
+                progress.write(json.dumps({"step": s.step, "world": s.world_size,
+                                           "loss": s.history[-1]}) + "\n")
+                fire_fault(s, out, index)
+                if s.step % args.commit_every == 0:
+                    s.commit()
+                    hold(s, args.hold_at)
+            s.epoch += 1
+            s.commit()
+        final["params"] = torch.cat([p.full_tensor().flatten()
+                                     for p in s.model.parameters()]).tolist()
+
+    wait_for_peers(out, index)
+    state.run(train)
+    (out / f"result-{index}.json").write_text(json.dumps({
+        "params": final["params"], "history": state.history, "ledger": state.ledger,
+        "step": state.step}))
+
+
+if __name__ == "__main__":
+    main()
