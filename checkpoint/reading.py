@@ -99,3 +99,24 @@ def newest_readable(candidates: list[CheckpointRef], read: Callable[[CheckpointR
         f"no readable checkpoint under {url}"
         + (f"; skipped: {'; '.join(skipped)}" if skipped else "")
         + ". Start from scratch, or point the store at the right URL.")
+
+
+def read_sharded_payload(storage: Storage, ref: CheckpointRef) -> LoadedCheckpoint:
+    """Reads only rank 0's payload of the sharded checkpoint ``ref`` (its small state; the
+    shards are loaded collectively by ``ShardedCheckpoints.load``), verifying its checksum.
+
+    Raises:
+        CheckpointCorruptError: ``ref`` is not sharded, has no payload, or it does not verify.
+        CheckpointReadError: the storage failed while reading it.
+    """
+    entry = ref.manifest.files.get(PAYLOAD_NAME)
+    if ref.manifest.payload_format != DCP_FORMAT or entry is None:
+        raise CheckpointCorruptError(f"checkpoint {ref.url} is not a sharded checkpoint with a "
+                                     f"{PAYLOAD_NAME} (format {ref.manifest.payload_format!r}).")
+    try:
+        state = read_payload(storage, storage.join(step_dir_name(ref.step), PAYLOAD_NAME), entry)
+    except (OSError, CheckpointStorageError) as exc:
+        raise CheckpointReadError(
+            f"reading checkpoint {ref.url} failed: {exc!r}. Check that the storage is "
+            "reachable; the checkpoint itself may be intact.") from exc
+    return LoadedCheckpoint(ref=ref, state_dict=state, metadata=ref.manifest.metadata)

@@ -96,6 +96,7 @@ def main() -> None:
     p.add_argument("--commit-every", type=int, default=4)
     p.add_argument("--shard-degree", type=int, default=None)
     p.add_argument("--hold-at", default="")
+    p.add_argument("--durable", action="store_true", help="durable commits at epoch ends")
     args = p.parse_args()
     out = Path(args.out)
     index = int(os.environ["TEST_WORKER_INDEX"])
@@ -133,7 +134,7 @@ def main() -> None:
                     s.commit()
                     hold(s, args.hold_at)
             s.epoch += 1
-            s.commit()
+            s.commit(durable=args.durable)
         final["params"] = torch.cat([p.full_tensor().flatten()
                                      for p in s.model.parameters()]).tolist()
 
