@@ -52,6 +52,10 @@ REGISTRY: dict[str, Benchmark] = {
         "bench_recovery.py", ("--reps", "5"), "file",
         "the whole recovery run, with a 4th worker joining and the sequential steady state "
         "(needs root)"),
+    "recovery-torchft": Benchmark(
+        "bench_recovery.py", ("--recovery-only", "--reps", "5", "--torchft"), "file",
+        "the recovery run with torchft beside it, its defaults and lowest timeouts (needs root "
+        "and the bench-torchft extra)"),
     "interleaved": Benchmark(
         "bench_interleaved.py", ("--pairs", "16", "--runs", "14"), "file",
         "steady-state steps/s against plain DDP under torchrun, jobs taking turns (needs root)"),
@@ -59,6 +63,10 @@ REGISTRY: dict[str, Benchmark] = {
         "bench_commit_sweep.py", ("--sizes", "1m,10m", "--runs", "2"), "file",
         "a commit every step, 1M/10M parameters, against plain DDP (needs root; 100M: "
         "--sizes 100m --jobs torchrun,copy-free)"),
+    "commit-sweep-torchft": Benchmark(
+        "bench_commit_sweep.py", ("--sizes", "1m,10m", "--runs", "2", "--jobs", "torchrun,torchft"),
+        "file", "torchft's DDP with should_commit every step against plain DDP (needs root and "
+        "the bench-torchft extra)"),
     "survivor-sync": Benchmark(
         "bench_survivor_sync.py", ("--reps", "2"), "file",
         "what the survivors of a 100M-parameter job move when one worker dies"),
@@ -68,9 +76,16 @@ REGISTRY: dict[str, Benchmark] = {
     "soak": Benchmark(
         "soak.py", ("--minutes", "30", "--seed", "1"), "file",
         "30 minutes of seeded random faults: hangs, samples lost, training lost per fault"),
+    "goodput": Benchmark(
+        "soak.py", ("--fault-every", "60", "--duration", "1800", "--turns", "1"), "file",
+        "useful work under a mixed fault a minute over fault-free turns of the same job (95 min)"),
     "checkpoint": Benchmark(
         "bench_checkpoint.py", ("--repeats", "7"), "stdout",
         "a 192 MiB checkpoint saved and loaded against torch.save and dd"),
+    "checkpoint-io": Benchmark(
+        "bench_checkpoint_io.py", ("--repeats", "3"), "file",
+        "checkpoint load peak RSS vs the payload (streamed vs whole-file), save vs raw fsspec "
+        "write (--small: a quick check)"),
     "equivalence": Benchmark(
         "plot_equivalence.py", ("--out", str(REPO / "docs" / "loss_curves.png")), "stdout",
         "an elastic 3->2->3->2 job against an uninterrupted one (plot: docs/loss_curves.png)"),

@@ -12,7 +12,11 @@ rotating every round. The jobs: ``torchrun`` (plain DDP under torchrun, ``torchr
 the anchor), ``copy-free`` (``elastic_worker.py --commit-part copy-free``: every step inside
 ``commit_step()``), ``snapshot`` (``elastic_worker.py``, ``commit()`` after every step: a
 copy of the parameters and both Adam moments) and ``no-commits`` (the same worker of ours that
-never commits: what ours costs without commits). The first job named is the anchor; at ~100M
+never commits: what ours costs without commits) and, when named (an optional extra), ``torchft``
+(``torchft_worker.py``: 2 replica groups of one process and a lighthouse at torchft's defaults,
+its ``DistributedDataParallel`` and ``Optimizer``: ``should_commit`` every step; name it with
+one other job only, ``--jobs torchrun,torchft``, so that it is never stopped longer than its 5 s
+heartbeat timeout). The first job named is the anchor; at ~100M
 parameters, run the jobs two at a time (``--jobs torchrun,copy-free``, then
 ``--jobs torchrun,snapshot``): four jobs' state is ~20 GB. Each job's steps/s counts only rank
 0's step intervals that lie wholly inside its own slices; each ratio is a job's steps/s over
@@ -41,10 +45,13 @@ sys.path.insert(0, str(HERE))
 
 from bench_interleaved import Job, rate  # noqa: E402
 from bench_recovery import env_for, read_progress, wait_for  # noqa: E402
+from torchft_anchor import TorchftJob  # noqa: E402
+from torchft_anchor import require as require_torchft  # noqa: E402
 from elastic.cluster.links.ports import free_port  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 JOBS = ("torchrun", "copy-free", "snapshot", "no-commits")  # the first named is the anchor
+OPTIONAL_JOBS = ("torchft",)  # pip install -e '.[bench-torchft]'
 
 # The same glibc allocator settings for every job. Left dynamic, the mmap threshold depends on
 # each process's allocation history: in one job of this sweep one worker page-faulted ~10k
@@ -86,6 +93,10 @@ class SweepJob(Job):
                               "--nproc-per-node=2", "--rdzv-backend=c10d",
                               f"--rdzv-endpoint=127.0.0.1:{free_port()}", "torchrun_worker.py",
                               *args], env_for(**ALLOCATOR))
+            return
+        if self.name == "torchft":
+            TorchftJob(self.out, "default", replicas=2, worker_args=tuple(args[2:]),
+                       procs=self.procs, env=ALLOCATOR)
             return
         self.etcd = EmbeddedEtcd().start()
         part = "copy-free" if self.name == "copy-free" else "both"
@@ -182,8 +193,11 @@ def main() -> None:
     args = parser.parse_args()
     sizes = args.sizes.split(",")
     names = args.jobs.split(",")
-    if len(names) < 2 or len(set(names)) != len(names) or set(names) - set(JOBS):
-        parser.error(f"--jobs ({args.jobs}) names two or more different jobs of {JOBS}.")
+    if len(names) < 2 or len(set(names)) != len(names) or set(names) - set(JOBS + OPTIONAL_JOBS):
+        parser.error(f"--jobs ({args.jobs}) names two or more different jobs of "
+                     f"{JOBS + OPTIONAL_JOBS}.")
+    if "torchft" in names:
+        require_torchft()
     unknown = sorted(set(sizes) - set(SIZES))
     if unknown:
         parser.error(f"--sizes names {unknown}; choose among {sorted(SIZES)}.")

@@ -16,7 +16,8 @@ Measured (wall clock, from the workers' per-step progress lines):
 
 ``--recovery-only`` runs the failure cases only, per rep: SIGKILL with no launcher, the same
 under torchrun, SIGKILL under ``elastic run`` (whose launcher revokes the dead worker's lease),
-and SIGSTOP (lease TTL 2 s).
+and SIGSTOP (lease TTL 2 s). With ``--torchft`` (an optional extra) torchft joins them as an
+anchor, at its defaults and at its lowest documented timeouts (``torchft_anchor.py``).
 
 ``--throughput-only`` runs the steady-state pair only (order alternating per rep; ``--batch``,
 ``--steps``, ``--pin`` to bind worker i to core i) and adds what one commit costs rank 0: the
@@ -281,23 +282,31 @@ def main() -> None:
                         default="both",
                         help="with --throughput-only: what ours does at each commit, to measure "
                              "the cost of the snapshot and of the agreement apart")
+    parser.add_argument("--torchft", action="store_true",
+                        help="with --recovery-only: torchft as an anchor too (torchft_anchor.py)")
     parser.add_argument("--pin", action="store_true",
                         help="with --throughput-only: bind worker i of either side to core i")
     args = parser.parse_args()
     if args.out is None:
         args.out = REPO / "runs" / ("throughput.json" if args.throughput_only else "recovery.json")
     args.out = args.out.resolve()
+    if args.torchft:
+        if not args.recovery_only:
+            parser.error("--torchft goes with --recovery-only; add it, or drop --torchft")
+        import torchft_anchor
+        torchft_anchor.require()
     if os.environ.get("BENCH_NETNS") != "1":
         inner = f"ip link set lo up && exec {sys.executable} {Path(__file__)} " \
                 f"--reps {args.reps} --out {shlex.quote(str(args.out))}" \
                 + (" --throughput-only" if args.throughput_only else "") \
                 + (" --recovery-only" if args.recovery_only else "") \
+                + (" --torchft" if args.torchft else "") \
                 + (" --pin" if args.pin else "") + (" --control" if args.control else "") \
                 + f" --batch {args.batch} --steps {args.steps} --commit-part {args.commit_part}"
         os.execvpe("unshare", ["unshare", "-n", "sh", "-c", inner],
                    dict(os.environ, BENCH_NETNS="1"))
     if args.recovery_only:
-        recovery_only(args.reps, args.out)
+        recovery_only(args.reps, args.out, args.torchft)
         return
     if args.throughput_only:
         throughput_only(args.reps, args.out, args.pin, args.batch, args.steps,
@@ -331,11 +340,14 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
-def recovery_only(reps: int, json_path: Path) -> None:
+def recovery_only(reps: int, json_path: Path, torchft: bool = False) -> None:
     """The failure cases only, each rep in the same order; medians and the ratio to torchrun."""
     root = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
     results: dict[str, list[float]] = {k: [] for k in (
         "ours_kill_s", "torchrun_kill_s", "ours_launcher_kill_s", "ours_node_loss_s")}
+    if torchft:
+        import torchft_anchor  # optional: pip install -e '.[bench-torchft]'
+        results |= {k: [] for k in torchft_anchor.KEYS}
     try:
         for rep in range(reps):
             d = root / f"rep{rep}"
@@ -343,6 +355,9 @@ def recovery_only(reps: int, json_path: Path) -> None:
             results["torchrun_kill_s"].append(torchrun_kill(mk(d / "torchrun")))
             results["ours_launcher_kill_s"].append(ours_launcher_kill(mk(d / "launcher")))
             results["ours_node_loss_s"].append(ours_fault(mk(d / "stop"), signal.SIGSTOP))
+            if torchft:
+                for key, value in torchft_anchor.measure(mk(d / "torchft")).items():
+                    results[key].append(value)
             print(f"rep {rep}: " + ", ".join(f"{k}={v[-1]:.3f}" for k, v in results.items()),
                   flush=True)
     finally:

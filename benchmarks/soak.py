@@ -19,6 +19,11 @@ the stretches between recoveries and the next fault); samples lost or duplicated
 committed audit of every epoch); hangs (a worker fault with no recovery before the next fault,
 or a job that does not end); workers that restarted in place (``--release-grace``); and worker
 processes left behind.
+
+Goodput: ``--fault-every S [--duration 1800] [--turns 1]`` runs instead one mixed fault every S
+seconds (kill, stop, term, replace, join) in turns against fault-free runs of the same job and
+reports useful steps/s divided by the fault-free steps/s, and the time lost per fault by kind:
+see ``goodput.py``.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ MIN_WORLD, MAX_WORLD = 2, 5
 class Soak:
     """The job, its workers and the faults fired at them."""
 
-    def __init__(self, root: Path, etcd: EmbeddedEtcd, workers: int) -> None:
+    def __init__(self, root: Path, etcd: EmbeddedEtcd, workers: int,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.root = root
         self.etcd = etcd
         self.env = dict(os.environ, ELASTIC_ETCD=etcd.url, ELASTIC_JOB_ID="soak",
@@ -60,7 +66,7 @@ class Soak:
                         ELASTIC_RELEASE_GRACE=str(RELEASE_GRACE_S),
                         ELASTIC_MIN_WORKERS="1", MASTER_ADDR="127.0.0.1",
                         GLOO_SOCKET_IFNAME="lo", ELASTIC_ADVERTISE_ADDR="127.0.0.1",
-                        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+                        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
         self.procs: list[subprocess.Popen[bytes]] = []
         self.live: list[subprocess.Popen[bytes]] = []
         self.faults: list[dict[str, Any]] = []
@@ -76,18 +82,22 @@ class Soak:
         self.procs.append(proc)
         self.live.append(proc)
 
-    def fire(self, kind: str, rng: random.Random) -> None:
+    def fire(self, kind: str, rng: random.Random,
+             victims: list[subprocess.Popen[bytes]] | None = None) -> None:
+        """Fires one fault; a worker fault hits one of ``victims`` (default: any live one)."""
         record: dict[str, Any] = {"kind": kind, "t": time.time(), "world": len(self.live)}
         if kind == "join":
             self.start_worker()
         elif kind == "etcd":
             self.etcd.restart()
         else:
-            victim = rng.choice(self.live)
+            victim = rng.choice(victims or self.live)
             record["pid"] = victim.pid
-            if kind == "kill":
+            if kind in ("kill", "replace"):
                 victim.send_signal(signal.SIGKILL)
                 self.live.remove(victim)
+                if kind == "replace":  # as a launcher does: a new worker at once
+                    self.start_worker()
             elif kind == "term":
                 victim.send_signal(signal.SIGTERM)
                 self.live.remove(victim)
@@ -194,7 +204,20 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--out", default=str(HERE.parent / "runs" / "soak.json"))
+    p.add_argument("--fault-every", type=float, default=None,
+                   help="goodput instead: one mixed fault every S seconds (goodput.py)")
+    p.add_argument("--duration", type=float, default=1800,
+                   help="goodput: seconds each turn is measured")
+    p.add_argument("--turns", type=int, default=1,
+                   help="goodput: faulty turns, each between two fault-free ones")
     args = p.parse_args()
+    if args.fault_every is not None:
+        if not 0 < args.fault_every <= args.duration:
+            p.error(f"--fault-every {args.fault_every:g} must be > 0 and <= --duration "
+                    f"{args.duration:g}: pick a shorter interval or a longer --duration")
+        import goodput  # it imports this module's Soak
+        goodput.main(args)
+        return
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="elastic-soak-"))
     (root / "etcd").mkdir()

@@ -5,7 +5,9 @@ drops out with the rollback); at each epoch's end the counts become one audit ro
 samples, lost samples), so the soak can check that each epoch saw every sample exactly once. Rank 0
 appends ``{"t", "samples", "world"}`` to ``progress.jsonl`` at every commit. The job ends at the
 first epoch boundary after the file ``stop`` appears in the output folder (all ranks agree on it
-with one all-reduce), and rank 0 writes ``result.json``.
+with one all-reduce), and rank 0 writes ``result.json``. ``step`` counts the batches trained
+and is committed with the state, so a rolled-back batch is not counted: rank 0's ``progress``
+events (with ``ELASTIC_PROGRESS`` small, one per commit) are the ledger of useful steps.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ def main() -> None:
     model = torch.nn.Linear(16, 1)
     state = ElasticState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
                          sampler=ElasticSampler(dataset, seed=3, batch_size=args.batch),
-                         epoch=0, counts=torch.zeros(args.samples, dtype=torch.int16), audit=[])
+                         epoch=0, step=0, counts=torch.zeros(args.samples, dtype=torch.int16), audit=[])
 
-    def train(s: ElasticState) -> None:
+    def train(s: ElasticState) -> bool:
         ddp = DDP(s.model)
         pending: list[int] = []
         while True:
@@ -52,6 +54,7 @@ def main() -> None:
                 loss.backward()
                 s.optimizer.step()
                 s.sampler.record_batch(len(idx))
+                s.step += 1
                 pending.extend(idx.tolist())
                 time.sleep(args.step_ms / 1000)  # stands in for a longer step of real work
                 if s.sampler.batches_done % args.commit_every == 0:
@@ -68,7 +71,7 @@ def main() -> None:
             stop = torch.tensor([float((out / "stop").exists())])
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
             if stop.item() > 0:
-                return
+                return True
 
     def record(s: ElasticState, pending: list[int]) -> None:
         everyone: list = [None] * dist.get_world_size()
@@ -82,8 +85,9 @@ def main() -> None:
                 f.write(json.dumps({"t": time.time(), "samples": len(done),
                                     "world": s.world_size}) + "\n")
 
-    state.run(train)
-    if state.rank == 0 and (out / "stop").exists():
+    # None on a worker that left, or that came as the job finished (its state never trained).
+    trained = state.run(train)
+    if trained and state.rank == 0 and (out / "stop").exists():
         (out / "result.json").write_text(json.dumps(
             {"audit": state.audit, "epochs": state.epoch}))
 

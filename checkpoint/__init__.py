@@ -16,14 +16,17 @@ from elastic.checkpoint.errors import (
     CheckpointCredentialsError,
     CheckpointError,
     CheckpointFencedError,
+    CheckpointHeldError,
     CheckpointIncompatibleError,
     CheckpointLocationError,
     CheckpointNotFoundError,
+    CheckpointRaceError,
     CheckpointReadError,
     CheckpointStorageError,
     CheckpointUnsafeError,
     CheckpointWriteError,
 )
+from elastic.checkpoint.holder import Holder, UrlClaim
 from elastic.checkpoint.listing import CheckpointRef
 from elastic.checkpoint.probe import check_writable
 from elastic.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest
@@ -39,9 +42,11 @@ __all__ = [
     "CheckpointCredentialsError",
     "CheckpointError",
     "CheckpointFencedError",
+    "CheckpointHeldError",
     "CheckpointIncompatibleError",
     "CheckpointLocationError",
     "CheckpointNotFoundError",
+    "CheckpointRaceError",
     "CheckpointRef",
     "CheckpointReadError",
     "CheckpointStorageError",
@@ -49,9 +54,11 @@ __all__ = [
     "CheckpointUnsafeError",
     "CheckpointWriteError",
     "FileEntry",
+    "Holder",
     "LoadedCheckpoint",
     "Manifest",
     "ShardedCheckpoints",
+    "UrlClaim",
     "check_compatible",
     "check_writable",
 ]

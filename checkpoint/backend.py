@@ -13,6 +13,7 @@ import errno
 import functools
 import logging
 import os
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -55,6 +56,11 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutErr
 #: ``OSError`` numbers worth another try: "busy" is what s3fs makes of an S3 503 (Service
 #: Unavailable, SlowDown), "try again" what a loaded NFS server or FUSE mount answers.
 TRANSIENT_ERRNOS = frozenset({errno.EBUSY, errno.EAGAIN})
+
+
+#: What ``link(2)`` answers on filesystems without hard links (some FUSE and SMB mounts).
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS,
+                            errno.EMLINK})
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -222,6 +228,55 @@ class Storage:
         with self.open_write(path) as f:
             f.write(data)
             self.sync_file(f)
+
+    @io_retry
+    def create_bytes(self, path: str, data: bytes) -> None:
+        """Writes a whole (small) file only if none exists at ``path``, in one atomic step.
+
+        Local disks write a temporary file and hard-link it into place (where links are not
+        supported: an exclusive create, not atomic for readers); object stores get a
+        conditional write (``fs.pipe_file(mode="create")``: ``If-None-Match: *`` on S3,
+        ``ifGenerationMatch=0`` on GCS); other filesystems check first (not atomic, see
+        docs/storage.md). A retry after a transient error that finds ``data`` itself already
+        there counts as done: the first try landed.
+
+        Raises:
+            FileExistsError: another writer created ``path`` first.
+        """
+        try:
+            if self.is_local:
+                self._link_into_place(path, data)
+            else:
+                self.fs.pipe_file(path, data, mode="create")
+        except FileExistsError:
+            if self._holds(path, data):
+                return
+            raise
+
+    def _link_into_place(self, path: str, data: bytes) -> None:
+        parent, name = path.rsplit("/", 1)
+        self.fs.makedirs(parent, exist_ok=True)
+        spare = f"{parent}/.{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        with open(spare, "wb") as f:
+            f.write(data)
+            self.sync_file(f)
+        try:
+            os.link(spare, path)  # fails with FileExistsError where one is already
+        except OSError as exc:
+            if exc.errno not in _NO_HARD_LINKS:
+                raise
+            with open(path, "xb") as f:  # O_EXCL still: only not atomic for readers
+                f.write(data)
+                self.sync_file(f)
+        finally:
+            os.unlink(spare)
+
+    def _holds(self, path: str, data: bytes) -> bool:
+        """Whether ``path`` holds exactly ``data`` (a retried create whose first try landed)."""
+        try:
+            return self.fs.cat_file(path) == data
+        except FileNotFoundError:
+            return False
 
     @io_retry
     def remove(self, path: str, recursive: bool = False) -> None:

@@ -45,6 +45,24 @@ class CheckpointFencedError(CheckpointError):
         self.newer = newer
 
 
+class CheckpointRaceError(CheckpointFencedError):
+    """Another writer published the same step first (a conditional create lost the race): its
+    checkpoint stands untouched, this one was not published. ``newer`` is the winner's
+    checkpoint when it could be read."""
+
+
+class CheckpointHeldError(CheckpointError):
+    """Another job holds the checkpoint URL (its claim's heartbeat is fresh).
+
+    Attributes:
+        holder: its record (a ``holder.Holder``).
+    """
+
+    def __init__(self, message: str, holder: object = None) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
 class CheckpointWriteError(CheckpointError):
     """Writing a checkpoint failed part-way; the previous checkpoints are untouched."""
 

@@ -1,29 +1,25 @@
-"""The fencing rule of a checkpoint root: a writer older than the newest published generation
-may not publish.
+"""Who may publish a checkpoint: the generation fence, and the error of a lost publish race.
 
-Owns the check only; the generation itself comes from the writer (the job's fencing epoch and
-round, see ``elastic/cluster/fencing.py``). It does no I/O beyond what the caller's scan did.
+A writer may publish only while no complete checkpoint of a newer generation exists under the
+URL (``check_fence``, checked before the payload and again before the manifest); where the
+backend has a conditional create, two writers of one step cannot both publish, and the loser
+gets ``race_lost``'s error. This module reads scans and builds errors; it does no I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from elastic.checkpoint.errors import CheckpointError, CheckpointFencedError
-from elastic.checkpoint.listing import Scan
+from elastic.checkpoint.errors import CheckpointError, CheckpointFencedError, CheckpointRaceError
+from elastic.checkpoint.listing import CheckpointRef, Scan
 
 
 def check_fence(scan: Scan, generation: int | None, step: int, url: str) -> None:
-    """Refuses ``step`` of ``generation`` when ``scan`` holds a newer generation's checkpoint.
-
-    Args:
-        scan: a listing of the root.
-        generation: the writer's fencing generation; None writes unfenced.
-        step: the step being written (for the message).
-        url: the root URL (for the message).
+    """Raises when ``scan`` holds a checkpoint of a newer generation than ``generation``.
 
     Raises:
-        CheckpointFencedError: a newer generation has already published.
+        CheckpointFencedError: a newer generation has published under ``url`` (``newer`` is
+            its newest checkpoint).
     """
     if generation is None:
         return
@@ -61,3 +57,21 @@ def check_fence_after(scan: Callable[[], Scan], exc: BaseException, generation: 
         check_fence(found, generation, step, url)
     except CheckpointFencedError as fenced:
         raise fenced from exc
+
+
+def race_lost(step: int, generation: int | None, step_url: str,
+              winner: CheckpointRef | None) -> CheckpointRaceError:
+    """The error of a writer whose conditional create of ``step``'s manifest found one there.
+
+    Args:
+        step: the step both wrote.
+        generation: the loser's generation.
+        step_url: the step's directory.
+        winner: the checkpoint that won, when it could be listed.
+    """
+    by = (f" by generation {winner.generation} of job {winner.metadata.get('job_id')!r}"
+          if winner is not None else "")
+    return CheckpointRaceError(
+        f"step {step} from generation {generation} was not published: another writer "
+        f"published step {step} first{by} at {step_url}, which was left as it is. Two writers "
+        "share this checkpoint URL: stop one, or give each its own URL.", newer=winner)

@@ -1,18 +1,21 @@
 """The payload: snapshotting a state dict to host memory, encoding it, and decoding it safely.
 
 The payload is one ``torch.save`` archive streamed through fsspec while its sha256 is computed
-(hashing overlaps the write, so a save runs at disk speed). Loading verifies the checksum first and
-then uses ``torch.load(weights_only=True)``, which never runs code from the file; local files are
-memory-mapped. This module does not decide where files go or which checkpoint is current.
+(hashing overlaps the write, so a save runs at disk speed). Loading reads it once in chunks,
+verifying the checksum on the way, and then uses ``torch.load(weights_only=True, mmap=True)``,
+which never runs code from the file, on the local file or on an in-memory spool of the download.
+This module does not decide where files go or which checkpoint is current.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import io
+import os
 import pickle
+import tempfile
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any
 
@@ -27,7 +30,7 @@ from elastic.checkpoint.errors import (
 from elastic.checkpoint.manifest import FileEntry
 
 PAYLOAD_NAME = "state.pt"
-_CHUNK = 8 << 20  # bytes handed to the filesystem per write call
+_CHUNK = 8 << 20  # bytes handed to (or asked of) the filesystem per write (read) call
 _OVERLAP_MIN = 256 << 10  # below this, hashing in parallel costs more than it saves
 _WRITEBACK = 32 << 20  # local disks: push to disk every this many bytes
 _PLAIN = (int, float, str, bool, type(None), bytes, complex, torch.dtype, torch.device, torch.Size)
@@ -187,68 +190,103 @@ def write_payload(storage: Storage, path: str, state: Any) -> FileEntry:
 
 
 @io_retry
-def _local_digest(storage: Storage, path: str) -> tuple[int, str]:
-    """Size and sha256 of a local file; the next chunk is read while this one is hashed."""
+def _stream(storage: Storage, path: str, sink: IO[bytes] | None) -> tuple[int, str]:
+    """Reads ``path`` once, in chunks, returning its size and sha256 and copying it to ``sink``
+    (when given) on the way; the next chunk is read while this one is hashed. A retry starts
+    over, ``sink`` emptied first."""
+    if sink is not None:
+        sink.seek(0)
+        sink.truncate()
     sha, size = hashlib.sha256(), 0
-    bufs = (bytearray(_CHUNK), bytearray(_CHUNK))
-    with storage.fs.open(path, "rb") as f, ThreadPoolExecutor(1, "checkpoint-read") as pool:
-        current, n = 0, f.readinto(bufs[0])
-        while n:
-            following = pool.submit(f.readinto, bufs[1 - current])
-            sha.update(memoryview(bufs[current])[:n])
-            size += n
-            current, n = 1 - current, following.result()
+    # Object stores: one ranged read per chunk, no read-ahead cache holding more.
+    options = {} if storage.is_local else {"block_size": _CHUNK, "cache_type": "none"}
+    with (storage.fs.open(path, "rb", **options) as f,
+          ThreadPoolExecutor(1, "checkpoint-read") as pool):
+        chunk = f.read(_CHUNK)
+        while chunk:
+            following = pool.submit(f.read, _CHUNK)
+            sha.update(chunk)  # hashlib releases the GIL: runs while the next read does
+            if sink is not None:
+                sink.write(chunk)
+            size += len(chunk)
+            chunk = following.result()
+    if sink is not None:
+        sink.flush()
     return size, sha.hexdigest()
 
 
+@contextlib.contextmanager
+def _spool() -> Iterator[tuple[IO[bytes], str]]:
+    """A file in memory (Linux: ``memfd_create``; elsewhere a temporary file) and a path that
+    ``torch.load(mmap=True)`` maps: the loaded tensors then live in the spool's own pages, so
+    a load from an object store holds the payload once, not a download plus its tensors."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("checkpoint-load", os.MFD_CLOEXEC)
+        with open(fd, "w+b") as f:
+            yield f, f"/proc/self/fd/{fd}"
+        return
+    with tempfile.NamedTemporaryFile("w+b", prefix="checkpoint-load-") as f:
+        yield f, f.name
+
+
+def _check(path: str, size: int, digest: str, expected: FileEntry) -> None:
+    if (size, digest) != (expected.size, expected.sha256):
+        raise CheckpointCorruptError(
+            f"payload {path} does not match its manifest: {size} bytes, sha256 {digest} "
+            f"(manifest: {expected.size} bytes, sha256 {expected.sha256}).")
+
+
 def file_entry(storage: Storage, path: str) -> FileEntry:
-    """Reads ``path`` back and returns its size and sha256 (for files written by others).
+    """Reads ``path`` back once, in chunks, and returns its size and sha256 (for files that
+    others wrote).
 
     Raises:
         OSError: (or the filesystem's own error) the file is missing or unreadable.
     """
-    if storage.is_local:
-        return FileEntry(*_local_digest(storage, path))
-    data = storage.read_bytes(path)
-    return FileEntry(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    return FileEntry(*_stream(storage, path, None))
 
 
-def verify_payload(storage: Storage, path: str, expected: FileEntry) -> Any:
-    """Checks ``path``'s size and sha256 against its manifest entry.
-
-    Returns:
-        What ``torch.load`` reads the verified payload from (a local path, or the bytes read).
+def verify_payload(storage: Storage, path: str, expected: FileEntry) -> None:
+    """Checks ``path``'s size and sha256 against its manifest entry, reading it once in chunks
+    (never the whole file into memory).
 
     Raises:
         CheckpointCorruptError: Missing file, or wrong size or checksum.
     """
     try:
-        if storage.is_local:
-            size, digest = _local_digest(storage, path)
-            source: Any = path
-        else:
-            data = storage.read_bytes(path)
-            size, digest = len(data), hashlib.sha256(data).hexdigest()
-            source = io.BytesIO(data)
+        size, digest = _stream(storage, path, None)
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(f"payload {path} is missing.") from exc
-    if (size, digest) != (expected.size, expected.sha256):
-        raise CheckpointCorruptError(
-            f"payload {path} does not match its manifest: {size} bytes, sha256 {digest} "
-            f"(manifest: {expected.size} bytes, sha256 {expected.sha256}).")
-    return source
+    _check(path, size, digest, expected)
 
 
 def read_payload(storage: Storage, path: str, expected: FileEntry) -> Any:
     """Verifies ``path`` against its manifest entry and decodes it without running code.
 
+    One pass over the storage: local files are hashed in chunks and then memory-mapped; other
+    filesystems are copied into a spool in memory while they are hashed, and the tensors are
+    mapped from the spool. Either way a load holds the payload once plus a chunk or two.
+
     Raises:
         CheckpointCorruptError: Missing file, wrong size or checksum, or an undecodable archive.
         CheckpointUnsafeError: The archive asks for code or objects outside the weights-only set.
     """
-    source = verify_payload(storage, path, expected)
+    if storage.is_local:
+        verify_payload(storage, path, expected)
+        return _decode(path, path)
+    with _spool() as (sink, spooled):
+        try:
+            size, digest = _stream(storage, path, sink)
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptError(f"payload {path} is missing.") from exc
+        _check(path, size, digest, expected)
+        return _decode(path, spooled)
+
+
+def _decode(path: str, source: str) -> Any:
+    """``torch.load`` of the verified payload at ``source`` (memory-mapped, weights only)."""
     try:
-        return torch.load(source, map_location="cpu", weights_only=True, mmap=storage.is_local)
+        return torch.load(source, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as exc:
         raise CheckpointUnsafeError(
             f"payload {path} was refused: it holds objects that weights-only loading does not "

@@ -1,9 +1,9 @@
 """CheckpointStore: durable, fenced, retained checkpoints under one fsspec URL.
 
 Owns the layout ``{url}/{step:012d}/`` (payload first, ``manifest.json`` last), which directories
-count as checkpoints (only those whose manifest is valid and whose files are all there), retention,
-cleanup of torn writes, fencing by generation, and the single background writer of ``save_async``.
-It knows nothing about process groups, etcd or training objects.
+count as checkpoints (a valid manifest, all its files there; written by it or by each rank),
+retention, torn-write cleanup, fencing, and ``save_async``'s one background writer. It knows
+nothing about process groups, etcd or training objects.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, NoReturn
 
 from elastic.checkpoint.backend import DEFAULT_RETRY_FOR, Storage, resolve_filesystem
 from elastic.checkpoint.errors import (CheckpointError, CheckpointFencedError,
-                                       CheckpointWriteError)
-from elastic.checkpoint.fence import check_fence, check_fence_after
+                                       CheckpointRaceError, CheckpointWriteError)
+from elastic.checkpoint.fence import check_fence, check_fence_after, race_lost
 from elastic.checkpoint.listing import CheckpointRef, Scan, scan_checkpoints
 from elastic.checkpoint.manifest import (MANIFEST_NAME, PAYLOAD_FORMAT, FileEntry, Manifest,
                                         checked_metadata, step_dir_name)
@@ -76,7 +76,7 @@ class CheckpointStore:
     def __enter__(self) -> CheckpointStore:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, *exc_info: object) -> None:  # closes: waits for the write in flight
         self.close()
 
     # -- writing -----------------------------------------------------------------------------
@@ -103,6 +103,8 @@ class CheckpointStore:
             ValueError: Bad step or metadata. TypeError: a value that cannot be saved.
             CheckpointError: ``step`` already has a checkpoint, or the store is closed.
             CheckpointFencedError: A newer generation has already published.
+            CheckpointRaceError: Another writer published ``step`` first (a conditional
+                create lost; its checkpoint is left as it is).
             CheckpointWriteError: The storage failed; earlier checkpoints are untouched.
         """
         meta = checked_metadata(step, metadata)
@@ -147,14 +149,8 @@ class CheckpointStore:
             return future
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Waits for the in-flight asynchronous write, if any.
-
-        Args:
-            timeout: How long to wait; ``None`` waits until it is done.
-
-        Returns:
-            True if nothing is in flight any more.
-        """
+        """Waits for the in-flight asynchronous write, if any, for up to ``timeout`` (``None``:
+        until it is done). Returns True if nothing is in flight any more."""
         self._wait_in_flight(None if timeout is None else timeout.total_seconds())
         writer = self._writer
         return writer is None or not writer.is_alive()
@@ -210,8 +206,7 @@ class CheckpointStore:
 
         Raises:
             ValueError: bad step or metadata (as for :meth:`save`).
-            CheckpointError: ``step`` already has a checkpoint, the store is closed, or
-                listing failed.
+            CheckpointError: the step has a checkpoint, the store is closed, listing failed.
             CheckpointFencedError: a newer generation than ``metadata``'s has published.
         """
         meta = checked_metadata(step, metadata)
@@ -229,6 +224,7 @@ class CheckpointStore:
 
         Raises:
             CheckpointFencedError: a newer generation published meanwhile.
+            CheckpointRaceError: another writer published ``step`` first.
             CheckpointWriteError: the storage failed.
         """
         meta = checked_metadata(step, metadata)
@@ -241,28 +237,21 @@ class CheckpointStore:
     def discard_step(self, step: int) -> None:
         """Removes ``step``'s files unless they are a published checkpoint."""
         with self._lock:
-            if all(ref.step != step for ref in self._scan().valid):
+            if all(ref.step != step for ref in self._scan().valid):  # never a published one
                 self._discard(self._storage.join(step_dir_name(step)))
 
-    @property
-    def storage(self) -> Storage:
-        """The store's root and its retried I/O (for the shards' writers and readers)."""
-        return self._storage
-
-    @property
-    def storage_options(self) -> Mapping[str, Any]:
-        """The fsspec options the store was given (for writers that open the URL themselves)."""
-        return self._storage_options
+    storage = property(lambda self: self._storage, doc="The root and its retried I/O.")
+    storage_options = property(lambda self: self._storage_options,
+                               doc="The fsspec options given (for writers opening the URL).")
 
     def _claim(self, step: int, meta: dict[str, Any]) -> str:
-        """Checks that ``step`` is free and this writer not fenced; removes a torn leftover of
-        the same step. Returns the step's directory path."""
+        """The step's directory, checked free and unfenced, a torn leftover removed."""
         scan = self._scan()
         if any(ref.step == step for ref in scan.valid):
             raise CheckpointError(
                 f"step {step} already has a checkpoint at {self._dir_url(step)}; checkpoints are "
                 f"never overwritten: save under a new step, or delete that directory first.")
-        self._check_fence(scan, meta.get("generation"), step)
+        check_fence(scan, meta.get("generation"), step, self._url)
         step_dir = self._storage.join(step_dir_name(step))
         if step in scan.invalid:
             self._discard(step_dir)  # leftover of a torn write
@@ -285,23 +274,41 @@ class CheckpointStore:
                                 generation=meta.get("generation"), metadata=meta,
                                 files=files, payload_format=payload_format)
             if manifest.generation is not None:  # re-check: a newer one may have published
-                self._check_fence(self._scan(), manifest.generation, step)
+                check_fence(self._scan(), manifest.generation, step, self._url)
             if before_publish is not None:
                 before_publish()
-            self._storage.write_bytes(f"{step_dir}/{MANIFEST_NAME}", manifest.to_json())
+            self._create_manifest(step, f"{step_dir}/{MANIFEST_NAME}", manifest)
             self._storage.sync_dir(step_dir)
             self._storage.sync_dir(self._storage.root)
             return manifest
+        except CheckpointRaceError:
+            raise  # the directory holds the winner's checkpoint now: nothing of it is ours
         except CheckpointFencedError:
             self._discard(step_dir)
             raise
         except _WRITE_FAILURES as exc:
             self._failed_write(step, step_dir, meta, exc)
 
+    def _create_manifest(self, step: int, path: str, manifest: Manifest) -> None:
+        """Creates the manifest, never over one that is there (``Storage.create_bytes``);
+        ``CheckpointRaceError`` when another writer published ``step`` first."""
+        try:
+            self._storage.create_bytes(path, manifest.to_json())
+        except FileExistsError as exc:
+            raise race_lost(step, manifest.generation, self._dir_url(step),
+                            self._published_at(step)) from exc
+
+    def _published_at(self, step: int) -> CheckpointRef | None:
+        """The complete checkpoint of ``step`` (None: none, or the storage cannot be listed)."""
+        try:
+            return next((r for r in self._scan().valid if r.step == step), None)
+        except CheckpointError:  # the race's error says who won when it can
+            return None
+
     def _failed_write(self, step: int, step_dir: str, meta: dict[str, Any],
                       exc: Exception) -> NoReturn:
         self._discard(step_dir)
-        self._check_fence_after(exc, meta.get("generation"), step)
+        check_fence_after(self._scan, exc, meta.get("generation"), step, self._url)
         raise CheckpointWriteError(
             f"writing checkpoint step {step} to {self._dir_url(step)} failed: {exc!r}. "
             f"Earlier checkpoints are intact; training can go on and save again.") from exc
@@ -312,12 +319,6 @@ class CheckpointStore:
         except OSError as exc:
             logger.warning("could not remove the unfinished checkpoint %s (%r); it is ignored "
                            "by readers and removed by a later save", step_dir, exc)
-
-    def _check_fence_after(self, exc: BaseException, generation: int | None, step: int) -> None:
-        check_fence_after(self._scan, exc, generation, step, self._url)
-
-    def _check_fence(self, scan: Scan, generation: int | None, step: int) -> None:
-        check_fence(scan, generation, step, self._url)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -365,11 +366,8 @@ class CheckpointStore:
         return newest_readable(scan.valid, self._read, self.skipped_newer(scan), self._url)
 
     def scan(self) -> Scan:
-        """Lists the root once: the complete checkpoints, and why other directories are not.
-
-        Raises:
-            CheckpointError: The storage failed while listing.
-        """
+        """Lists the root once (complete checkpoints, and why others are not); raises
+        ``CheckpointError`` when the storage fails while listing."""
         return self._scan()
 
     def skipped_newer(self, scan: Scan) -> list[str]:

@@ -119,6 +119,10 @@ class Timeouts:
     """Default 300 s (``ELASTIC_FINAL_WRITE_TIMEOUT``): how long a worker that is done waits
     for its last checkpoint write; past it the write is abandoned and ``run()`` raises
     ``UnfinishedWriteError`` (the checkpoint before it stays valid)."""
+    checkpoint_claim: timedelta = _entry(60)
+    """Default 60 s (``ELASTIC_CHECKPOINT_CLAIM``): how long a job's claim on its checkpoint URL
+    (``holder.json``, renewed by ``elastic run`` every third of this) outlives its last
+    heartbeat; a second job on the URL is refused while it is fresh."""
 
     # -- etcd ----------------------------------------------------------------------------------
     etcd_rpc: timedelta = _entry(3, "ELASTIC_ETCD_RPC_TIMEOUT")

@@ -8,6 +8,7 @@ usage, 1 otherwise), never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -215,9 +216,13 @@ def cmd_run(argv: Sequence[str]) -> int:
     except ValueError as exc:
         raise UsageError(f"elastic run: {exc}") from None
     _remove_leftovers()
-    if spec.checkpoint and not spec.plain:
-        from elastic.launch.preflight import check_checkpoint  # noqa: PLC0415 (imports torch)
-        check_checkpoint(spec.checkpoint, spec.timeouts)
+    from elastic.launch.checkpoint_claim import held_checkpoint  # noqa: PLC0415
+    with held_checkpoint(None if spec.plain else spec.checkpoint, spec.job_id, spec.timeouts):
+        return _run_job(spec)
+
+
+def _run_job(spec) -> int:  # noqa: ANN001 (LaunchSpec is imported lazily)
+    """Launches this node's part of the job, on ``spec.etcd`` or an embedded etcd."""
     if spec.etcd:
         _check_etcd(spec.etcd, spec.security, "elastic run")
         return _launch(spec, embedded=False)
@@ -227,7 +232,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: PLC0415
     server = EmbeddedEtcd(timeouts=spec.timeouts).start()
     try:
-        return _launch(_with_etcd(spec, server.url), embedded=server)
+        return _launch(dataclasses.replace(spec, etcd=server.url), embedded=server)
     finally:
         server.stop()
         print(f"elastic: stopped the embedded etcd at {server.url}", file=sys.stderr,
@@ -250,11 +255,6 @@ def _check_etcd(urls: str, security: EtcdSecurity, command: str) -> None:
         uses_tls(urls, security)
     except ValueError as exc:
         raise UsageError(f"{command}: {exc}") from None
-
-
-def _with_etcd(spec, url: str):  # noqa: ANN001, ANN202 (LaunchSpec is imported lazily)
-    from dataclasses import replace  # noqa: PLC0415
-    return replace(spec, etcd=url)
 
 
 def join_command(spec) -> str:  # noqa: ANN001 (LaunchSpec is imported lazily)

@@ -19,6 +19,7 @@ from elastic.checkpoint import (
     CheckpointError,
     CheckpointFencedError,
     CheckpointNotFoundError,
+    CheckpointRaceError,
     CheckpointStore,
     CheckpointUnsafeError,
     FileEntry,
@@ -237,6 +238,21 @@ class StoreContract:
         with pytest.raises(CheckpointFencedError, match="generation 6 has already written"):
             store.save(11, stale, {"generation": 5})
         assert [r.step for r in store.list()] == [10, 20]
+
+    def test_a_writer_losing_the_race_to_publish_a_step_gets_a_typed_error_and_overwrites_nothing(
+            self) -> None:
+        first, second = self.store(), self.store()
+        winner = sample_state(2.0)
+
+        def meanwhile() -> None:  # the other writer publishes this step before we do
+            second.save(7, winner, {"generation": 5, "job_id": "other"})
+
+        with pytest.raises(CheckpointRaceError, match="published step 7 first by generation 5 "
+                                                      "of job 'other'"):
+            first.save(7, sample_state(1.0), {"generation": 5}, before_publish=meanwhile)
+        loaded = self.store().load()
+        assert loaded.metadata["job_id"] == "other"
+        assert_same_state(loaded.state_dict, winner)
 
     def test_crafted_payload_that_runs_code_is_refused_and_nothing_runs(
             self, marker_path: Path, tmp_path: Path) -> None:

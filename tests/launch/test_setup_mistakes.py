@@ -7,10 +7,11 @@ import os
 
 import pytest
 
-from tests.support.cli import WORKERS
+from tests.support.cli import WORKERS, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 NEWCOMER = str(WORKERS / "newcomer.py")
+HOLDS_OPEN = str(WORKERS / "holds_open.py")
 
 
 def elastic_lines(text: str) -> list[str]:
@@ -74,3 +75,35 @@ def test_a_checkpoint_from_elastic_checkpoint_is_checked_at_launch_like_the_flag
     assert "training started" not in run.text() and "Traceback" not in run.text(), run.text()
     [said] = [line for line in run.text().splitlines() if "is not writable" in line]
     assert "--checkpoint" in said, said
+
+
+@pytest.mark.timeout(180)
+def test_a_second_job_on_the_checkpoint_url_of_a_live_one_is_refused_and_starts_once_it_ended(
+        cli, etcd, tmp_path):
+    url, release = str(tmp_path / "ckpt"), tmp_path / "release"
+    os.mkfifo(release)
+    first_id, second_id = f"holder-{os.getpid()}", f"second-{os.getpid()}"
+    first = cli("run", "--etcd", etcd.url, "--job-id", first_id, "--checkpoint", url,
+                HOLDS_OPEN, "--release", str(release))
+    wait_until(lambda: "holding" in first.text(), 60, "the first job to train", [first])
+    refused = cli("run", "--etcd", etcd.url, "--job-id", second_id, "--checkpoint", url,
+                  HOLDS_OPEN)
+    assert refused.wait(60) == 1, refused.text()
+    [said] = elastic_lines(refused.text())
+    assert f"in use by job {first_id!r}" in said and url in said, said
+    assert "holding" not in refused.text(), refused.text()
+    wait_until(lambda: _opened_for_writing(release), 30, "the first job's release", [first])
+    assert first.wait(60) == 0, first.text()
+    second = cli("run", "--etcd", etcd.url, "--job-id", second_id, "--checkpoint", url,
+                 HOLDS_OPEN)  # its claim comes before "started job": that line is the proof
+    wait_until(lambda: f"started job {second_id}" in second.text(), 60, "the second job",
+               [second])
+
+
+def _opened_for_writing(fifo) -> bool:
+    """Opens ``fifo`` for writing once its reader is there (then closes it: the release)."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:  # ENXIO: no reader yet
+        return False
+    return True

@@ -27,7 +27,7 @@ DEFAULTS_S = {
     "release": 30, "rendezvous": 300, "peer": 2.5, "peer_probe": 1,
     "admit": 1800, "form": 20, "store": 60, "collective": 1800, "sync": 300, "finish": 300,
     "finished_marker": 600,
-    "progress": 0.5, "storage_retry": 60, "final_write": 300, "etcd_rpc": 3, "etcd_retry": 10, "etcd_outage": 600,
+    "progress": 0.5, "storage_retry": 60, "final_write": 300, "checkpoint_claim": 60, "etcd_rpc": 3, "etcd_retry": 10, "etcd_outage": 600,
     "connect": 5,
     "backoff": 0.05, "backoff_max": 1, "reconnect": 0.2, "etcd_ping": 5, "etcd_ping_timeout": 2,
     "etcd_start": 20, "replace_wait": 2, "grace": 30, "restart_grace": 3, "shutdown": 5, "drain": 0.2, "reap": 10,

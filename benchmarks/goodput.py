@@ -1,0 +1,233 @@
+"""Goodput: the soak job's useful steps per second under one mixed fault every S seconds,
+divided by the same job's steps per second with no faults, the two taking turns in one run.
+
+Usage: ``.venv/bin/python benchmarks/soak.py --fault-every 60 --duration 1800 [--turns 1]``
+(``python -m benchmarks goodput``). Each turn is one job of ``soak_worker.py`` with 4 workers on
+a fresh embedded etcd, measured for ``--duration`` seconds from 5 s after all 4 first train; the
+turns go fault-free, faulty, fault-free, ... (``--turns`` faulty ones), so a drift of the
+machine's speed cancels: each faulty turn is compared with the mean of its two neighbours.
+
+In a faulty turn the i-th fault fires at a seeded time in [(i + 1/4) S, (i + 3/4) S) (mean
+interval S, the last at least S/4 before the end). Kinds: ``kill`` (SIGKILL), ``stop`` (SIGSTOP
+past the lease, then SIGCONT: it is fenced and rejoins), ``term`` (SIGTERM: it leaves at its
+next commit), ``replace`` (SIGKILL and a new worker started at once, as a launcher does) and
+``join`` (a new worker). With fewer than 4 workers (started or training) the next fault is a
+join; otherwise one of the other four, seeded, at a worker that has trained.
+
+Useful steps are counted from the event log, not from a step counter: the job's ``step`` is
+committed state (a rolled-back batch takes its count with it) and rank 0 records it in a
+``progress`` event at every commit (``ELASTIC_PROGRESS`` 1 ms). Of those events only the kept
+line counts: an event whose step a later event undercuts was rolled back. ``goodput`` weighs
+each useful step by the world that took it (its samples: a kill leaves 3 workers until the
+next join, and 3 workers step faster than 4 on a small machine, so unweighted steps flatter);
+``goodput_steps`` counts steps alone. The training time lost to a fault is the wall time to the
+next fault (or the end) less the useful samples made in it at the fault-free rate; the losses
+sum to (1 - goodput) x duration.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from elastic.launch.embedded_etcd import EmbeddedEtcd
+
+from soak import Soak, percentile, read_jsonl
+
+WARMUP_S = 5.0  # measured from 5 s after all workers first train
+FORM_TIMEOUT_S = 180.0
+PROGRESS_EVERY_S = "0.001"  # one progress event per commit
+BATCH = 16  # soak_worker.py's samples per worker and step
+WORKER_FAULTS = ("kill", "stop", "term", "replace")
+
+
+def kept_line(progress: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The progress events whose step was kept: drops each one a later event undercuts."""
+    kept: list[dict[str, Any]] = []
+    floor = float("inf")
+    for event in reversed(progress):
+        if event["step"] <= floor:
+            kept.append(event)
+            floor = event["step"]
+    return kept[::-1]
+
+
+def useful_at(line: list[dict[str, Any]], t: float) -> tuple[int, float]:
+    """(committed step, committed samples) of the kept line at time ``t``."""
+    step, samples, last = 0, 0.0, 0
+    for event in line:
+        if event["t"] > t:
+            break
+        samples += (event["step"] - last) * event["world_size"]
+        step = last = event["step"]
+    return step, samples
+
+
+def schedule(rng: random.Random, every_s: float, duration_s: float) -> list[float]:
+    """Offsets from the window's start of the faults: one in each slot of ``every_s``."""
+    return [every_s * (i + rng.uniform(0.25, 0.75)) for i in range(int(duration_s // every_s))]
+
+
+def choose(rng: random.Random, live: int, workers: int) -> str:
+    return "join" if live < workers else rng.choice(WORKER_FAULTS)
+
+
+def run_turn(faulty: bool, args: Any, rng: random.Random) -> dict[str, Any]:
+    """One job for ``args.duration`` seconds, with faults or without; its events, analysed."""
+    root = Path(tempfile.mkdtemp(prefix="elastic-goodput-"))
+    (root / "etcd").mkdir()
+    etcd = EmbeddedEtcd(data_dir=str(root / "etcd")).start()
+    soak = Soak(root, etcd, args.workers, {"ELASTIC_PROGRESS": PROGRESS_EVERY_S})
+    try:
+        t0 = wait_all_training(soak, args.workers) + WARMUP_S
+        soak.pause.wait(max(0.0, t0 - time.time()))
+        if faulty:
+            for offset in schedule(rng, args.fault_every, args.duration):
+                soak.pause.wait(max(0.0, t0 + offset - time.time()))
+                soak.fire(choose(rng, len(soak.live), args.workers), rng, trained(soak))
+        soak.pause.wait(max(0.0, t0 + args.duration - time.time()))
+        t1 = time.time()
+        ended_in_time, left_behind = soak.finish(timeout_s=180)
+    finally:
+        for proc in soak.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+        etcd.stop()
+    return analyse(soak, t0, t1, ended_in_time, left_behind)
+
+
+def progress_events(root: Path) -> list[dict[str, Any]]:
+    files = sorted((root / "events").glob("*.jsonl"))
+    return [e for e in read_jsonl(files) if e["event"] == "progress" and "step" in e]
+
+
+def trained(soak: Soak) -> list:
+    """The live workers that have trained: a worker fault never hits one still starting (under
+    load a joiner can take 30 s to import torch; killing it would cost the job nothing)."""
+    events = read_jsonl(sorted((soak.root / "events").glob("*.jsonl")))
+    pids = {e["pid"] for e in events if e["event"] == "resumed"}
+    return [proc for proc in soak.live if proc.pid in pids]
+
+
+def wait_all_training(soak: Soak, workers: int) -> float:
+    """When rank 0 first committed in a world of all ``workers`` (bounded)."""
+    deadline = time.monotonic() + FORM_TIMEOUT_S
+    while time.monotonic() < deadline:
+        full = [e for e in progress_events(soak.root) if e["world_size"] == workers]
+        if full:
+            return full[0]["t"]
+        soak.pause.wait(0.5)
+    raise TimeoutError(f"the {workers} workers did not all train within {FORM_TIMEOUT_S:.0f} s:"
+                       f" see the worker logs in {soak.root}")
+
+
+def analyse(soak: Soak, t0: float, t1: float, ended_in_time: bool,
+            left_behind: int) -> dict[str, Any]:
+    events = read_jsonl(sorted((soak.root / "events").glob("*.jsonl")))
+    line = kept_line(progress_events(soak.root))
+    (s0, n0), (s1, n1) = useful_at(line, t0), useful_at(line, t1)
+    resumed = [e["t"] for e in events if e["event"] == "resumed"]
+    faults = []
+    for fault, end in zip(soak.faults, [f["t"] for f in soak.faults[1:]] + [t1]):
+        after = [t for t in resumed if fault["t"] < t < end]
+        faults.append({**fault, "end": end,
+                       "recovery_s": after[0] - fault["t"] if after else None,
+                       "samples": (useful_at(line, end)[1] - useful_at(line, fault["t"])[1])
+                       * BATCH})
+    result = json.loads((soak.root / "result.json").read_text()) \
+        if (soak.root / "result.json").exists() else {}
+    audit = result.get("audit")
+    return {
+        "faulty": bool(soak.faults), "t0": t0, "seconds": t1 - t0,
+        "useful_steps": s1 - s0, "steps_per_s": (s1 - s0) / (t1 - t0),
+        "samples_per_s": (n1 - n0) * BATCH / (t1 - t0),
+        "rolled_back_events": len(progress_events(soak.root)) - len(line),
+        "faults": faults,
+        "samples_duplicated": sum(row[1] for row in audit) if audit else None,
+        "samples_lost": sum(row[2] for row in audit) if audit else None,
+        "hangs": sum(1 for f in faults if f["kind"] in WORKER_FAULTS and f["recovery_s"] is None)
+        + (0 if ended_in_time else 1),
+        "processes_left_behind": left_behind, "log_dir": str(soak.root),
+    }
+
+
+def by_kind(turns: list[dict[str, Any]]) -> dict[str, Any]:
+    """Recovery and training time lost per fault, by kind, against each turn's reference."""
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for turn in turns:
+        for fault in turn["faults"]:
+            fault["lost_s"] = (fault["end"] - fault["t"]) \
+                - fault["samples"] / turn["reference_samples"]
+            rows.setdefault(fault["kind"], []).append(fault)
+    kinds = {}
+    for kind, mine in sorted(rows.items()):
+        rec = [f["recovery_s"] for f in mine if f["recovery_s"] is not None]
+        lost = [f["lost_s"] for f in mine]
+        kinds[kind] = {"fired": len(mine), "recovered": len(rec),
+                       "recovery_p50_s": statistics.median(rec) if rec else None,
+                       "recovery_max_s": max(rec) if rec else None,
+                       "lost_median_s": statistics.median(lost), "lost_p95_s":
+                       percentile(lost, 0.95), "lost_total_s": sum(lost)}
+    return kinds
+
+
+def table(report: dict[str, Any]) -> str:
+    """The result as Markdown tables, as RESULTS.md takes them."""
+    f = report
+    lines = [f"Goodput, {f['workers']} workers, one mixed fault every {f['fault_every_s']:g} s, "
+             f"{f['turns']} faulty turn(s) of {f['duration_s']:g} s between fault-free ones:",
+             "", "| | faulty | fault-free (neighbours) | goodput |", "|---|---|---|---|",
+             f"| useful samples/s (steps x world) | {f['samples_per_s']:.0f} | "
+             f"{f['reference_samples_per_s']:.0f} | **{f['goodput']:.4f}** |",
+             f"| useful steps/s | {f['steps_per_s']:.2f} | {f['reference_steps_per_s']:.2f} | "
+             f"{f['goodput_steps']:.4f} |",
+             "", "| fault | fired | recovered | recovery p50 | lost per fault: median | p95 |",
+             "|---|---|---|---|---|---|"]
+    for kind, k in f["by_kind"].items():
+        p50 = f"{k['recovery_p50_s']:.2f} s" if k["recovery_p50_s"] is not None else "-"
+        lines.append(f"| {kind} | {k['fired']} | {k['recovered']} | {p50} | "
+                     f"{k['lost_median_s']:.2f} s | {k['lost_p95_s']:.2f} s |")
+    lines.append(f"\nHangs {f['hangs']}, samples lost {f['samples_lost']}, duplicated "
+                 f"{f['samples_duplicated']}, processes left behind {f['processes_left_behind']}.")
+    return "\n".join(lines)
+
+
+def main(args: Any) -> None:
+    rng = random.Random(args.seed)
+    turns = []
+    for i in range(2 * args.turns + 1):
+        print(f"{time.strftime('%H:%M:%S')} turn {i}: {'faulty' if i % 2 else 'fault-free'}",
+              flush=True)
+        turns.append(run_turn(i % 2 == 1, args, rng))
+    free, faulty = turns[0::2], turns[1::2]
+    for i, turn in enumerate(faulty):
+        turn["reference"] = (free[i]["steps_per_s"] + free[i + 1]["steps_per_s"]) / 2
+        turn["reference_samples"] = (free[i]["samples_per_s"] + free[i + 1]["samples_per_s"]) / 2
+        turn["goodput"] = turn["samples_per_s"] / turn["reference_samples"]
+        turn["goodput_steps"] = turn["steps_per_s"] / turn["reference"]
+    seconds = sum(t["seconds"] for t in faulty)
+    report: dict[str, Any] = {
+        "workers": args.workers, "fault_every_s": args.fault_every, "duration_s": args.duration,
+        "turns": args.turns, "seed": args.seed,
+        "steps_per_s": sum(t["useful_steps"] for t in faulty) / seconds,
+        "reference_steps_per_s": statistics.mean(t["reference"] for t in faulty),
+        "samples_per_s": sum(t["samples_per_s"] * t["seconds"] for t in faulty) / seconds,
+        "reference_samples_per_s": statistics.mean(t["reference_samples"] for t in faulty),
+    }
+    report["goodput"] = report["samples_per_s"] / report["reference_samples_per_s"]
+    report["goodput_steps"] = report["steps_per_s"] / report["reference_steps_per_s"]
+    report["by_kind"] = by_kind(faulty)
+    for key in ("hangs", "processes_left_behind", "samples_lost", "samples_duplicated"):
+        values = [t[key] for t in turns]
+        report[key] = None if None in values else sum(values)
+    report["table"] = table(report)
+    report["turns_detail"] = turns
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(report["table"])
