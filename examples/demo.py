@@ -107,7 +107,8 @@ def summary(logs: Path, accuracy: float | None, started: float) -> None:
         if r.recovery_s is not None:
             print(f"recovery at {r.t:5.1f} s: {r.recovery_s:.2f} s from failure to resumed "
                   f"training in world {r.world_size}")
-    print(f"final accuracy on held-out digits: {accuracy if accuracy is not None else '?'}")
+    if accuracy is not None:  # the digits; the FSDP language model prints its loss instead
+        print(f"final accuracy on held-out digits: {accuracy}")
     print(f"wall time: {time.monotonic() - started:.0f} s")
     plot(timeline, logs / "report.png")
     print(f"timeline: {logs / 'report.png'}  (also: elastic report {logs})")
