@@ -1,11 +1,12 @@
-# The README's commands: `make demo`, `make test` (every tier: CI), one tier (`make test-unit`,
-# `test-integration`, `test-scenario`) and `make bench NAME=...`. All install on first use.
+# The README's commands: `make demo`, `make test` (the user guide's strict build, then every
+# tier: CI), one tier (`make test-unit`, `test-integration`, `test-scenario`), `make docs` and
+# `make bench NAME=...`. All install on first use.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: install test test-unit test-integration test-scenario bench demo demo-fsdp clean
+.PHONY: install test test-unit test-integration test-scenario bench demo demo-fsdp docs clean
 
 install: $(STAMP)
 
@@ -17,14 +18,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	@echo "==> [3/4] installing $(TORCH) (a large download: pip shows its progress)"
 	$(PY) -m pip install --progress-bar on $(TORCH)
-	@echo "==> [4/4] installing elastic-trainer and its test tools (etcd, moto, s3fs, ...)"
-	$(PY) -m pip install --quiet -e '.[test]' $(TORCH)
+	@echo "==> [4/4] installing elastic-trainer, its test tools (etcd, moto, s3fs, ...) and mkdocs"
+	$(PY) -m pip install --quiet -e '.[test,docs]' $(TORCH)
 	touch $(STAMP)
 	@echo "==> installed; next time this step is skipped"
 
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-test: install
+test: docs
 	$(PYTEST) --durations=15 tests
 
 # One tier each (tests/conftest.py gives every test its marker).
@@ -41,6 +42,10 @@ test-scenario: install
 bench: install
 	$(PY) -m benchmarks $(NAME) $(ARGS)
 
+# The user guide (docs/, mkdocs.yml) into site/; --strict: a broken link fails the build.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
 demo: install
 	$(PY) examples/demo.py
 
@@ -49,4 +54,4 @@ demo-fsdp: install
 	$(PY) examples/demo.py --fsdp
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) site

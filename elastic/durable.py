@@ -183,7 +183,8 @@ class DurableCommits:
         self.written += 1
         if self.events:
             self.events.emit("checkpoint_written", version=version, url=ref.url,
-                             blocked_s=blocked_s, write_s=time.monotonic() - started)
+                             blocked_s=blocked_s, write_s=time.monotonic() - started,
+                             bytes=sum(entry.size for entry in ref.manifest.files.values()))
         if self._published is not None:
             self._published(ref)
 

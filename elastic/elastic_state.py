@@ -22,11 +22,12 @@ from typing import Any
 from elastic.agreement import MembershipAgreement
 from elastic.cluster.cluster import Cluster
 from elastic.cluster.rounds.topology import Topology
+from elastic.console_story import ConsoleStory
 from elastic.durable import DurableCommits
 from elastic.error_causes import drop_causes
 from elastic.foundation.errors import ElasticError
 from elastic.foundation.events import EventLog
-from elastic.loop_helpers import batches, ddp, print_main
+from elastic.loop_helpers import batches, ddp, print_main, samples_done
 from elastic.outcome import RunOutcome
 from elastic.recovery import RunLoop
 from elastic.sharded import Parallelize, ShardedRuntime
@@ -277,18 +278,26 @@ class ElasticState:
             MembershipChangedInterrupt: after the step: the world changes now.
             LeaveInterrupt: after the step: this worker leaves and the others know it.
             FencedError: this member lost its lease (caught by ``run``).
-            StateError: no optimizer is registered (use ``commit()``), or the state is sharded.
+            StateError: no optimizer is registered (use ``commit()``).
+
+        With sharded state (``parallelize``) the live shards are the commit and are not
+        copied: under HSDP the replicas hold each shard; under pure FSDP a rank's death rolls
+        back to the last ``commit()`` (whose shards have buddy copies), see docs/sharded.md.
         """
-        if self._sharded is not None:
-            raise StateError("commit_step() does not take sharded state (parallelize=) yet; "
-                             "use commit(), which keeps buddy copies of every shard.")
         if self._cluster is not None:
             self._cluster.membership.check_not_fenced()
+        if self._sharded is not None:
+            self._sharded.before_commit()
         agreement = self._start_agreement()
         if agreement is not None:
             agreement.wait()  # a failed peer ends the step here, on every rank
         yield
-        self._committed(self._train.commit_live(), agreement)
+        if self._sharded is None:
+            self._committed(self._train.commit_live(), agreement)
+            return
+        version = self._train.commit()  # the small state; the shards are live
+        self._sharded.commit_live(self._train)
+        self._committed(version, agreement)
 
     def check_membership(self) -> None:
         """The membership agreement of ``commit()`` without a snapshot.
@@ -331,6 +340,7 @@ class ElasticState:
         self._progress_at = now
         step = self._train.value_of("step")
         fields = {"step": step} if isinstance(step, int) and not isinstance(step, bool) else {}
+        fields.update(samples_done(self._train))
         cluster.events.emit("progress", version=version, **fields)
 
     @property
@@ -396,6 +406,7 @@ class ElasticState:
         before_joining(self._checkpoint_in_script, self._settings)
         worker = f"{os.uname().nodename}-{os.getpid()}"
         events = EventLog(self._settings.log_dir, worker)
+        events.listen(ConsoleStory(self._settings.console))
         # Before registering: a SIGTERM that lands as this worker joins asks it to leave.
         restore_signals = self._install_signal_handlers()
         try:

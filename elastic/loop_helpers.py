@@ -86,3 +86,12 @@ def print_main(is_main: bool, *args: Any, **kwargs: Any) -> None:
     """``print`` on rank 0 only."""
     if is_main:
         builtins.print(*args, **kwargs)
+
+
+def samples_done(train: Any) -> dict[str, int]:
+    """``{"samples": n}``: the samples of the current epoch the first registered
+    ``ElasticSampler`` handed out (for the progress event and its metric); empty without one."""
+    for obj in train.stateful_objects().values():
+        if isinstance(obj, ElasticSampler):
+            return {"samples": obj.consumed}
+    return {}

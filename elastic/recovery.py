@@ -126,6 +126,7 @@ class RunLoop:
         self._lineage = 0  # the round whose members held this worker's state when it formed
         self._initial_version = train.version  # a commit no newer than this is no progress
         self._outage = EtcdOutage(cluster.settings.timeouts, cluster.events, leave_requested)
+        self._live_step: int | None = None  # the step a failure interrupted (for the story)
 
     def run(self, call: Callable[[], Any]) -> Any:
         """Forms, calls ``call()``, and on a change or a peer failure forms again.
@@ -154,7 +155,7 @@ class RunLoop:
                 reason = formed.reason
                 continue
             events.emit("resumed", reason=reason, recovery_s=recovery.seconds,
-                        version=self._train.version)
+                        version=self._train.version, **self._steps())
             outcome = self._call(call)
             if isinstance(outcome, _Left):
                 events.emit("leaving", version=self._train.version)
@@ -168,6 +169,18 @@ class RunLoop:
         raise PeerFailureError(
             f"gave up after {MAX_REFORMATIONS} re-formations: some worker keeps failing. Look "
             "for a crash loop in the workers' logs or the 'error' events of --log-dir.")
+
+    def _step(self) -> int | None:
+        step = self._train.value_of("step")
+        return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+    def _steps(self) -> dict[str, int]:
+        """The registered ``step`` after a formation, and how many steps the last failure
+        rolled back (for the console's story; empty without a ``step``)."""
+        step, live, self._live_step = self._step(), self._live_step, None
+        if step is None:
+            return {}
+        return {"step": step, **({"rolled_back": live - step} if live is not None else {})}
 
     def _form(self, reason: str) -> _Left | _Retry | None:
         """One formation; a _Retry when a peer failed while forming or etcd could not be
@@ -214,6 +227,7 @@ class RunLoop:
                 events.emit("error", error=repr(exc)[:500])
                 raise
             events.emit("failure_detected", source="collective", error=repr(exc)[:300])
+        self._live_step = self._step()
         self._train.restore()  # outside the handler: the traceback (and the old DDP) are freed
         gc.collect()
         return _Retry("failure")
@@ -235,7 +249,7 @@ class RunLoop:
         with Stopwatch() as synced:
             try:
                 if self._sharded is not None:
-                    self._sharded.choose(topology, self._train)
+                    self._sharded.choose(topology, self._train, cluster.group)
                 src, moved = self._sync_newest(topology)
                 if self._sharded is not None:
                     self._sharded.rebuild(topology, self._train, cluster.events, cluster.group)

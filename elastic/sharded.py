@@ -32,10 +32,10 @@ from elastic.foundation.events import EventLog, Stopwatch
 from elastic.state import TrainState, snapshot
 from elastic.state.sharded.commits import Choice, ShardCommit, ShardCommits, choose, read_report
 from elastic.state.sharded.copies import BuddyCopyError, BuddyExchange
-from elastic.state.sharded.layout import ShardLostError, plan_moves
+from elastic.state.sharded.layout import ShardLostError, TensorSpec, plan_moves
 from elastic.state.sharded.moves import assemble
-from elastic.state.sharded.shards import (flat_tensors, host_copy, load_local, local_part,
-                                          sharded_state_dict, spec_of)
+from elastic.state.sharded.shards import (flat_tensors, forget_meshes, host_copy, load_local,
+                                          local_part, sharded_state_dict, spec_of)
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,11 @@ class ShardedRuntime:
         self._choice: Choice | None = None
         self._layout = (1, 1, 0)  # world, shards, own shard
         self._nodes: list[int] = []  # one node id per rank of the round
+        self._group: Any = None  # the round's gloo group for moves and copies
         self._fallback = False  # the next rebuild loads the newest durable checkpoint
         self._warned_no_writer = False
+        self._specs: dict[str, TensorSpec] = {}  # this formation's tensors
+        self._live: dict[str, torch.Tensor] = {}  # their live local parts on this rank
         self.objects: dict[str, Any] = {}
         self.durable_loader: DurableLoader | None = None
         self.durable_writer: DurableWriter | None = None
@@ -109,19 +112,24 @@ class ShardedRuntime:
         self.objects = {}
         gc.collect()
 
-    def choose(self, topology: Topology, train: TrainState) -> None:
-        """After forming: agrees with every rank on the commit to rebuild, and rolls the small
-        state back to its version where that is older than this rank's commit.
+    def choose(self, topology: Topology, train: TrainState, group: ProcessGroup) -> None:
+        """After forming: opens the round's gloo group for the shards' moves and copies (its
+        connections join ``group``'s release and failure detection), agrees with every rank
+        on the commit to rebuild, and rolls the small state back to its version where that is
+        older than this rank's commit.
 
         Raises:
             ShardedStateLostError: some shard has no live holder and no durable loader is set.
         """
-        self.settle()
+        before = group.sockets_now()
+        self._group = dist.new_group(backend="gloo", timeout=self._timeout)
+        dist.barrier(group=self._group)  # gloo connects lazily: connected before adopting
+        group.adopt(before)
         report = self._commits.report()
         node = zlib.crc32(os.uname().nodename.encode()) & 0x7FFF_FFFF
         row = torch.cat([torch.tensor([node], dtype=torch.int64), report])
         rows = [torch.empty_like(row) for _ in range(topology.world_size)]
-        dist.all_gather(rows, row)
+        dist.all_gather(rows, row, group=self._group)
         self._nodes = [int(r[0]) for r in rows]
         try:
             self._choice = choose([read_report(r[1:].tolist(), 1 + self._buddies)
@@ -153,18 +161,21 @@ class ShardedRuntime:
     def rebuild(self, topology: Topology, train: TrainState, events: EventLog,
                 group: ProcessGroup) -> None:
         """Builds this round's objects with ``parallelize``, fills them with the chosen commit
-        (resharded) and commits them as this layout's copy of it. The mesh's subgroups and the
-        buddy copies' group join ``group``'s release and failure detection."""
+        (resharded) and commits them as this layout's copy of it. The mesh's subgroups join
+        ``group``'s release and failure detection."""
         shape = mesh_layout(topology.world_size, self._shard_degree)
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         before = group.sockets_now()
+        forget_meshes()  # equal meshes of earlier rounds must not be found in torch's caches
         mesh = init_device_mesh(device, shape, mesh_dim_names=names)
         if len(shape) > 1:
             for dim in names:  # gloo connects lazily: a collective on each subgroup
                 dist.barrier(group=mesh.get_group(dim))
-        self._form_copies(topology, shape)
         group.adopt(before)
+        self._exchange = BuddyExchange(self._group, topology.rank, topology.world_size,
+                                       self._buddies if len(shape) == 1 else 0, self._nodes)
+        self._layout = (topology.world_size, shape[-1], topology.rank % shape[-1])
         self.objects = self._built(self._parallelize(mesh))
         model, optimizer = self._model_and_optimizer()
         model_sd, optim_sd = sharded_state_dict(model, optimizer)
@@ -179,7 +190,7 @@ class ShardedRuntime:
                                   owners_alive=choice.owners_alive)
                 held = self._commits.find((choice.version, choice.world, choice.shards))
                 local = assemble(plan, rank, held, specs, shards, rank % shards,
-                                 {n: local_part(v) for n, v in flat.items()})
+                                 {n: local_part(v) for n, v in flat.items()}, self._group)
                 load_local(model, optimizer, model_sd, optim_sd, local)
             events.emit("resharded", version=choice.version, from_world=choice.world,
                         to_world=topology.world_size, bytes_moved=plan.moved,
@@ -193,14 +204,6 @@ class ShardedRuntime:
                 train.load_committed(small)
                 train.restore()
         self._commit(train, wait=True)
-
-    def _form_copies(self, topology: Topology, shape: tuple[int, ...]) -> None:
-        copies = self._buddies if len(shape) == 1 else 0
-        group = dist.new_group(backend="gloo", timeout=self._timeout)
-        dist.barrier(group=group)  # connected now, while the round's subgroups are adopted
-        self._exchange = BuddyExchange(group, topology.rank, topology.world_size, copies,
-                                       self._nodes)
-        self._layout = (topology.world_size, shape[-1], topology.rank % shape[-1])
 
     # -- commits ----------------------------------------------------------------------------
     def before_commit(self) -> None:
@@ -223,12 +226,22 @@ class ShardedRuntime:
         ``train.version`` and starts sending them to the buddies."""
         self._commit(train, wait=False)
 
+    def commit_live(self, train: TrainState) -> None:
+        """The copy-free commit of ``train.version``: this rank's live shards are the commit
+        (valid until the next step is applied); nothing is copied or sent."""
+        world, shards, own = self._layout
+        self._commits.add(ShardCommit(train.version, world, shards, own, self._specs,
+                                      snapshot(train.committed()), {own: self._live},
+                                      live=True))
+
     def _commit(self, train: TrainState, wait: bool) -> None:
         model, optimizer = self._model_and_optimizer()
         flat = flat_tensors(*sharded_state_dict(model, optimizer))
         world, shards, own = self._layout
-        commit = ShardCommit(train.version, world, shards, own,
-                             {name: spec_of(value) for name, value in flat.items()},
+        self._specs = {name: spec_of(value) for name, value in flat.items()}
+        # the live local tensors: optimizer.step() updates them in place
+        self._live = {name: local_part(value).detach() for name, value in flat.items()}
+        commit = ShardCommit(train.version, world, shards, own, self._specs,
                              snapshot(train.committed()), {own: host_copy(flat)})
         self._commits.add(commit)
         assert self._exchange is not None

@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 log = logging.getLogger("elastic.events")
@@ -30,6 +31,7 @@ class EventLog:
         self.path: Path | None = None
         self._lock = threading.Lock()
         self._fields: dict[str, Any] = {}
+        self._listeners: list[Callable[[Mapping[str, Any]], None]] = []
         if log_dir:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
             self.path = Path(log_dir) / f"events-{worker}.jsonl"
@@ -38,16 +40,21 @@ class EventLog:
         """Adds fields (member, round, rank, world size) to every later event."""
         self._fields.update(fields)
 
+    def listen(self, listener: Callable[[Mapping[str, Any]], None]) -> None:
+        """Calls ``listener(record)`` with every later event (it must not raise)."""
+        self._listeners.append(listener)
+
     def emit(self, event: str, **fields: Any) -> None:
         """Records one event; durations are given in seconds with a ``_s`` suffix."""
         record = {"t": time.time(), "event": event, "worker": self.worker, "pid": os.getpid(),
                   **self._fields, **fields}
         log.info("%s %s", event, {k: v for k, v in record.items() if k not in ("t", "worker")})
-        if self.path is None:
-            return
-        line = json.dumps(record, default=str) + "\n"
-        with self._lock, open(self.path, "a", encoding="utf-8") as out:
-            out.write(line)
+        if self.path is not None:
+            line = json.dumps(record, default=str) + "\n"
+            with self._lock, open(self.path, "a", encoding="utf-8") as out:
+                out.write(line)
+        for listener in self._listeners:  # after the file: what they tell is on record
+            listener(record)
 
 
 class Stopwatch:

@@ -13,6 +13,10 @@ from pathlib import Path
 
 from elastic.foundation.timeouts import Timeouts
 
+# ELASTIC_CONSOLE: rank 0's story lines printed as they are, marked for the launcher (which
+# shows them without a worker prefix), or not at all (--quiet); see elastic.console_story.
+CONSOLE_MODES = ("plain", "launcher", "quiet")
+
 
 def _env_int(name: str) -> int | None:
     raw = os.environ.get(name, "").strip()
@@ -148,6 +152,7 @@ class WorkerSettings:
     launcher: str | None = None  # ELASTIC_LAUNCHER: the launcher that started this worker
     launcher_workers: int = 0  # LOCAL_WORLD_SIZE under that launcher (0: started by hand)
     launcher_pid: int | None = None  # ELASTIC_LAUNCHER_PID: this worker's parent, the launcher
+    console: str = "plain"  # ELASTIC_CONSOLE: how rank 0 tells the story (CONSOLE_MODES)
 
     @staticmethod
     def resolve(*, etcd: str | None, job_id: str | None, min_workers: int | None,
@@ -182,11 +187,15 @@ class WorkerSettings:
             launcher_workers=(_env_int("LOCAL_WORLD_SIZE") or 0) if env.get("ELASTIC_LAUNCHER")
             else 0,
             launcher_pid=_env_int("ELASTIC_LAUNCHER_PID"),
+            console=env.get("ELASTIC_CONSOLE") or "plain",
         )
         settings.validate()
         return settings
 
     def validate(self) -> None:
+        if self.console not in CONSOLE_MODES:
+            raise ValueError(f"ELASTIC_CONSOLE ({self.console!r}) must be one of "
+                             f"{', '.join(CONSOLE_MODES)}.")
         if self.min_workers < 1:
             raise ValueError(f"min_workers ({self.min_workers}) must be >= 1.")
         if self.max_workers is not None and self.max_workers < self.min_workers:

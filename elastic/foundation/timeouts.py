@@ -70,9 +70,9 @@ class Timeouts:
     """Default 30 s (``ELASTIC_RELEASE_GRACE``, ``--release-grace``): how long the training
     thread may stay inside its step after a peer failure released the round. Past it the
     worker leaves the job and restarts in place (same process id, command line and
-    environment) as a new member: its collective was not woken (a gloo race, see the README's
-    Known limits), or its step runs longer than this without any collective. Under
-    ``rejoin``."""
+    environment) as a new member: its collective was not woken (a gloo race, see
+    docs/troubleshooting.md, Known limits), or its step runs longer than this without any
+    collective. Under ``rejoin``."""
     rendezvous: timedelta = _entry(300, "ELASTIC_RENDEZVOUS_TIMEOUT")
     """Default 300 s (``ELASTIC_RENDEZVOUS_TIMEOUT``, ``--rendezvous-timeout``): how long a
     round may wait for ``min_workers`` before ``RendezvousTimeoutError``."""

@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import math
 import os
-import shlex
 import sys
 import threading
 import time
@@ -32,6 +31,7 @@ _TIMEOUT_FLAGS = {field: str(Timeouts.flag_name(field)) for field in Timeouts.FL
 _VALUE_OPTIONS = {"--etcd", "--job-id", "-n", "--nproc-per-node", "--spares", "--min-workers",
                   "--max-workers", "--max-restarts", "--checkpoint", "--backend",
                   "--advertise-addr", "--log-dir", "--tee", "--local-ranks-filter",
+                  "--metrics-port",
                   *_TIMEOUT_FLAGS.values(), *EtcdSecurity.FLAGS.values()}
 
 
@@ -105,8 +105,10 @@ def _check_job_id(job_id: str, command: str) -> str:
 
 
 def _run_parser() -> _Parser:
+    from elastic.launch.torchrun_flags import spellings  # noqa: PLC0415 (stdlib only)
     p = _Parser(prog="elastic run", description="Start this node's workers of an elastic job.",
-                usage="elastic run [options] (script.py | -m module) [args...]")
+                usage="elastic run [options] (script.py | -m module) [args...]",
+                epilog=spellings(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--etcd", help="etcd client URL(s), comma-separated; default: start an "
                    "embedded etcd on 127.0.0.1 for this job")
     p.add_argument("--job-id", help="the job's name in etcd (default: a fresh id)")
@@ -119,17 +121,26 @@ def _run_parser() -> _Parser:
                    help="this node's workers share the launcher's etcd lease instead of each "
                         "keeping one alive (for jobs of many nodes: one lease renewal per node); "
                         "the launcher removes a worker that dies or stops sending heartbeats")
-    p.add_argument("--min-workers", type=int, default=1, help="fewest workers to train with")
-    p.add_argument("--max-workers", type=int, help="most workers; extra ones wait as spares")
+    p.add_argument("--min-workers", type=int, default=1,
+                   help="fewest workers to train with, all nodes together (default 1)")
+    p.add_argument("--max-workers", type=int,
+                   help="most workers; extra ones wait as spares (default: no limit)")
     p.add_argument("--max-restarts", type=int, default=3,
-                   help="restarts of crashed workers on this node (--plain: of generations)")
+                   help="restarts of crashed workers on this node (--plain: of generations; "
+                        "default 3)")
     p.add_argument("--checkpoint", default=os.environ.get("ELASTIC_CHECKPOINT") or None,
                    help="fsspec URL for durable commits (ELASTIC_CHECKPOINT); checked at start, "
                         "and must agree with a checkpoint= set in the script")
-    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto")
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="the process group's backend: nccl on GPUs, gloo on CPU (default auto: "
+                        "nccl when CUDA is available, else gloo)")
     p.add_argument("--advertise-addr", default="127.0.0.1",
                    help="the address other nodes reach this node on (default 127.0.0.1)")
     p.add_argument("--log-dir", help="directory for the workers' event files (for `report`)")
+    p.add_argument("--metrics-port", type=int, metavar="P",
+                   default=_env_port("ELASTIC_METRICS_PORT"),
+                   help="serve this node's Prometheus metrics on --advertise-addr:P "
+                        "(ELASTIC_METRICS_PORT; default: none)")
     defaults = Timeouts()
     for field, flag in _TIMEOUT_FLAGS.items():
         default_s = getattr(defaults, field).total_seconds()
@@ -144,6 +155,15 @@ def _run_parser() -> _Parser:
     from elastic.launch.output import add_output_arguments  # noqa: PLC0415 (stdlib only)
     add_output_arguments(p)
     return p
+
+
+def _env_port(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise UsageError(f"elastic run: {name}={raw!r} must be a TCP port, e.g. 9400.")
+    return int(raw)
 
 
 def _fresh_job_id() -> str:
@@ -212,7 +232,8 @@ def cmd_run(argv: Sequence[str]) -> int:
             log_dir=log_dir, timeouts=_timeouts(args), plain=args.plain,
             env={**os.environ, **({"ELASTIC_RESUME_FINISHED": "1"} if args.resume_finished
                                   else {})},
-            output=OutputOptions.from_args(args, log_dir), security=_security(args))
+            output=OutputOptions.from_args(args, log_dir), security=_security(args),
+            metrics_port=args.metrics_port)
     except ValueError as exc:
         raise UsageError(f"elastic run: {exc}") from None
     _remove_leftovers()
@@ -242,8 +263,9 @@ def _run_job(spec) -> int:  # noqa: ANN001 (LaunchSpec is imported lazily)
 def _remove_leftovers() -> None:
     """Removes the etcd data and lease-file directories of launchers that were killed."""
     from elastic.launch.launcher_lease_files import LEASES_PREFIX  # noqa: PLC0415
+    from elastic.launch.metrics import EVENTS_PREFIX  # noqa: PLC0415
     from elastic.launch.parent_death import OwnedDirs  # noqa: PLC0415
-    removed = OwnedDirs.remove_leftovers("elastic-etcd-", LEASES_PREFIX)
+    removed = OwnedDirs.remove_leftovers("elastic-etcd-", LEASES_PREFIX, EVENTS_PREFIX)
     if removed:
         print(f"elastic: removed {len(removed)} directories left by launchers that were killed "
               f"({', '.join(d.name for d in removed)})", file=sys.stderr, flush=True)
@@ -257,33 +279,8 @@ def _check_etcd(urls: str, security: EtcdSecurity, command: str) -> None:
         raise UsageError(f"{command}: {exc}") from None
 
 
-def join_command(spec) -> str:  # noqa: ANN001 (LaunchSpec is imported lazily)
-    """The command that adds a worker of ``spec``'s job from another terminal."""
-    parts = ["elastic", "run", "--etcd", spec.etcd, "--job-id", spec.job_id,
-             "-n", str(spec.nproc if spec.plain else 1), *spec.security.as_flags()]
-    if spec.plain:
-        parts.append("--plain")
-    if spec.min_workers != 1:
-        parts += ["--min-workers", str(spec.min_workers)]
-    if spec.max_workers is not None:
-        parts += ["--max-workers", str(spec.max_workers)]
-    if spec.checkpoint:
-        parts += ["--checkpoint", spec.checkpoint]
-    if spec.backend != "auto":
-        parts += ["--backend", spec.backend]
-    if spec.log_dir:
-        parts += ["--log-dir", spec.log_dir]
-    defaults = Timeouts()
-    for field, flag in _TIMEOUT_FLAGS.items():  # the same budget on every node
-        if getattr(spec.timeouts, field) != getattr(defaults, field):
-            parts += [flag, f"{getattr(spec.timeouts, field).total_seconds():g}"]
-    joined = shlex.join(parts + list(spec.command[1:]))
-    if spec.security.password:  # never the password itself
-        joined = f"ELASTIC_ETCD_PASSWORD=... {joined}"
-    return joined
-
-
 def _launch(spec, embedded) -> int:  # noqa: ANN001 (imported lazily: EmbeddedEtcd or False)
+    from elastic.launch.launch_spec import join_command  # noqa: PLC0415
     from elastic.launch.launcher import Launcher  # noqa: PLC0415
     launcher = Launcher(spec)
     try:
@@ -368,8 +365,10 @@ COMMANDS = {"run": cmd_run, "status": cmd_status, "report": cmd_report, "etcd": 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``elastic`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "WARNING").upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    level = os.environ.get("ELASTIC_LOG_LEVEL", "WARNING").upper()
+    # Warnings read like the launcher's own lines; asked for more, each line has its time.
+    logging.basicConfig(level=level, format="elastic: %(message)s" if level == "WARNING"
+                        else "%(asctime)s %(name)s %(levelname)s %(message)s")
     if argv and argv[0] in ("--version", "-V"):
         from elastic.launch.version import describe  # noqa: PLC0415
         print(describe())

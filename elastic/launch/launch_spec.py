@@ -8,6 +8,7 @@ Reads no environment variables itself.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -45,6 +46,8 @@ class LaunchSpec:
         env: the environment workers start from (the CLI's, plus the ELASTIC_* variables).
         security: etcd's TLS files and user, passed on to the workers as ELASTIC_ETCD_*.
         output: how the workers' output is shown (prefixes, --tee files, a filter).
+        metrics_port: the port this launcher serves Prometheus metrics on, at
+            ``advertise_addr`` (None: no metrics).
     """
 
     command: tuple[str, ...]
@@ -66,8 +69,12 @@ class LaunchSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     security: EtcdSecurity = EtcdSecurity()
     output: OutputOptions = OutputOptions()
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port ({self.metrics_port}) must be a TCP port, "
+                             "1-65535.")
         if self.nproc < 1:
             raise ValueError(f"--nproc-per-node ({self.nproc}) must be at least 1.")
         if self.min_workers < 1:
@@ -101,6 +108,7 @@ class LaunchSpec:
             "ELASTIC_CHECKPOINT": self.checkpoint or "", "ELASTIC_BACKEND": self.backend,
             "ELASTIC_ADVERTISE_ADDR": self.advertise_addr, "ELASTIC_LOG_DIR": self.log_dir or "",
             "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(self.nproc),
+            "ELASTIC_CONSOLE": "quiet" if self.output.quiet else "launcher",
             **self.timeouts.as_env(), **self.security.as_env(),
             **socket_interface_env(self.advertise_addr, self.env),
         }
@@ -118,3 +126,30 @@ class LaunchSpec:
         user did not choose a thread count (each would otherwise start one intra-op thread per
         core and they would fight over the cores; torchrun does the same)."""
         return self.nproc + self.spares > 1 and "OMP_NUM_THREADS" not in self.env
+
+
+def join_command(spec: LaunchSpec) -> str:
+    """The command that adds a worker of ``spec``'s job from another terminal."""
+    parts = ["elastic", "run", "--etcd", spec.etcd, "--job-id", spec.job_id,
+             "-n", str(spec.nproc if spec.plain else 1), *spec.security.as_flags()]
+    if spec.plain:
+        parts.append("--plain")
+    if spec.min_workers != 1:
+        parts += ["--min-workers", str(spec.min_workers)]
+    if spec.max_workers is not None:
+        parts += ["--max-workers", str(spec.max_workers)]
+    if spec.checkpoint:
+        parts += ["--checkpoint", spec.checkpoint]
+    if spec.backend != "auto":
+        parts += ["--backend", spec.backend]
+    if spec.log_dir:
+        parts += ["--log-dir", spec.log_dir]
+    defaults = Timeouts()
+    for field_name in Timeouts.FLAGS:  # the same budget on every node
+        if getattr(spec.timeouts, field_name) != getattr(defaults, field_name):
+            parts += [str(Timeouts.flag_name(field_name)),
+                      f"{getattr(spec.timeouts, field_name).total_seconds():g}"]
+    joined = shlex.join(parts + list(spec.command[1:]))
+    if spec.security.password:  # never the password itself
+        joined = f"ELASTIC_ETCD_PASSWORD=... {joined}"
+    return joined

@@ -24,6 +24,7 @@ from elastic.foundation.errors import EtcdUnavailableError
 from elastic.cluster.etcd.client import EtcdClient
 from elastic.launch.job_config import claim
 from elastic.launch.launcher_lease_files import LeaseFiles
+from elastic.launch.metrics import NodeMetrics
 from elastic.launch.node_members import NodeMembers
 from elastic.launch.joined import JoinedWorkers
 from elastic.launch.launch_spec import LaunchSpec
@@ -103,6 +104,7 @@ class Launcher:
         self.etcd_exit: EtcdExit | None = None
         self.node_members: NodeMembers | None = None  # with --node-lease
         self._spares: set[int] = set()  # pids of warm spares that have not taken a place
+        self.metrics: NodeMetrics | None = None  # with --metrics-port
 
     def connect(self) -> bool:
         """Connects to etcd, claims or checks the job's configuration and registers.
@@ -142,6 +144,7 @@ class Launcher:
         """
         assert self.client is not None and self.membership is not None, "connect() first"
         restore = self.stop.install()
+        self._serve_metrics()
         if self.spec.caps_threads:
             _say(f"OMP_NUM_THREADS=1 for each of the {self.spec.nproc + self.spec.spares} "
                  "workers (set OMP_NUM_THREADS to choose another thread count)")
@@ -149,10 +152,34 @@ class Launcher:
             if self.spec.plain:
                 from elastic.launch.plain import PlainGenerations  # noqa: PLC0415 (torch import)
                 return PlainGenerations(self).run()
-            return self._run_elastic()
+            code = self._run_elastic()
+            self._serve_others()
+            return code
         finally:
             restore()
             self.procs.kill()
+            if self.metrics is not None:
+                self.metrics.stop()
+
+    def _serve_metrics(self) -> None:
+        """Serves Prometheus metrics on ``--metrics-port``; a port that cannot be served is
+        one line, and the job runs without them."""
+        if self.spec.metrics_port is None or self.spec.plain:
+            return
+        running = lambda: {w.pid for w in self.procs.running()}  # noqa: E731
+        self.metrics = NodeMetrics(self.spec.metrics_port, self.spec.advertise_addr,
+                                   self.spec.log_dir, lambda: len(self._spares & running()),
+                                   self.spec.timeouts.shutdown)
+        try:
+            self.metrics.start()
+        except OSError as exc:
+            _say(f"cannot serve metrics on {self.spec.advertise_addr}:{self.spec.metrics_port} "
+                 f"({exc}); the job runs without them. Choose a free --metrics-port.")
+            self.metrics.stop()
+            self.metrics = None
+            return
+        _say(f"Prometheus metrics at http://{self.spec.advertise_addr}:"
+             f"{self.spec.metrics_port}/metrics")
 
     def watch_etcd(self, process: subprocess.Popen[bytes], log_path: str) -> None:
         """Ends the run, in one line, if the embedded etcd ``process`` exits before the job."""
@@ -166,6 +193,36 @@ class Launcher:
             self.etcd_exit.said = True
             _say(self.etcd_exit.message())
         return True
+
+    def _serve_others(self) -> None:
+        """Keeps the embedded etcd this launcher holds serving while other launchers are in the
+        job (their workers train on without this node's), saying so in one line; a second
+        Ctrl-C, or their leaving, ends the wait."""
+        if self.etcd_exit is None or self.stop.forced.is_set() or self.is_etcd_lost():
+            return
+        others = self._other_launchers()
+        if not others:
+            return
+        _say(f"this launcher holds the job's embedded etcd: it keeps serving the {others} other "
+             "launcher(s) until they leave (Ctrl-C again ends it now, and their job with it)")
+        self.stop.again = "asked again: ending the embedded etcd now"
+        wake_s = self.spec.timeouts.wake.total_seconds()
+        while not self.stop.forced.is_set() and not self.is_etcd_lost():
+            if not self._other_launchers():
+                _say("the other launchers left; ending the embedded etcd")
+                return
+            self.procs.changed.wait(wake_s)
+            self.procs.changed.clear()
+
+    def _other_launchers(self) -> int:
+        """How many other launchers are registered in the job (0 when etcd cannot say)."""
+        assert self.client is not None and self.membership is not None
+        launchers = self.keys.launchers()
+        try:
+            kvs, _ = self.client.get_prefix(launchers.members)
+        except EtcdUnavailableError:
+            return 0
+        return sum(kv.key != launchers.member(self.membership.member_id) for kv in kvs)
 
     def close(self) -> None:
         """Leaves the launcher membership and closes the etcd client."""
@@ -211,6 +268,8 @@ class Launcher:
                     if not self.leases.has_mark(worker.pid, RAN):
                         _say(restarts.never_joined(worker.local_rank, worker.pid))
                     continue
+                if self.metrics is not None:
+                    self.metrics.failed(code)
                 setup_error = self.leases.has_mark(worker.pid, SETUP_ERROR)
                 error_line = worker.last_error_line()
                 self._revoke(worker.pid, code, hint=not setup_error
@@ -269,10 +328,14 @@ class Launcher:
         if self.membership is not None:  # its first round waits for the launcher's workers
             env["ELASTIC_LAUNCHER"] = self.membership.member_id
         env["ELASTIC_LAUNCHER_PID"] = str(os.getpid())  # checked as it joins
+        if self.metrics is not None:
+            env.update(self.metrics.worker_env())
         if self.node_members is not None:
             assert self.membership is not None, "connect() first"
             env["ELASTIC_NODE_LEASE"] = str(self.membership.lease)
         worker = self.procs.start(local_rank, env)
+        if self.metrics is not None:
+            self.metrics.pids.add(worker.pid)
         self.leases.assign(worker.pid, path)
         if standby:
             self._spares.add(worker.pid)

@@ -4,14 +4,18 @@ Every worker's stdout and stderr come through a pipe; a reader thread per stream
 line, prefixed like torchrun's (``[rank0]:``), to the launcher's own stdout or stderr in one
 write under one lock, so lines of two workers never merge mid-line. Optionally each worker's
 lines are also appended to a file (``--tee``), and only some local ranks are shown
-(``--local-ranks-filter``). The last lines of stderr are kept, so that the launcher can tell a
-failure that repeats itself. Owns nothing else: starting and reaping is ``worker_procs``.
+(``--local-ranks-filter``). One prefix per line: torch's own ``[rankN]:`` on a traceback
+gives way to ours. A rank 0's story line (``elastic.console_story``, marked with
+``STORY_MARK``) is shown as the launcher's own, without a prefix, whichever worker holds rank 0.
+The last lines of stderr are kept, so that the launcher can tell a failure that repeats itself.
+Owns nothing else: starting and reaping is ``worker_procs``.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import re
 import subprocess
 import sys
 import threading
@@ -23,12 +27,19 @@ from typing import IO
 
 TAIL_LINES = 20  # stderr lines kept per worker: enough for the last line of a traceback
 TEE_CHOICES = {"0": (), "1": ("stdout",), "2": ("stderr",), "3": ("stdout", "stderr")}
+STORY_MARK = b"\x1e"  # elastic.console_story.MARK: a line of the job's story from rank 0
+# torch's excepthook prefixes a traceback's lines with "[rankN]: ": ours replaces it.
+_TORCH_PREFIX = re.compile(rb"^\[rank\d+\]: ?")
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds ``--no-prefix``, ``--tee`` and ``--local-ranks-filter`` to ``elastic run``."""
     parser.add_argument("--no-prefix", action="store_true",
-                        help="print the workers' lines as they are, without [rankN]: prefixes")
+                        help="print the workers' lines as they are, without the [localN]: "
+                             "prefix (or [rankN]: under --plain)")
+    parser.add_argument("--quiet", action="store_true",
+                        help="hide the job's story lines (joins, failures, re-formations, "
+                             "resumes, durable checkpoints); errors are still shown")
     parser.add_argument("--tee", choices=sorted(TEE_CHOICES), default="0",
                         help="also write each worker's stdout (1), stderr (2) or both (3) to "
                              "LOG_DIR/output-HOST-localN.log (needs --log-dir)")
@@ -62,6 +73,7 @@ class OutputOptions:
     tee: tuple[str, ...] = ()
     tee_dir: str | None = None
     show: frozenset[int] | None = None
+    quiet: bool = False
 
     def __post_init__(self) -> None:
         if self.tee and not self.tee_dir:
@@ -70,7 +82,7 @@ class OutputOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace, log_dir: str | None) -> "OutputOptions":
         return cls(prefix=not args.no_prefix, tee=TEE_CHOICES[args.tee], tee_dir=log_dir,
-                   show=args.local_ranks_filter)
+                   show=args.local_ranks_filter, quiet=args.quiet)
 
 
 @dataclass
@@ -137,6 +149,9 @@ class WorkerOutput:
         tee_file = self._open_tee(tee) if tee is not None else None
         try:
             for line in _lines(stream):
+                if line.startswith(STORY_MARK):  # rank 0's story: the launcher's own line
+                    self._write(sys.stderr.buffer, line[len(STORY_MARK):])
+                    continue
                 if keep is not None:
                     keep.append(line.decode(errors="replace").rstrip("\n"))
                 if tee_file is not None:
@@ -149,7 +164,8 @@ class WorkerOutput:
                         tee_file.close()
                         tee_file = None
                 if target is not None:
-                    self._write(target, prefix + line)
+                    self._write(target, prefix + (_TORCH_PREFIX.sub(b"", line, count=1)
+                                                  if prefix else line))
         finally:
             stream.close()
             if tee_file is not None:

@@ -16,6 +16,7 @@ from elastic.cluster.rounds.keys import JobKeys
 from elastic.cluster.rounds import records
 from elastic.cluster.rounds.plan import Plan
 from elastic.cluster.rounds.records import RecordError
+from elastic.foundation.errors import EtcdUnavailableError
 from elastic.foundation.settings import EtcdSecurity
 from elastic.foundation.timeouts import Timeouts
 
@@ -148,11 +149,18 @@ def show(etcd: str, job_id: str, timeouts: Timeouts, as_json: bool = False,
         ValueError: the URL or job id is malformed.
     """
     keys = JobKeys(job_id)
-    client = EtcdClient(etcd, timeouts=timeouts, retry_for=timeouts.connect, security=security)
     try:
-        status = collect(client, keys)
-    finally:
-        client.close()
+        client = EtcdClient(etcd, timeouts=timeouts, retry_for=timeouts.connect,
+                            security=security)
+        try:
+            status = collect(client, keys)
+        finally:
+            client.close()
+    except EtcdUnavailableError as exc:
+        raise EtcdUnavailableError(
+            f"{exc} A job started without --etcd had an embedded etcd that ended with it: "
+            "an ended job has no status to show (its --log-dir has its events for `elastic "
+            "report`).") from None
     known = status["config"] or status["members"] or status["round"]
     if as_json:
         print(json.dumps(status, indent=2))

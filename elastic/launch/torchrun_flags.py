@@ -9,6 +9,7 @@ one-line "did you mean". Nothing after the script (the worker's own arguments) i
 from __future__ import annotations
 
 import sys
+import textwrap
 from collections.abc import Collection, Sequence
 
 from elastic.foundation.errors import ElasticError
@@ -42,6 +43,16 @@ INSTEAD = {
                 "--min-workers/--max-workers (counted in worker processes, not nodes)",
     "--role": "all workers share one role here",
 }
+
+
+def spellings() -> str:
+    """The torchrun spellings ``elastic run`` accepts, for its ``--help``."""
+    paragraphs = [
+        "torchrun's spellings: --nproc_per_node (and the underscore spelling of every flag "
+        "above) is accepted; --rdzv-id means --job-id.",
+        "Accepted and ignored, as not needed here: " + ", ".join(NOT_NEEDED) + ", --nnodes 1.",
+        "Refused, with a line saying what to use instead: " + ", ".join(INSTEAD) + "."]
+    return "\n".join(textwrap.fill(p, 78) for p in paragraphs)
 
 
 def translate(argv: Sequence[str], value_options: Collection[str]) -> list[str]:

@@ -29,7 +29,9 @@ class ShardCommit:
 
     ``held`` maps a shard index to its tensors (flat name -> that shard's rows, on host);
     ``small`` is the rest of the commit (``TrainState.committed()`` copied), so that a
-    rollback to this version restores the sampler and plain values with it.
+    rollback to this version restores the sampler and plain values with it. A ``live`` commit
+    (the copy-free commit) holds the live local tensors themselves, valid until the next step
+    is applied, when the next live commit replaces it.
     """
 
     version: int
@@ -39,6 +41,7 @@ class ShardCommit:
     specs: Mapping[str, TensorSpec]
     small: Mapping[str, Any]
     held: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    live: bool = False
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -86,9 +89,10 @@ class ShardCommits:
 
     def add(self, commit: ShardCommit) -> None:
         """Keeps ``commit`` as the newest; commits of its version or newer (an abandoned
-        future, rolled back) and all but the newest ``KEEP`` go."""
+        future, rolled back), any live commit (valid only while it is the newest: its tensors
+        move on with the next step) and all but the newest ``KEEP`` go."""
         with self._lock:
-            kept = [c for c in self._commits if c.version < commit.version]
+            kept = [c for c in self._commits if c.version < commit.version and not c.live]
             self._commits = (kept + [commit])[-KEEP:]
 
     def add_copy(self, commit: ShardCommit, shard: int, tensors: dict[str, torch.Tensor]) -> None:

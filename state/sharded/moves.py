@@ -31,7 +31,7 @@ def assemble(plan: Plan, rank: int, commit: ShardCommit | None, specs: Mapping[s
         specs: every tensor's rows and row bytes (the same in both layouts).
         new_shards, new_shard: the new layout and this rank's shard in it.
         templates: this rank's new local parts (shape and dtype), by flat name.
-        group: the process group of the new round (its timeout bounds every wait).
+        group: a gloo group of the new round's ranks (its timeout bounds every wait).
     """
     out = {name: torch.empty_like(t, device="cpu") for name, t in templates.items()}
     works = []
@@ -48,7 +48,7 @@ def assemble(plan: Plan, rank: int, commit: ShardCommit | None, specs: Mapping[s
                 works.append(dist.irecv(view, piece.src, group=group, tag=tag))
         elif piece.src == rank:
             assert commit is not None
-            rows = _held_rows(commit, spec, piece).contiguous()
+            rows = _held_rows(commit, spec, piece).contiguous().cpu()  # live rows may be on a GPU
             if rows.numel():
                 works.append(dist.isend(rows, piece.dst, group=group, tag=tag))
     for work in works:

@@ -29,6 +29,25 @@ class ShardLayoutError(StateError):
     dimension, replicated on the others)."""
 
 
+def forget_meshes() -> None:
+    """Clears torch's DTensor caches that are keyed by mesh equality.
+
+    Two meshes of equal shape and names compare equal across formations, so a sharding or
+    redistribution plan cached in an earlier round would hand a DTensor of this round the old
+    mesh, whose process groups (and this rank's place in them) are gone: a collective then
+    fails with "Could not resolve the process group registered under the name N". Call it
+    before building a round's mesh.
+    """
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    MeshTopoInfo.build_from_mesh.cache_clear()
+
+
 def sharded_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer
                        ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The model's and the optimizer's state dicts, sharded (DTensors), from torch's

@@ -255,3 +255,26 @@ def test_a_second_sigint_kills_workers_that_ignore_the_first_without_waiting_the
     finally:
         if is_alive(stuck):
             os.kill(stuck, signal.SIGKILL)
+
+
+def test_the_launcher_holding_the_embedded_etcd_serves_the_other_node_until_it_leaves(cli,
+                                                                                      tmp_path):
+    log_dir = tmp_path / "events"
+    holder = cli("run", "-n", "1", "--log-dir", str(log_dir), WORKER, "--steps", "100000",
+                 name="holder")
+    wait_until(lambda: re.search(r"elastic run --etcd (\S+) --job-id (\S+)", holder.text()),
+               60, "the join command", [holder])
+    url, job = re.search(r"elastic run --etcd (\S+) --job-id (\S+)", holder.text()).groups()
+    other = cli("run", "--etcd", url, "--job-id", job, "-n", "1", "--log-dir", str(log_dir),
+                WORKER, "--steps", "100000", name="other")
+    wait_until(lambda: 2 in resumed_worlds(log_dir), 60, "world 2", [holder, other])
+    holder.proc.send_signal(signal.SIGINT)
+    wait_until(lambda: "keeps serving the 1 other launcher(s) until they leave" in holder.text(),
+               60, "the holder's one line", [holder])
+    wait_until(lambda: resumed_worlds(log_dir)[-1] == 1 and holder.proc.poll() is None, 60,
+               "the other node to train on alone", [holder, other])
+    other.proc.send_signal(signal.SIGTERM)
+    assert other.wait(40) == 0, other.text()
+    assert holder.wait(30) == 130, holder.text()
+    assert "the other launchers left; ending the embedded etcd" in holder.text()
+    assert "Check that etcd runs" not in other.text(), other.text()

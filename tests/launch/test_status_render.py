@@ -34,3 +34,30 @@ def test_status_is_a_table_with_one_row_per_member_by_rank_and_a_readable_checkp
     assert lines[-1].startswith("last durable checkpoint: version 40 (epoch 2) at "
                                 "file:///tmp/ckpt/000000000040, written ")
     assert lines[-1].endswith("(35 s ago)") and "{" not in lines[-1]
+
+
+def test_status_of_an_ended_job_says_an_embedded_etcd_ends_with_its_job(capsys, monkeypatch):
+    from elastic.cluster.links.ports import free_port
+    from elastic.launch.cli import main
+
+    monkeypatch.setenv("ELASTIC_CONNECT_TIMEOUT", "0.5")
+    assert main(["status", "--etcd", f"http://127.0.0.1:{free_port()}", "--job-id", "j"]) == 1
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "Check that etcd runs" in said[0], said
+    assert "embedded etcd that ended with it" in said[0], said
+
+
+def test_report_without_matplotlib_prints_its_tables_and_succeeds(tmp_path, capsys, monkeypatch):
+    import json
+    import sys
+
+    from elastic.launch.report import report
+
+    (tmp_path / "events-h-1.jsonl").write_text("".join(json.dumps(e) + "\n" for e in [
+        {"t": 1.0, "event": "joined", "pid": 1, "worker": "h-1", "member": "m1"},
+        {"t": 2.0, "event": "resumed", "reason": "start", "pid": 1, "worker": "h-1",
+         "member": "m1", "round": 1, "rank": 0, "world_size": 1, "recovery_s": 1.0}]))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # importing it raises ImportError
+    assert report(str(tmp_path)) == 0
+    shown = capsys.readouterr()
+    assert "matplotlib is missing" in shown.err and shown.out.strip()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic.launch.cli import _VALUE_OPTIONS, main
-from elastic.launch.torchrun_flags import TorchrunFlagError, translate
+from elastic.launch.torchrun_flags import INSTEAD, NOT_NEEDED, TorchrunFlagError, translate
 
 pytestmark = pytest.mark.unit
 
@@ -62,3 +62,30 @@ def test_version_names_the_package_and_python_without_importing_torch(capsys):
     out = capsys.readouterr().out
     assert out.startswith("elastic-trainer ") and "Python 3." in out
     assert had_torch or "torch" not in sys.modules
+
+
+def test_run_help_lists_the_defaults_and_the_torchrun_spellings(capsys):
+    with pytest.raises(SystemExit) as ended:
+        main(["run", "--help"])
+    assert ended.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    for default in ("fewest workers to train with, all nodes together (default 1)",
+                    "extra ones wait as spares (default: no limit)", "default 3)",
+                    "nccl on GPUs, gloo on CPU (default auto", "(ELASTIC_METRICS_PORT"):
+        assert default in shown, default
+    assert "--nproc_per_node (and the underscore spelling of every flag above)" in shown
+    for flag in (*NOT_NEEDED, *INSTEAD):
+        assert flag in shown, flag
+
+
+def test_a_launcher_warning_reads_like_its_other_lines_without_a_timestamp():
+    import os
+    import subprocess
+    import sys
+
+    script = ("import logging; from elastic.launch.cli import main; main(['--version']); "
+              "logging.getLogger('elastic.launch.x').warning('could not write %s', 'it')")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, env={k: v for k, v in os.environ.items()
+                                           if k != "ELASTIC_LOG_LEVEL"})
+    assert done.stderr.splitlines() == ["elastic: could not write it"], done.stderr

@@ -96,3 +96,22 @@ def test_a_tee_file_that_cannot_be_written_costs_the_file_not_the_workers_output
     assert run.wait(60) == 0, run.text()[-2000:]
     assert len(worker_lines(run.text())) == 4000, "the worker blocked or lost lines"
     assert sum("for --tee" in line for line in run.text().splitlines()) == 2  # stdout, stderr
+
+
+@pytest.mark.unit
+def test_a_traceback_that_torch_prefixed_with_its_rank_gets_one_prefix_only(capfd):
+    import subprocess
+    import sys
+
+    from elastic.launch.output import OutputOptions, WorkerOutput
+
+    script = ("import sys; sys.stderr.write('[rank0]: Traceback (most recent call last):\\n"
+              "[rank0]: ValueError: boom\\n\\nplain [rank1]: inside\\n')")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    tail = WorkerOutput(OutputOptions(), "host").attach(proc, 1, "local1")
+    assert proc.wait(timeout=30) == 0
+    tail.join(30)
+    assert capfd.readouterr().err.splitlines() == [
+        "[local1]: Traceback (most recent call last):", "[local1]: ValueError: boom",
+        "[local1]: ", "[local1]: plain [rank1]: inside"]

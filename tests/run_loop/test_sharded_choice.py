@@ -9,6 +9,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from elastic.cluster.links.process_group import ProcessGroup
 from elastic.cluster.rounds.topology import Topology
 from elastic.sharded import ShardedRuntime, ShardedStateLostError
 from elastic.state import TrainState
@@ -43,8 +44,9 @@ def _choose(rank: int, world: int, missing: bool) -> dict:
         runtime._commits.add(_commit(train, 3, rank, held))
     topology = Topology(round=2, rank=rank, world_size=world, member_id=f"m{rank}", rank0="m0",
                         master_addr="127.0.0.1", master_port=0, store_prefix="", lineage=2)
+    group = ProcessGroup("gloo", timedelta(seconds=30), frozenset(), timedelta(seconds=10))
     try:
-        runtime.choose(topology, train)
+        runtime.choose(topology, train, group)
     except ShardedStateLostError as exc:
         return {"error": str(exc)}
     train.restore()

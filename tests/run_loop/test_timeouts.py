@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from elastic.checkpoint.backend import DEFAULT_RETRY_FOR
-from elastic.launch.cli import _run_parser, _timeouts, join_command
-from elastic.launch.launch_spec import LaunchSpec
+from elastic.launch.cli import _run_parser, _timeouts
+from elastic.launch.launch_spec import LaunchSpec, join_command
 from elastic.foundation.settings import WorkerSettings
 from elastic.foundation.timeouts import Timeouts
 from tests.support.timeout_literals import literal_timeouts
@@ -34,7 +34,7 @@ DEFAULTS_S = {
     "wake": 1,
     "poll": 0.05,
 }
-# (shorter, longer, may they be equal): the hierarchy, as README.md states it.
+# (shorter, longer, may they be equal): the hierarchy, as docs/timeouts.md states it.
 ORDER = [("keepalive", "lease_ttl", False), ("peer_probe", "peer", True), ("settle", "rendezvous", False),
          ("node_settle", "rendezvous", False),
          ("settle", "rejoin", False),
@@ -190,11 +190,10 @@ def test_the_checkpoint_layer_names_the_same_retry_deadline():
     assert Timeouts().storage_retry == DEFAULT_RETRY_FOR
 
 
-def test_the_readme_lists_every_variable_in_its_timeouts_section():
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("\n## Timeouts\n", 1)[1].split("\n## ", 1)[0]
-    missing = [Timeouts.env_name(n) for n in NAMES if Timeouts.env_name(n) not in section]
-    assert not missing, f"README's Timeouts section lacks {missing}"
+def test_the_user_guide_lists_every_variable_on_its_timeouts_page():
+    page = (REPO / "docs" / "timeouts.md").read_text()
+    missing = [Timeouts.env_name(n) for n in NAMES if Timeouts.env_name(n) not in page]
+    assert not missing, f"docs/timeouts.md lacks {missing}"
 
 
 # -- no literal timeout outside the table -------------------------------------------------------

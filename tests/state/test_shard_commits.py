@@ -62,6 +62,18 @@ def test_a_new_commit_drops_the_oldest_and_any_rolled_back_future():
     assert [h.version for h in read_report(commits.report().tolist(), 2)] == [2]
 
 
+def test_a_live_commit_is_kept_only_while_it_is_the_newest():
+    commits = ShardCommits(max_held=2)
+    commits.add(_commit(1, 2, 0))
+    for version in (2, 3):
+        live = _commit(version, 2, 0)
+        live.live = True
+        commits.add(live)
+    assert [h.version for h in read_report(commits.report().tolist(), 2)] == [1, 3]
+    commits.add(_commit(4, 2, 0))  # a snapshot commit: the live tensors have moved on
+    assert [h.version for h in read_report(commits.report().tolist(), 2)] == [1, 4]
+
+
 def test_the_newest_commit_held_whole_is_chosen_and_a_partly_copied_one_is_passed_over():
     # version 5's buddy copies had not landed when old rank 2 died; version 4's had
     ranks = [[Holding(4, 3, 3, 0, frozenset({0, 2})), Holding(5, 3, 3, 0, frozenset({0}))],

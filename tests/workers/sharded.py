@@ -6,13 +6,16 @@ and sharded by ``fully_shard`` on the mesh of each round. Every step trains the 
 of the ``ElasticSampler`` whatever the world; its global loss goes into a committed ``history``
 and its sample indices into a committed ``ledger``. ``FAULT="kill:1,3:10:4"`` makes the ranks 1
 and 3 of a world of 4 SIGKILL themselves after step 10 (once); ``--hold-at 16:4`` keeps agreeing
-on membership at step 16 until the world is 4. Writes the whole parameters (gathered inside the
-last call) and the committed history and ledger to ``result-{index}.json``.
+on membership at step 16 until the world is 4. ``--copy-free`` commits every step with
+``commit_step`` instead of ``commit()`` every ``--commit-every`` steps. Writes the whole
+parameters (gathered inside the last call) and the committed history and ledger to
+``result-{index}.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -84,7 +87,7 @@ def hold(state: ElasticState, hold_at: str) -> None:
     if hold_at:
         step, world = (int(v) for v in hold_at.split(":"))
         if state.step == step:
-            hold_until_world(state, world, timeout_s=60)
+            hold_until_world(state, world, timeout_s=150)
 
 
 def main() -> None:
@@ -97,6 +100,7 @@ def main() -> None:
     p.add_argument("--shard-degree", type=int, default=None)
     p.add_argument("--hold-at", default="")
     p.add_argument("--durable", action="store_true", help="durable commits at epoch ends")
+    p.add_argument("--copy-free", action="store_true", help="commit every step (commit_step)")
     args = p.parse_args()
     out = Path(args.out)
     index = int(os.environ["TEST_WORKER_INDEX"])
@@ -117,24 +121,27 @@ def main() -> None:
                 squared = (s.model(x) - y) ** 2
                 s.optimizer.zero_grad()
                 (squared.sum() * share.loss_scale).backward()
-                s.optimizer.step()
-                s.sampler.record_batch(len(x))
                 total = squared.detach().sum() if share.size else torch.zeros((),
                                                                                dtype=torch.float64)
                 dist.all_reduce(total)
                 everyone: list = [None] * dist.get_world_size()
                 dist.all_gather_object(everyone, ids.tolist())
-                s.ledger[s.epoch].extend(i for part in everyone for i in part)
-                s.step += 1
-                s.history.append(total.item() / share.total)
+                with s.commit_step() if args.copy_free else contextlib.nullcontext():
+                    s.optimizer.step()
+                    s.sampler.record_batch(len(x))
+                    s.ledger[s.epoch].extend(i for part in everyone for i in part)
+                    s.step += 1
+                    s.history.append(total.item() / share.total)
                 progress.write(json.dumps({"step": s.step, "world": s.world_size,
                                            "loss": s.history[-1]}) + "\n")
                 fire_fault(s, out, index)
                 if s.step % args.commit_every == 0:
-                    s.commit()
+                    if not args.copy_free:
+                        s.commit()
                     hold(s, args.hold_at)
             s.epoch += 1
-            s.commit(durable=args.durable)
+            if not args.copy_free:  # the next agreed step records the new epoch
+                s.commit(durable=args.durable)
         final["params"] = torch.cat([p.full_tensor().flatten()
                                      for p in s.model.parameters()]).tolist()
 

@@ -189,7 +189,7 @@ def refusal(exc: aetcd.ClientError, what: str, urls: str,
     if code == grpc.StatusCode.PERMISSION_DENIED:
         return EtcdAccessError(
             f"etcd user {user or '(client certificate)'!r} may not {what} ({exc}): give its "
-            "role readwrite on this job's prefixes (see the README, \"Security\"), or "
+            "role readwrite on this job's prefixes (see docs/security.md), or "
             "run with the job id that this user is for.")
     if isinstance(exc, Refused) and code == grpc.StatusCode.INVALID_ARGUMENT:
         return EtcdAccessError(
@@ -210,7 +210,7 @@ def refusal(exc: aetcd.ClientError, what: str, urls: str,
             f"etcd at {urls} is out of space ({exc}): its history filled its "
             "--quota-backend-bytes. Compact and defragment it, then clear its alarm "
             "(etcdctl compact REVISION; etcdctl defrag; etcdctl alarm disarm), and run it with "
-            "--auto-compaction-retention (README, \"Multi-node with a real etcd cluster\").")
+            "--auto-compaction-retention (docs/multi-node.md).")
     if code == grpc.StatusCode.INVALID_ARGUMENT or (
             code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in str(exc)):
         return EtcdAccessError(

@@ -256,7 +256,7 @@ class EtcdClient(CompareAndSwap):
                 f"etcd at {self.urls} was too busy to take {what} for "
                 f"{retry_for.total_seconds():g} s ({exc}): its applied writes lag its commits. "
                 "Give etcd faster disks and more CPU, or spread the jobs over more etcd "
-                "clusters (README, \"How large a job one etcd carries\").") from exc
+                "clusters (docs/multi-node.md, \"How large a job one etcd carries\").") from exc
         except TRANSIENT as exc:
             raise EtcdUnavailableError(
                 f"etcd at {self.urls} did not answer {what} for "

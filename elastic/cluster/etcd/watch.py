@@ -88,7 +88,7 @@ class Watches:
                     return
                 (log.debug if refused else log.warning)(
                     "etcd refused the watch on %s (%s): give this etcd user read access to the "
-                    "job's prefixes (README, \"Security\"); retrying", keys, exc)
+                    "job's prefixes (docs/security.md); retrying", keys, exc)
                 refused = True
             except aetcd.ClientError as exc:
                 if stopped.is_set():

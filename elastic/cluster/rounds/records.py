@@ -149,7 +149,7 @@ def corrupt(key: str, why: str) -> EtcdRecordError:
     """The error for a record the job cannot go on without."""
     return EtcdRecordError(
         f"the record at {key} is malformed ({why}): something other than this job's workers "
-        f"wrote the job's etcd prefix. Restrict who can write it (README, Security) and start "
+        f"wrote the job's etcd prefix. Restrict who can write it (docs/security.md) and start "
         f"the job again under a new --job-id.")
 
 
