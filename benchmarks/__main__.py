@@ -77,6 +77,10 @@ REGISTRY: dict[str, Benchmark] = {
     "spares": Benchmark(
         "bench_spares.py", ("--reps", "4"), "file",
         "a warm spare against a cold restart under elastic run"),
+    "joiner-feed": Benchmark(
+        "bench_joiner_feed.py", ("--params", "100m", "--reps", "2"), "file",
+        "a joiner fed 100M parameters with Adam (1.2 GB) against loopback TCP, and the running "
+        "workers' pause (--small: 10M, under load)"),
     "soak": Benchmark(
         "soak.py", ("--minutes", "30", "--seed", "1"), "file",
         "30 minutes of seeded random faults: hangs, samples lost, training lost per fault"),

@@ -9,15 +9,17 @@ listens on every interface; inside the namespace the only interface is a private
 Measured (wall clock, from the workers' per-step progress lines):
 - recovery: SIGKILL one of 4 gloo workers at step 30 -> the first step completed afterwards in
   the new world (ours: world 3 in the same processes; torchrun --max-restarts: a restarted world).
-- node loss (ours): SIGSTOP one worker (no TCP reset, nobody sees it die) -> first step in world 3.
+- node loss (ours): SIGSTOP one worker (no TCP reset: its heartbeats stop) -> first step in world 3,
+  at the default timeouts (lease TTL 3 s, frozen 0.5 s).
 - scale-up (ours): a 4th worker's process start -> its first step; the longest pause of the others.
 - steady state: steps/s of 2 workers, ours with commit() every 10 and every step, against the same
   loop as plain DDP under torchrun.
 
 ``--recovery-only`` runs the failure cases only, per rep: SIGKILL with no launcher, the same
 under torchrun, SIGKILL under ``elastic run`` (whose launcher revokes the dead worker's lease),
-and SIGSTOP (lease TTL 2 s). With ``--torchft`` (an optional extra) torchft joins them as an
-anchor, at its defaults and at its lowest documented timeouts (``torchft_anchor.py``).
+and SIGSTOP (at the defaults: its heartbeats tell, not its lease). With ``--torchft`` (an
+optional extra) torchft joins them as an anchor, at its defaults and at its lowest documented
+timeouts (``torchft_anchor.py``).
 
 ``--throughput-only`` runs the steady-state pair only (order alternating per rep; ``--batch``,
 ``--steps``, ``--pin`` to bind worker i to core i) and adds what one commit costs rank 0: the
@@ -131,11 +133,14 @@ def steps_of(out: Path, minimum: int, world: int):
     return pids if len(pids) >= world else None
 
 
-def ours_fault(out: Path, sig: signal.Signals, lease_ttl: str = "2") -> float:
+def ours_fault(out: Path, sig: signal.Signals, lease_ttl: str | None = "2") -> float:
+    """Signal ``sig`` to rank 1 of 4 at step 30 -> the first step in world 3 (``lease_ttl``
+    None: the default)."""
     etcd = EmbeddedEtcd().start()
     procs = Procs(out)
     try:
-        env = env_for(ELASTIC_ETCD=etcd.url, ELASTIC_JOB_ID="bench", ELASTIC_LEASE_TTL=lease_ttl)
+        env = env_for(ELASTIC_ETCD=etcd.url, ELASTIC_JOB_ID="bench",
+                      **({} if lease_ttl is None else {"ELASTIC_LEASE_TTL": lease_ttl}))
         for _ in range(4):
             procs.start([sys.executable, "elastic_worker.py", "--out", str(out)], env)
         wait_for(lambda: steps_of(out, 30, 4), 120, "4 elastic workers at step 30")
@@ -322,7 +327,7 @@ def main() -> None:
             d = root / f"rep{rep}"
             results["ours_kill_s"].append(ours_fault(mk(d / "kill"), signal.SIGKILL))
             results["torchrun_kill_s"].append(torchrun_kill(mk(d / "torchrun")))
-            results["ours_node_loss_s"].append(ours_fault(mk(d / "stop"), signal.SIGSTOP))
+            results["ours_node_loss_s"].append(ours_fault(mk(d / "stop"), signal.SIGSTOP, None))
             joiner, pause, steady = ours_scale_up(mk(d / "scale"))
             results["joiner_first_step_s"].append(joiner)
             results["others_max_pause_s"].append(pause)
@@ -354,7 +359,7 @@ def recovery_only(reps: int, json_path: Path, torchft: bool = False) -> None:
             results["ours_kill_s"].append(ours_fault(mk(d / "kill"), signal.SIGKILL))
             results["torchrun_kill_s"].append(torchrun_kill(mk(d / "torchrun")))
             results["ours_launcher_kill_s"].append(ours_launcher_kill(mk(d / "launcher")))
-            results["ours_node_loss_s"].append(ours_fault(mk(d / "stop"), signal.SIGSTOP))
+            results["ours_node_loss_s"].append(ours_fault(mk(d / "stop"), signal.SIGSTOP, None))
             if torchft:
                 for key, value in torchft_anchor.measure(mk(d / "torchft")).items():
                     results[key].append(value)

@@ -1,12 +1,14 @@
-"""A lost worker's replacement: a warm spare (``elastic run --spares 1``) against a cold restart.
+"""A lost worker's replacement: a warm spare (``elastic run --spares 1``), a worker forked from
+the warm-start template (the default), and a cold restart (``--no-warm-start``).
 
 Usage: ``.venv/bin/python benchmarks/bench_spares.py [--reps 5] [--out PATH]``. Each rep runs
-both modes, in alternating order, as ``elastic run -n 2`` on one embedded etcd: SIGKILL one of
+the three modes, in alternating order, as ``elastic run -n 2`` on one embedded etcd: SIGKILL one of
 the two training workers at step 30, then measure, from the kill (wall clock, from the workers'
 per-step progress lines):
 
-- replacement: the first step the replacing process completes (warm: the spare, already
-  imported and registered; cold: the restarted process, which imports torch first);
+- replacement: the first step the replacing process completes (warm spare: already imported
+  and registered; forked: forked from the template, imported already; cold: the restarted
+  process, which imports torch first);
 - survivor: the first step the surviving worker completes in a new generation (with the spare;
   or alone, while a cold restart imports torch).
 
@@ -38,7 +40,8 @@ from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 ELASTIC = str(Path(sys.executable).with_name("elastic"))
 
 
-def one_replacement(etcd: EmbeddedEtcd, out: Path, job: str, spares: int) -> dict[str, float]:
+def one_replacement(etcd: EmbeddedEtcd, out: Path, job: str, spares: int,
+                    start: str = "--warm-start") -> dict[str, float]:
     """Kills one of two workers at step 30 and times its replacement's and the survivor's first
     steps (seconds after the kill)."""
     procs = Procs(out)
@@ -46,6 +49,7 @@ def one_replacement(etcd: EmbeddedEtcd, out: Path, job: str, spares: int) -> dic
     try:
         procs.start([ELASTIC, "run", "--etcd", etcd.url, "--job-id", job, "-n", "2",
                      "--spares", str(spares), "--max-restarts", "1", "--lease-ttl", "2",
+                     *([start] if start == "--no-warm-start" else []),
                      str(HERE / "elastic_worker.py"), "--out", str(out)], env_for())
         at_30 = lambda: {p["pid"] for p in read_progress(out)  # noqa: E731
                          if p["step"] >= 30 and p["world"] == 2}
@@ -78,13 +82,15 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=str(REPO / "runs" / "spares.json"))
     args = p.parse_args()
-    results: dict[str, list[dict[str, float]]] = {"warm spare": [], "cold restart": []}
+    order = [("warm spare", 1, "--warm-start"), ("forked", 0, "--warm-start"),
+             ("cold restart", 0, "--no-warm-start")]
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode, _, _ in order}
     with EmbeddedEtcd() as etcd:
         for rep in range(args.reps):
-            order = [("warm spare", 1), ("cold restart", 0)]
-            for mode, spares in order if rep % 2 == 0 else reversed(order):
+            for n, (mode, spares, start) in enumerate(order if rep % 2 == 0 else order[::-1]):
                 with tempfile.TemporaryDirectory(prefix="bench-spares-") as tmp:
-                    figures = one_replacement(etcd, Path(tmp), f"spares-{rep}-{spares}", spares)
+                    figures = one_replacement(etcd, Path(tmp), f"spares-{rep}-{n}", spares,
+                                              start)
                 results[mode].append(figures)
                 print(f"rep {rep} {mode}: replacement {figures['replacement_s']:.2f} s, "
                       f"survivor {figures['survivor_s']:.2f} s", flush=True)

@@ -26,6 +26,10 @@ __all__ = ["TensorSlot", "BUCKET_BYTES", "MAX_SKELETON_BYTES", "DURABLE_UNREADAB
            "fill_tensors", "plan_buckets", "broadcast_payload", "newest_source"]
 
 BUCKET_BYTES = 64 * 1024 * 1024
+#: Buckets in flight beyond the one being waited for (1: the next one is copied and on its way
+#: while the last one travels; gloo runs a group's collectives on two threads). 0 until
+#: ``python -m benchmarks joiner-feed`` on an idle machine shows 1 feeds a joiner faster.
+IN_FLIGHT = 0
 MAX_SKELETON_BYTES = 1024 * 1024 * 1024  # a skeleton costs ~60 bytes a tensor
 #: rank 0's ``durable_version`` when its checkpoint storage could not be read.
 DURABLE_UNREADABLE = -1
@@ -250,8 +254,13 @@ def _broadcast_tensors(skeleton: Any, sources: list[torch.Tensor] | None,
     for slot in slots:
         if not slot.nbytes:
             received[slot.index] = torch.empty(slot.shape, dtype=slot.dtype)
+    in_flight: list[_Sending] = []
     for bucket in plan_buckets(slots, cap_bytes):
-        _broadcast_bucket(bucket, sources, received, how)
+        in_flight.append(_start_bucket(bucket, sources, how))
+        if len(in_flight) > IN_FLIGHT:  # the next bucket is copied while this one travels
+            _finish_bucket(in_flight.pop(0), received, how)
+    for sending in in_flight:
+        _finish_bucket(sending, received, how)
     return fill_tensors(skeleton, received)
 
 
@@ -262,13 +271,21 @@ def _transport_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
-def _broadcast_bucket(
+@dataclass
+class _Sending:
+    """One bucket's broadcast in flight."""
+
+    bucket: list[TensorSlot]
+    wire: torch.Tensor
+    work: Any
+
+
+def _start_bucket(
     bucket: list[TensorSlot],
     sources: list[torch.Tensor] | None,
-    received: list[torch.Tensor | None],
     how: tuple[int, dist.ProcessGroup | None, torch.device, datetime.timedelta | None],
-) -> None:
-    """Sends one bucket as bytes and unflattens it into ``received`` (CPU tensors)."""
+) -> _Sending:
+    """Starts sending (or receiving) one bucket as bytes."""
     global_src, group, device, timeout = how
     nbytes = sum(slot.nbytes for slot in bucket)
     if sources is not None:
@@ -282,7 +299,23 @@ def _broadcast_bucket(
                                      f"bytes, which this worker cannot allocate: {exc}") from exc
     try:
         work = dist.broadcast(wire, src=global_src, group=group, async_op=True)
-        completed = work.wait() if timeout is None else work.wait(timeout)
+    except RuntimeError as exc:
+        raise SyncError(f"broadcasting a state bucket of {nbytes} bytes from global rank "
+                        f"{global_src} failed: {exc}") from exc
+    return _Sending(bucket, wire, work)
+
+
+def _finish_bucket(
+    sending: _Sending,
+    received: list[torch.Tensor | None],
+    how: tuple[int, dist.ProcessGroup | None, torch.device, datetime.timedelta | None],
+) -> None:
+    """Waits for one bucket (``timeout`` at most) and unflattens it into ``received`` (CPU)."""
+    global_src, _, _, timeout = how
+    bucket, wire = sending.bucket, sending.wire
+    nbytes = wire.numel()
+    try:
+        completed = sending.work.wait() if timeout is None else sending.work.wait(timeout)
     except RuntimeError as exc:
         raise SyncError(f"broadcasting a state bucket of {nbytes} bytes from global rank "
                         f"{global_src} failed or timed out after {timeout}: {exc}") from exc

@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from elastic.cluster.links.agreement_channel import AgreementChannel
+from elastic.cluster.links.agreement_channel import ENDED, SILENT, AgreementChannel
 from elastic.cluster.links.channel_book import ChannelBook
 from elastic.cluster.links.ports import answers, free_port
+from elastic.cluster.links.pulse_process import PulseProcess
 from elastic.foundation.errors import (CutOffError, EtcdAccessError, EtcdRecordError,
                                        EtcdUnavailableError, FencedError, PeerFailureError)
 from elastic.cluster.etcd.client import EtcdClient, parse_endpoints
@@ -87,6 +88,8 @@ class Cluster:
         self._last: Topology | None = None  # the round of the retired channel
         self._probed = 0  # the round whose rank 0 this worker last checked it could reach
         self.links = RoundLinks(self.group, AgreementChannel(0, 1, self.group.timeout))
+        self.pulse = PulseProcess(timeouts.heartbeat.total_seconds())
+        self.pulse.start()  # up and beating long before the first round forms
         self._verdict = StuckVerdict(events, timeouts, newest, self._other_holder,
                                      self._leave_to_restart)
         self.stuck = ReleaseWatchdog(timeouts.release, self._verdict)
@@ -116,7 +119,8 @@ class Cluster:
             carry = self.rendezvous.first_join("start", version, self._port, self._came_from())
         self.membership.register(carry)
         self.events.bind(member=self.membership.member_id)
-        self.events.emit("joined", lease_ttl_s=self.settings.timeouts.lease_ttl.total_seconds())
+        self.events.emit("joined", lease_ttl_s=self.settings.timeouts.lease_ttl.total_seconds(),
+                         started_from=self.settings.started_from)
 
     def _node_lease(self) -> NodeLease | None:
         """The node's lease, for this process's first identity only (``--node-lease``): a
@@ -259,16 +263,25 @@ class Cluster:
             self.group.form(store, topology.rank, topology.world_size)
             self.channel.connect(book, self.settings.advertise_addr, topology.round,
                                  self.group.form_timeout)
-            self.channel.watch(lambda rank: self.tracker.on_peer_gone(topology.member(rank)),
-                               self.settings.timeouts.wake)
+            timeouts = self.settings.timeouts
+            self.channel.watch(lambda rank, how: self._peer_lost(topology.member(rank), how),
+                               timeouts.heartbeat, timeouts.frozen, self.pulse)
         except RuntimeError as exc:  # torch's DistError family derives from RuntimeError
             raise PeerFailureError(f"forming the group of round {topology.round} failed: "
                                    f"{exc}") from exc
 
-    def _members_gone(self, n: int) -> dict[str, bool]:
-        """The members of round ``n - 1`` whose agreement connection to this worker ended, when
-        this worker was in that round (else none): true for a link that went silent (the member
-        may be alive and cut off), false for one its kernel ended (dead).
+    def _peer_lost(self, member: str, how: str) -> None:
+        """The channel's watch lost ``member`` (``AgreementChannel.peers_lost`` says how): the
+        round is broken, and the event says which detector saw it (none for a round that ended
+        or was broken already)."""
+        if self.tracker.on_peer_gone(member, how):
+            self.events.emit("peer_lost", peer=member, how=how)
+
+    def _members_gone(self, n: int) -> dict[str, str]:
+        """The members of round ``n - 1`` this worker lost on its agreement connections, when it
+        was in that round (else none), each with how (``AgreementChannel.peers_lost``): a link
+        that went silent (the member may be alive and cut off), one its kernel ended (dead), or
+        a member whose kernel answers but whose process stopped beating (frozen).
 
         A worker that was not rank 0 also checks once that rank 0's machine answers on the
         port its connection ends at (rank 0's channel listener; its own link may not have gone
@@ -278,13 +291,13 @@ class Cluster:
         last = self._last
         if last is None or last.round != n - 1 or last.member_id != self.member_id:
             return {}  # not in that round, or only under an identity it dropped since
-        lost = {last.member(rank): silent for rank, silent in self.channel.peers_lost().items()}
+        lost = {last.member(rank): how for rank, how in self.channel.peers_lost().items()}
         rank0 = last.rank0
         address = self.channel.peer_address(0) if last.rank != 0 else None
         if address is not None and rank0 not in lost and self._probed != n:
             self._probed = n
             if not answers(*address, self.settings.timeouts.peer.total_seconds()):
-                lost[rank0] = True
+                lost[rank0] = SILENT
         return lost
 
     def _came_from(self) -> tuple[int, int]:
@@ -295,7 +308,7 @@ class Cluster:
         last = self._last
         if last is None:
             return 0, 0
-        dead = sum(not silent for silent in self.channel.peers_lost().values())
+        dead = sum(how == ENDED for how in self.channel.peers_lost().values())
         return last.round, last.world_size - dead
 
     def _drop_group(self) -> Callable[[], None]:
@@ -360,6 +373,7 @@ class Cluster:
         """Destroys the group, leaves the job (revoking the lease) and closes the client."""
         self.tracker.disarm()
         self.links.close()
+        self.pulse.close()
         self.stuck.disarm()
         self.topology = None
         done = self.rendezvous.is_job_done()

@@ -153,6 +153,7 @@ class WorkerSettings:
     launcher_workers: int = 0  # LOCAL_WORLD_SIZE under that launcher (0: started by hand)
     launcher_pid: int | None = None  # ELASTIC_LAUNCHER_PID: this worker's parent, the launcher
     console: str = "plain"  # ELASTIC_CONSOLE: how rank 0 tells the story (CONSOLE_MODES)
+    started_from: str = "python"  # ELASTIC_STARTED_FROM: "template" when forked warm
 
     @staticmethod
     def resolve(*, etcd: str | None, job_id: str | None, min_workers: int | None,
@@ -188,6 +189,7 @@ class WorkerSettings:
             else 0,
             launcher_pid=_env_int("ELASTIC_LAUNCHER_PID"),
             console=env.get("ELASTIC_CONSOLE") or "plain",
+            started_from=env.get("ELASTIC_STARTED_FROM") or "python",
         )
         settings.validate()
         return settings

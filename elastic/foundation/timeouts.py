@@ -33,10 +33,11 @@ class Timeouts:
     """Every timeout and interval of a worker and its launcher; see each field.
 
     The order it enforces (``validate``): 2 x keepalive < lease_ttl; peer_probe <= peer;
+    2 x heartbeat < frozen;
     settle and node_settle < rendezvous; settle and node_settle < rejoin; release < rejoin;
     form < collective; sync <= collective; etcd_rpc <= etcd_retry <= etcd_outage; backoff and
-    reconnect <= backoff_max. A frozen worker, or one cut from etcd, is dropped within lease_ttl (+ form
-    while its survivors connect); one cut from its peers within peer + peer_probe; a killed
+    reconnect <= backoff_max. A frozen worker is left out within frozen (+ heartbeat); one cut from
+    etcd is dropped within lease_ttl (+ form while its survivors connect); one cut from its peers within peer + peer_probe; a killed
     one at once.
     """
 
@@ -85,6 +86,15 @@ class Timeouts:
     peer_probe: timedelta = _entry(1)
     """Default 1 s (``ELASTIC_PEER_PROBE``): how often an idle agreement connection is probed
     (``TCP_KEEPIDLE`` and ``TCP_KEEPINTVL``, which count whole seconds: rounded up)."""
+    frozen: timedelta = _entry(0.5, "ELASTIC_FROZEN_TIMEOUT")
+    """Default 0.5 s (``ELASTIC_FROZEN_TIMEOUT``, ``--frozen-timeout``): how long a member's
+    heartbeats on its agreement connections may stop, while its machine still acknowledges
+    them, before it is reported frozen (stopped: SIGSTOP, a debugger) and left out without
+    waiting for its lease. Its heartbeat process beats whatever the worker does but stop: a
+    long step, a native op, a full garbage collection or a starved CPU is never frozen."""
+    heartbeat: timedelta = _entry(0.1)
+    """Default 0.1 s (``ELASTIC_HEARTBEAT``): how often each end of an agreement connection
+    sends a heartbeat and looks at what it heard. Under half of ``frozen``."""
     admit: timedelta = _entry(1800, "ELASTIC_ADMIT_TIMEOUT")
     """Default 1800 s (``ELASTIC_ADMIT_TIMEOUT``): how long a new worker waits to be admitted
     by the running members (they admit at a commit) before ``RendezvousTimeoutError``."""
@@ -161,6 +171,17 @@ class Timeouts:
     of a crashed worker's replacement while the survivors re-form without it (it starts
     ``settle`` after their next round formed; a cold start's seconds of CPU would otherwise
     compete with them)."""
+    template_ready: timedelta = _entry(120)
+    """Default 120 s (``ELASTIC_TEMPLATE_READY``): how long ``elastic run``'s warm-start
+    template may take to import torch and the script's imports before workers start cold."""
+    fork: timedelta = _entry(5)
+    """Default 5 s (``ELASTIC_FORK``): how long the warm-start template may take to answer one
+    request for a worker (a fork: milliseconds) before it is given up and workers start cold;
+    also how long a forked worker waits to be adopted by the launcher."""
+    warm_connect: timedelta = _entry(0.3)
+    """Default 0.3 s (``ELASTIC_WARM_CONNECT``): the same hold for a replacement forked from the
+    warm-start template (no imports, but the script's own setup still competes with the
+    survivors' first step)."""
     grace: timedelta = _entry(30)
     """Default 30 s (``ELASTIC_GRACE``, ``--grace``): how long workers get to leave after
     Ctrl-C/SIGTERM before they are killed."""
@@ -203,6 +224,7 @@ class Timeouts:
         "rendezvous": "seconds a round may wait for --min-workers",
         "form": "seconds forming a round's process group may take",
         "peer": "seconds a silent link between two workers is given before it counts as cut",
+        "frozen": "seconds a worker may send no heartbeat before it counts as frozen",
         "collective": "backstop on any collective, behind the failure detectors",
         "grace": "seconds workers get to leave after Ctrl-C/SIGTERM",
         "etcd_outage": "seconds workers wait for an unreachable etcd to form a new round",
@@ -273,6 +295,7 @@ class Timeouts:
                              f"at least 1 s: etcd leases are whole seconds.")
         self._check("keepalive", "lease_ttl", factor=2)
         self._check("peer_probe", "peer", or_equal=True)
+        self._check("heartbeat", "frozen", factor=2)
         self._check("settle", "rendezvous")
         self._check("node_settle", "rendezvous")
         self._check("settle", "rejoin")

@@ -24,13 +24,14 @@ from typing import NoReturn
 from elastic.foundation.errors import ElasticError
 from elastic.foundation.settings import EtcdSecurity
 from elastic.foundation.timeouts import Timeouts  # the standard library only: keeps `--help` fast
+from elastic.launch.etcd_flags import add_security_flags, security_of
 
 USAGE_ERROR = 2
 # The flags of the timeout table (elastic/foundation/timeouts.py), in seconds: field -> flag.
 _TIMEOUT_FLAGS = {field: str(Timeouts.flag_name(field)) for field in Timeouts.FLAGS}
 _VALUE_OPTIONS = {"--etcd", "--job-id", "-n", "--nproc-per-node", "--spares", "--min-workers",
                   "--max-workers", "--max-restarts", "--checkpoint", "--backend",
-                  "--advertise-addr", "--log-dir", "--tee", "--local-ranks-filter",
+                  "--advertise-addr", "--log-dir", "--tee", "--local-ranks-filter", "--preload",
                   "--metrics-port",
                   *_TIMEOUT_FLAGS.values(), *EtcdSecurity.FLAGS.values()}
 
@@ -70,32 +71,6 @@ def split_run_argv(argv: Sequence[str]) -> tuple[list[str], list[str], str | Non
     return argv, [], None
 
 
-def _add_security_flags(p: argparse.ArgumentParser) -> None:
-    """The TLS and authentication flags (etcdctl's names; each has an ELASTIC_ETCD_* twin)."""
-    g = p.add_argument_group("etcd TLS and authentication (https:// URLs)")
-    g.add_argument("--etcd-cacert", metavar="FILE",
-                   help="CA bundle that verifies etcd's certificate (default: the system's; "
-                        "ELASTIC_ETCD_CACERT)")
-    g.add_argument("--etcd-cert", metavar="FILE",
-                   help="client certificate for mutual TLS (ELASTIC_ETCD_CERT)")
-    g.add_argument("--etcd-key", metavar="FILE",
-                   help="key of --etcd-cert (ELASTIC_ETCD_KEY)")
-    g.add_argument("--etcd-user", metavar="NAME", help="etcd user (ELASTIC_ETCD_USER)")
-    g.add_argument("--etcd-password-file", metavar="FILE",
-                   help="file holding the user's password (or set ELASTIC_ETCD_PASSWORD; "
-                        "never on the command line)")
-
-
-def _security(args: argparse.Namespace) -> EtcdSecurity:
-    """The flags, then the ELASTIC_ETCD_* variables.
-
-    Raises:
-        ValueError: a file is missing, or half of a pair is.
-    """
-    return EtcdSecurity.resolve(cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key,
-                                user=args.etcd_user, password_file=args.etcd_password_file)
-
-
 def _check_job_id(job_id: str, command: str) -> str:
     from elastic.cluster.rounds.keys import check_job_id  # noqa: PLC0415 (keeps `--help` fast)
     try:
@@ -117,6 +92,12 @@ def _run_parser() -> _Parser:
     p.add_argument("--spares", type=int, default=0, metavar="K",
                    help="warm spare workers on this node: started, imported and registered, "
                         "they train only in place of a worker that died (default 0)")
+    p.add_argument("--no-warm-start", action="store_false", dest="warm_start",
+                   help="start every worker as a new Python process, not forked from a "
+                        "template that imported torch and the script's imports once")
+    p.add_argument("--preload", default="", metavar="MOD[,MOD...]",
+                   help="modules the warm-start template also imports (besides torch and the "
+                        "script's top-level imports)")
     p.add_argument("--node-lease", action="store_true",
                    help="this node's workers share the launcher's etcd lease instead of each "
                         "keeping one alive (for jobs of many nodes: one lease renewal per node); "
@@ -149,7 +130,7 @@ def _run_parser() -> _Parser:
                             f"{Timeouts.env_name(field)})")
     p.add_argument("--plain", action="store_true", help="torchrun-compatible mode for plain "
                    "DDP scripts: RANK/WORLD_SIZE/MASTER_* per generation, restart on failure")
-    _add_security_flags(p)
+    add_security_flags(p)
     p.add_argument("--resume-finished", action="store_true", help="a job whose checkpoint is "
                    "already finished may resume it and train nothing (otherwise an error)")
     from elastic.launch.output import add_output_arguments  # noqa: PLC0415 (stdlib only)
@@ -221,6 +202,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     job_id = _check_job_id(args.job_id, "elastic run") if args.job_id else _fresh_job_id()
     from elastic.launch.launch_spec import LaunchSpec  # noqa: PLC0415 (keeps `--help` fast)
     from elastic.launch.output import OutputOptions  # noqa: PLC0415
+    from elastic.launch.preload import parse_preload  # noqa: PLC0415
     log_dir = str(Path(args.log_dir).resolve()) if args.log_dir else None
     try:
         spec = LaunchSpec(
@@ -232,8 +214,9 @@ def cmd_run(argv: Sequence[str]) -> int:
             log_dir=log_dir, timeouts=_timeouts(args), plain=args.plain,
             env={**os.environ, **({"ELASTIC_RESUME_FINISHED": "1"} if args.resume_finished
                                   else {})},
-            output=OutputOptions.from_args(args, log_dir), security=_security(args),
-            metrics_port=args.metrics_port)
+            output=OutputOptions.from_args(args, log_dir), security=security_of(args),
+            metrics_port=args.metrics_port,
+            warm_start=args.warm_start, preload=parse_preload(args.preload))
     except ValueError as exc:
         raise UsageError(f"elastic run: {exc}") from None
     _remove_leftovers()
@@ -307,12 +290,12 @@ def cmd_status(argv: Sequence[str]) -> int:
     p.add_argument("--etcd", required=True, help="etcd client URL(s)")
     p.add_argument("--job-id", required=True)
     p.add_argument("--json", action="store_true", help="print JSON")
-    _add_security_flags(p)
+    add_security_flags(p)
     args = p.parse_args(argv)
     _check_job_id(args.job_id, "elastic status")
     from elastic.launch.status import show  # noqa: PLC0415
     try:
-        security = _security(args)
+        security = security_of(args)
         _check_etcd(args.etcd, security, "elastic status")
         return show(args.etcd, args.job_id, Timeouts.from_env(), as_json=args.json,
                     security=security)

@@ -48,6 +48,9 @@ class LaunchSpec:
         output: how the workers' output is shown (prefixes, --tee files, a filter).
         metrics_port: the port this launcher serves Prometheus metrics on, at
             ``advertise_addr`` (None: no metrics).
+        warm_start: fork the workers from a template process that imported their modules
+            once (``elastic.launch.warm_start``); False: each starts as a new interpreter.
+        preload: modules the template imports besides torch and the script's own imports.
     """
 
     command: tuple[str, ...]
@@ -70,6 +73,8 @@ class LaunchSpec:
     security: EtcdSecurity = EtcdSecurity()
     output: OutputOptions = OutputOptions()
     metrics_port: int | None = None
+    warm_start: bool = True
+    preload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
@@ -89,6 +94,9 @@ class LaunchSpec:
         if self.spares and self.plain:
             raise ValueError("--spares works with elastic workers only: --plain restarts every "
                              "worker at each failure, so a spare would gain nothing.")
+        if self.preload and (self.plain or not self.warm_start):
+            raise ValueError("--preload needs the warm start: it names what the template "
+                             "imports, and --plain or --no-warm-start start no template.")
         if self.node_lease and self.plain:
             raise ValueError("--node-lease works with elastic workers only: --plain workers "
                              "hold no etcd lease.")

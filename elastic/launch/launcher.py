@@ -35,6 +35,7 @@ from elastic.cluster.worker_lease_file import RAN, SETUP_ERROR
 from elastic.launch.stop_signal import StopSignal
 from elastic.cluster.rounds.keys import JobKeys
 from elastic.cluster.rounds.membership import EtcdMembership
+from elastic.launch.warm_start import WarmStart, reap_adopted
 from elastic.launch.worker_procs import WorkerProcs, describe_exit
 
 log = logging.getLogger(__name__)
@@ -158,6 +159,8 @@ class Launcher:
         finally:
             restore()
             self.procs.kill()
+            if self.procs.warm is not None:
+                self.procs.warm.close()
             if self.metrics is not None:
                 self.metrics.stop()
 
@@ -238,7 +241,22 @@ class Launcher:
             self.client.close()
         self.leases.close()
 
+    def _warm_up(self) -> None:
+        """Starts the warm-start template and waits for its imports (``--no-warm-start``:
+        nothing); the workers are forked from it when it is ready, else start cold."""
+        if not self.spec.warm_start:
+            return
+        timeouts = self.spec.timeouts
+        warm = WarmStart(self.spec.command, {**self.spec.env, **self.spec.worker_env(0)},
+                         self.spec.preload, timeouts.template_ready, timeouts.fork)
+        warm.start()
+        if warm.serving and warm.wait_ready():
+            self.procs.warm = warm
+            if self.replacements is not None:
+                self.replacements.hold_after_forming(timeouts.warm_connect)
+
     def _run_elastic(self) -> int:
+        self._warm_up()
         for local_rank in range(self.spec.nproc + self.spec.spares):
             self._start(local_rank, standby=local_rank >= self.spec.nproc)
         restarts = Restarts(self.spec.max_restarts)
@@ -250,6 +268,8 @@ class Launcher:
         while True:
             self.procs.changed.wait(timeout=held.wait_s(wake_s))
             self.procs.changed.clear()
+            if self.spec.warm_start:  # this launcher adopts its workers' orphans
+                reap_adopted()
             if self.node_members is not None:
                 self._drop_silent()
             if self.stop.requested.is_set():

@@ -1,7 +1,7 @@
 """When a crashed worker's replacement starts: once the survivors re-formed without it.
 
-A replacement is a cold start: a new Python process that imports torch and builds the model,
-seconds of CPU. Started at once, it competes for the node's cores with the survivors while they
+A cold replacement is a new Python process that imports torch and builds the model, seconds of
+CPU (one forked from the warm-start template skips the imports, and is held a shorter while). Started at once, it competes for the node's cores with the survivors while they
 re-form, the moment when every millisecond is training lost (and, with an embedded etcd that
 yields the cores to training, it starves etcd too). So a worker that died in the job's newest
 round is replaced ``connect`` after the job has a newer round (the survivors formed it without
@@ -68,6 +68,12 @@ class Replacements:
         self._held: list[_Held] = []
         self._skipped = SkippedRecords()
         self._cancel: Callable[[], None] | None = None
+
+    def hold_after_forming(self, connect: timedelta) -> None:
+        """Holds later replacements ``connect`` after their survivors' round formed (a warm
+        start needs less than the ``connect`` given at construction)."""
+        with self._lock:
+            self._connect_s = connect.total_seconds()
 
     def start(self) -> None:
         """Reads the job's ``control/`` keys and follows them."""

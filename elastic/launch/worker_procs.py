@@ -23,6 +23,7 @@ from datetime import timedelta
 
 from elastic.launch.output import OutputTail, WorkerOutput
 from elastic.launch.parent_death import die_with_parent
+from elastic.launch.warm_start import ForkedProcess, WarmStart
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class Worker:
     """
 
     local_rank: int
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedProcess
     handled: bool = field(default=False)
     tail: OutputTail | None = field(default=None)
     reaped: threading.Event = field(default_factory=threading.Event)
@@ -81,6 +82,7 @@ class WorkerProcs:
         self.drain = drain
         self.output = output
         self.changed = threading.Event()
+        self.warm: WarmStart | None = None  # set: workers are forked from its template
         self.workers: list[Worker] = []
         self._lock = threading.Lock()
 
@@ -94,10 +96,12 @@ class WorkerProcs:
             label: the prefix of its output lines (default ``local{local_rank}``).
         """
         env = {**self.env, **extra_env}
-        pipe = subprocess.PIPE if self.output is not None else None
-        proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=pipe,
-                                stderr=pipe, start_new_session=True,
-                                preexec_fn=die_with_parent())  # noqa: PLW1509 (prctl only)
+        proc = self._fork(env)
+        if proc is None:
+            pipe = subprocess.PIPE if self.output is not None else None
+            proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=pipe,
+                                    stderr=pipe, start_new_session=True,
+                                    preexec_fn=die_with_parent())  # noqa: PLW1509 (prctl only)
         tail = None
         if self.output is not None:
             tail = self.output.attach(proc, local_rank, label or f"local{local_rank}")
@@ -106,8 +110,18 @@ class WorkerProcs:
             self.workers.append(worker)
         threading.Thread(target=self._wait, args=(worker,), name=f"elastic-wait-{proc.pid}",
                          daemon=True).start()
-        log.info("started worker local_rank=%d pid=%d", local_rank, proc.pid)
+        log.info("started worker local_rank=%d pid=%d (%s)", local_rank, proc.pid,
+                 "forked from the template" if isinstance(proc, ForkedProcess) else "cold")
         return worker
+
+    def _fork(self, env: Mapping[str, str]) -> ForkedProcess | None:
+        """A worker forked from the warm-start template, or None: start it cold."""
+        if self.warm is None:
+            return None
+        proc = self.warm.spawn(env, piped=self.output is not None)
+        if proc is None:
+            self.warm = None  # it said why, once
+        return proc
 
     def _wait(self, worker: Worker) -> None:
         worker.proc.wait()

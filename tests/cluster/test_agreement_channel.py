@@ -213,11 +213,11 @@ def test_a_peer_whose_process_ended_its_connection_is_reported_gone_after_any_re
             channel.release("re-forming (failure)")
         channels[2].close()  # rank 2's process is gone: the kernel closes its sockets
         assert poll_until(lambda: channels[0].peers_gone() == [2], 5)
-        assert channels[0].peers_lost() == {2: False}  # its kernel ended it: not a silent link
+        assert channels[0].peers_lost() == {2: "ended"}  # its kernel ended it: not a silent link
         assert channels[1].peers_gone() == []
         channels[0].close()  # rank 0's process is gone
         assert poll_until(lambda: channels[1].peers_gone() == [0], 5)
-        assert channels[1].peers_lost() == {0: False}
+        assert channels[1].peers_lost() == {0: "ended"}
     finally:
         _close(channels)
 
@@ -227,9 +227,10 @@ def test_the_watch_reports_a_peer_whose_process_ended_its_connection_at_once():
     seen: list[int] = []
     reported = threading.Event()
     try:
-        channels[0].watch(lambda rank: (seen.append(rank), reported.set()), timedelta(seconds=1))
+        channels[0].watch(lambda rank, how: (seen.append((rank, how)), reported.set()),
+                          timedelta(seconds=1))
         channels[2].close()  # rank 2's process is gone: the kernel closes its sockets
-        assert reported.wait(5) and seen == [2]
+        assert reported.wait(5) and seen == [(2, "ended")]
     finally:
         _close(channels)
 
@@ -238,7 +239,7 @@ def test_the_watch_stays_silent_when_peers_re_form_and_ends_with_the_release():
     channels = _connected(3)
     seen: list[int] = []
     try:
-        channels[1].watch(seen.append, timedelta(seconds=1))
+        channels[1].watch(lambda rank, how: seen.append(rank), timedelta(seconds=1))
         channels[0].release("re-forming (failure)")  # rank 0 is alive: it only re-forms
         channels[1].release("re-forming (failure)")
         watcher = channels[1]._watcher  # noqa: SLF001 (no event tells a test this)

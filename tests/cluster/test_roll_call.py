@@ -82,6 +82,10 @@ def silent(member: str, reporter: str) -> Evidence:
     return Evidence(member, reporter, LEASES[reporter], silent=True)
 
 
+def frozen(member: str, reporter: str) -> Evidence:
+    return Evidence(member, reporter, LEASES[reporter], frozen=True)
+
+
 @pytest.mark.parametrize("joined, reports, cut", [
     # rank 0 (a) cut from everyone: both others lost it, it lost both: it is left out
     ({"a", "b", "c"}, [silent("b", "a"), silent("c", "a"), silent("a", "b"), silent("a", "c")],
@@ -99,6 +103,8 @@ def silent(member: str, reporter: str) -> Evidence:
     # ends by a kernel are deaths, never a split: a dead rank 0 that had asked wins nothing
     ({"a", "b"}, [link("a", "b")], set()),
     ({"a", "b", "c"}, [link("c", "a")], set()),
+    # a frozen member is no side of a split
+    ({"a", "b"}, [frozen("c", "a")], set()),
     # nothing went down
     ({"a", "b", "c"}, [], set()),
 ])
@@ -107,6 +113,11 @@ def test_a_split_job_leaves_out_the_smaller_side_of_rank_zero_and_the_rest(joine
 
 
 @pytest.mark.parametrize("joined, reports, gone", [
+    # a member that stopped beating while its kernel answered is not waited for
+    ({"a", "b"}, [frozen("c", "a")], {"c"}),
+    ({"b", "c"}, [frozen("a", "b")], {"a"}),
+    # a frozen rank 0 that runs again and asks is alive
+    ({"a", "b", "c"}, [frozen("a", "b")], set()),
     # rank 0 killed: one end by its kernel is enough
     ({"b", "c"}, [link("a", "b"), link("a", "c")], {"a"}),
     ({"b"}, [link("a", "b")], {"a"}),
@@ -131,11 +142,11 @@ def test_a_split_leaves_out_rank_zero_with_everyone_still_linked_to_it():
     assert cut_off(previous, set(previous), lost) == frozenset({"a", "b"})
 
 
-@pytest.mark.parametrize("value, silent", [(b"ended", False), (b"silent", True), (b"dead", None),
-                                           (b"", None)])
-def test_a_stored_report_is_read_only_when_it_says_ended_or_silent(value, silent):
+@pytest.mark.parametrize("value, how", [(b"ended", "ended"), (b"silent", "silent"),
+                                        (b"frozen", "frozen"), (b"dead", None), (b"", None)])
+def test_a_stored_report_is_read_only_when_it_says_ended_silent_or_frozen(value, how):
     report = Evidence.read("c/a", value, 11)
-    assert (None if report is None else report.silent) == silent
+    assert (None if report is None else report.to_value()) == how
     if report is not None:
         assert (report.member, report.reporter) == ("c", "a")
 

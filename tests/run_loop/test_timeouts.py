@@ -25,17 +25,20 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULTS_S = {
     "lease_ttl": 3, "keepalive": 0.75, "settle": 0.5, "node_settle": 1, "local_start": 30, "rejoin": 120,
     "release": 30, "rendezvous": 300, "peer": 2.5, "peer_probe": 1,
+    "frozen": 0.5, "heartbeat": 0.1,
     "admit": 1800, "form": 20, "store": 60, "collective": 1800, "sync": 300, "finish": 300,
     "finished_marker": 600,
     "progress": 0.5, "storage_retry": 60, "final_write": 300, "checkpoint_claim": 60, "etcd_rpc": 3, "etcd_retry": 10, "etcd_outage": 600,
     "connect": 5,
     "backoff": 0.05, "backoff_max": 1, "reconnect": 0.2, "etcd_ping": 5, "etcd_ping_timeout": 2,
-    "etcd_start": 20, "replace_wait": 2, "grace": 30, "restart_grace": 3, "shutdown": 5, "drain": 0.2, "reap": 10,
+    "etcd_start": 20, "replace_wait": 2, "template_ready": 120, "fork": 5, "warm_connect": 0.3,
+    "grace": 30, "restart_grace": 3, "shutdown": 5, "drain": 0.2, "reap": 10,
     "wake": 1,
     "poll": 0.05,
 }
 # (shorter, longer, may they be equal): the hierarchy, as docs/timeouts.md states it.
-ORDER = [("keepalive", "lease_ttl", False), ("peer_probe", "peer", True), ("settle", "rendezvous", False),
+ORDER = [("keepalive", "lease_ttl", False), ("peer_probe", "peer", True),
+         ("heartbeat", "frozen", False), ("settle", "rendezvous", False),
          ("node_settle", "rendezvous", False),
          ("settle", "rejoin", False),
          ("node_settle", "rejoin", False), ("release", "rejoin", False),
@@ -138,7 +141,7 @@ def test_the_lease_ttl_is_at_least_one_second():
 @pytest.mark.parametrize(("short", "long", "equal_ok"), ORDER)
 def test_each_order_of_the_hierarchy_is_enforced_naming_both_values_and_the_fix(
         short, long, equal_ok):
-    factor = 2 if short == "keepalive" else 1
+    factor = 2 if short in ("keepalive", "heartbeat") else 1
     bound = getattr(Timeouts(), long)
     too_long = {short: bound / factor + 0.5 * S}
     with pytest.raises(ValueError) as raised:
@@ -167,7 +170,7 @@ def test_the_flags_of_elastic_run_set_their_fields_on_top_of_the_environment(mon
         "lease_ttl": "--lease-ttl", "settle": "--settle", "rejoin": "--rejoin-timeout",
         "release": "--release-grace", "rendezvous": "--rendezvous-timeout",
         "form": "--form-timeout", "collective": "--collective-timeout", "grace": "--grace",
-        "etcd_outage": "--etcd-outage", "peer": "--peer-timeout"}
+        "etcd_outage": "--etcd-outage", "peer": "--peer-timeout", "frozen": "--frozen-timeout"}
     monkeypatch.setenv("ELASTIC_FORM_TIMEOUT", "40")
     monkeypatch.setenv("ELASTIC_SETTLE", "0.2")
     args = _run_parser().parse_args(["--lease-ttl", "8", "--form-timeout", "30",

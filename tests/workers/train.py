@@ -13,6 +13,8 @@ the commit's membership agreement; ``stop-durable`` freezes it right after an ep
 tensor of that size to the state, so that the write lasts long enough to be caught); ``slow``
 makes one step last ``SLOW_STEP_MS`` (3000) longer; ``children`` starts children that outlive
 the worker without Python's fork (``tests.workers.children``; pids in ``children-{index}.pids``);
+``python``, ``native``, ``gc`` and ``starve`` keep it busy without freezing it
+(``tests.workers.busy``, for ``SLOW_STEP_MS``);
 ``kill-freezing-loaders`` stops its ``DataLoader`` workers (SIGSTOP: they never exit, and keep
 open whatever they inherited) and then kills the worker; their pids are in the marker, for the
 test to end.
@@ -39,6 +41,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from elastic import ElasticSampler, ElasticState
 from tests.workers.sync_points import hold_until_change, hold_until_world, wait_for_peers
+from tests.workers.busy import busy
 from tests.workers.children import start_children
 from tests.workers.markers import write_marker
 from tests.workers.pacing import compute_for
@@ -98,6 +101,9 @@ def fire_faults(state: ElasticState, out: Path, index: int, moment: str = "step"
             raise RuntimeError("file closed: the user's own error (connection, socket, timeout)")
         if kind == "slow":  # one long step (no collective in it): a live member, only slow
             compute_for(float(os.environ.get("SLOW_STEP_MS", "3000")))
+            continue
+        if kind in ("python", "native", "gc", "starve"):  # busy, never frozen
+            busy(kind, out, index, float(os.environ.get("SLOW_STEP_MS", "3000")) / 1000)
             continue
         if kind == "children":
             start_children(out / f"children-{index}.pids")

@@ -25,6 +25,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol
 
 from elastic.cluster.rounds import records
 from elastic.cluster.rounds.records import RecordError
@@ -37,6 +39,15 @@ HELLO = struct.Struct("!4sQI16s32s")  # magic, round, rank, the rank's nonce, it
 WELCOME_BYTES = 32  # rank 0's HMAC
 MAX_PENDING = 64  # unproven connections held at once; the oldest goes first
 _SECRET_BYTES = 32
+
+
+class AddressBook(Protocol):
+    """Where rank 0 publishes the channel's record (address and secret) and the others find it:
+    a place that only the round's members can read and write (``ChannelBook``)."""
+
+    def publish(self, record: str) -> None: ...
+
+    def find(self, timeout: timedelta) -> bytes: ...
 
 
 @dataclass(frozen=True)

@@ -25,41 +25,36 @@ process is gone, never that it is re-forming; ``watch`` reports such an end as i
 theirs breaks (an NCCL collective) are released at once. A connection can also end with both
 processes alive: the network between them acknowledged nothing for ``silence`` (the kernel's
 ``TCP_USER_TIMEOUT``, ``ETIMEDOUT``); ``peers_lost`` tells those apart, so that a cut link is
-not mistaken for a death. No torch.
+not mistaken for a death. The watch also hears heartbeats (``heartbeat``): a frozen peer's
+kernel keeps its connection open. No torch.
 """
 
 from __future__ import annotations
 
 import logging
-import select
 import socket
 import struct
 import threading
 import time
 from datetime import timedelta
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
-from elastic.cluster.links.admission import Admission, RoundAddress, introduce
+from elastic.cluster.links.admission import AddressBook, Admission, RoundAddress, introduce
 from elastic.cluster.links.fork_guard import guard as fork_guard
-from elastic.cluster.links.channel_tcp import (TCP_ESTABLISHED, end_when_silent, listen,
-                                               receive_exactly, unanswered)
+from elastic.cluster.links.channel_watch import FROZEN, watch_until_released
+from elastic.cluster.links.heartbeat import ABANDON, Heartbeat, is_pulse
+from elastic.cluster.links.pulse_process import PulseProcess
+from elastic.cluster.links.channel_tcp import (TCP_ESTABLISHED, end_when_silent, link_state,
+                                               listen, receive_exactly, unanswered)
 from elastic.foundation.errors import PeerFailureError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _FLAGS = struct.Struct("!BB")  # change pending, leaving
-_ABANDON = _FLAGS.pack(0xFF, 0xFF)  # in place of flags: the sender released the round
-
-
-class AddressBook(Protocol):
-    """Where rank 0 publishes the channel's record (address and secret) and the others find it:
-    a place that only the round's members can read and write (``ChannelBook``)."""
-
-    def publish(self, record: str) -> None: ...
-
-    def find(self, timeout: timedelta) -> bytes: ...
+_ABANDON = ABANDON  # in place of flags: the sender released the round
+ENDED, SILENT = "ended", "silent"  # how a peer was lost (``peers_lost``; also FROZEN)
 
 
 class AgreementChannel:
@@ -88,6 +83,10 @@ class AgreementChannel:
         self._lock = threading.Lock()
         self._released: str | None = None
         self._silent: set[int] = set()  # ranks whose connection the kernel timed out
+        self._frozen: set[int] = set()  # ranks that stopped beating while their kernel answered
+        self._send_lock = threading.RLock()  # one message at a time on a connection
+        self._read_locks: dict[int, threading.Lock] = {}  # held by whoever reads a connection
+        self._heartbeat: Heartbeat | None = None
         self._listener: socket.socket | None = None
         self._address: RoundAddress | None = None  # rank 0, once it listens
         self._admission: Admission | None = None  # rank 0, while the others connect
@@ -185,6 +184,7 @@ class AgreementChannel:
                 conn.close()
                 raise OSError(f"released while connecting: {self._released}")
             self._peers[rank] = conn
+            self._read_locks[rank] = threading.Lock()
         fork_guard.hold([conn.fileno()])  # a forked DataLoader worker must not keep it open
 
     # -- one agreement ----------------------------------------------------------------------
@@ -196,8 +196,8 @@ class AgreementChannel:
         """
         self._flags = (int(pending), int(leaving))
         if self.rank != 0 and self.world_size > 1:
-            self._guard(lambda: self._with(0, lambda: self._peers[0].sendall(
-                _FLAGS.pack(*self._flags))))
+            self._guard(lambda: self._with(0, lambda: self._send(
+                self._peers[0], _FLAGS.pack(*self._flags))))
 
     def finish(self) -> tuple[bool, bool]:
         """Waits for the agreement; returns (a change is pending anywhere, someone leaves).
@@ -208,14 +208,14 @@ class AgreementChannel:
         if self.world_size == 1:
             return bool(self._flags[0]), bool(self._flags[1])
         if self.rank != 0:
-            return self._guard(lambda: self._with(0, lambda: self._decode(self._peers[0])))
+            return self._guard(lambda: self._with(0, lambda: self._decode(0, self._peers[0])))
         return self._guard(self._gather_and_reply)
 
     def _gather_and_reply(self) -> tuple[bool, bool]:
         pending, leaving = self._flags
         peers = dict(self._peers)
         for rank, sock in peers.items():
-            their_pending, their_leaving = self._with(rank, lambda: self._decode(sock))
+            their_pending, their_leaving = self._with(rank, lambda: self._decode(rank, sock))
             pending, leaving = max(pending, their_pending), max(leaving, their_leaving)
         failed = self._reply(peers, _FLAGS.pack(pending, leaving))
         if failed:  # the next agreement fails at once; this one stands
@@ -240,7 +240,7 @@ class AgreementChannel:
                 raise ConnectionResetError(f"released before replying: {self._released}")
             for rank, sock in peers.items():
                 try:  # 2 bytes: the buffer takes them at once, whatever the peer does
-                    sock.sendall(reply)
+                    self._send(sock, reply)
                 except OSError as exc:
                     if unanswered(exc.errno):
                         self._silent.add(rank)  # the error is read once: remember what it said
@@ -258,10 +258,25 @@ class AgreementChannel:
                     self._silent.add(rank)
             raise
 
-    def _decode(self, sock: socket.socket) -> tuple[int, int]:
-        data = receive_exactly(sock, _FLAGS.size)
+    def _send(self, sock: socket.socket, message: bytes, flags: int = 0) -> None:
+        """Sends one whole message (the agreement's or a heartbeat) on ``sock``."""
+        with self._send_lock:
+            if flags:
+                sock.send(message, flags)
+            else:
+                sock.sendall(message)
+
+    def _decode(self, rank: int, sock: socket.socket) -> tuple[int, int]:
+        with self._read_locks[rank]:
+            data = receive_exactly(sock, _FLAGS.size)
+            while is_pulse(data):  # heartbeats share the stream: pass them on, read on
+                if self._heartbeat is not None:
+                    self._heartbeat.heard(rank, data)
+                data = receive_exactly(sock, _FLAGS.size)
         if len(data) < _FLAGS.size:
             raise ConnectionResetError("the connection was closed")
+        if self._heartbeat is not None:
+            self._heartbeat.heard(rank, data)
         if data == _ABANDON:
             raise ConnectionResetError("the peer released the round")
         pending, leaving = _FLAGS.unpack(data)
@@ -279,41 +294,41 @@ class AgreementChannel:
             raise PeerFailureError(f"membership agreement failed: {why}") from exc
 
     # -- watching for a dead peer ------------------------------------------------------------
-    def watch(self, on_gone: Callable[[int], None], wake: timedelta) -> None:
-        """Calls ``on_gone(rank)``, on a thread of its own and once per rank, as soon as a peer
-        ends its connection while this channel is neither released nor closed.
-
-        Args:
-            on_gone: told the rank whose process is gone.
-            wake: the longest the thread sleeps before it looks whether the channel was closed.
-        """
+    def watch(self, on_gone: Callable[[int, str], None], wake: timedelta,
+              frozen: timedelta | None = None, pulse: PulseProcess | None = None) -> None:
+        """Calls ``on_gone(rank, how)`` (``peers_lost``) on a thread of its own, once per rank,
+        as soon as a peer is lost while this channel is neither released nor closed; it wakes
+        every ``wake``. With ``frozen`` (and ``wake`` the heartbeat interval), a peer whose
+        heartbeats stop that long is ``FROZEN``; ``pulse``, else the thread, beats for this one."""
         with self._lock:
             if self._released is not None or not self._peers:
                 return
             peers = dict(self._peers)
+            if frozen is not None:
+                self._heartbeat = Heartbeat.over(
+                    peers, pulse, lambda sock, message: self._send(sock, message,
+                                                                   socket.MSG_DONTWAIT),
+                    self._read_locks, frozen.total_seconds())
         self._watcher = threading.Thread(target=self._watch, name="elastic-channel-watch",
                                          args=(peers, on_gone, wake.total_seconds()),
                                          daemon=True)
         self._watcher.start()
 
-    def _watch(self, peers: dict[int, socket.socket], on_gone: Callable[[int], None],
+    def _watch(self, peers: dict[int, socket.socket], on_gone: Callable[[int, str], None],
                wake_s: float) -> None:
-        poller = select.poll()
-        ranks = {}
-        for rank, sock in peers.items():
-            ranks[sock.fileno()] = rank
-            poller.register(sock.fileno(), select.POLLRDHUP)  # not POLLIN: data never wakes it
-        while ranks:
-            ready = poller.poll(wake_s * 1000)
-            with self._lock:
-                if self._released is not None:
-                    return  # ours: releasing shuts the receiving sides, which wakes the poll
-            for fd, _ in ready:
-                rank = ranks.pop(fd, None)
-                if rank is not None:
-                    poller.unregister(fd)
-                    if rank in self.peers_gone():  # its kernel, or the silence, ended it
-                        on_gone(rank)
+        watch_until_released(self, peers, on_gone, wake_s, self._heartbeat)
+
+    def is_released(self) -> bool:
+        with self._lock:
+            return self._released is not None
+
+    def mark_frozen(self, rank: int) -> bool:
+        """Records that ``rank`` stopped beating; false when released, or known already."""
+        with self._lock:
+            if self._released is not None or rank in self._frozen:
+                return False
+            self._frozen.add(rank)
+            return True
 
     # -- teardown ---------------------------------------------------------------------------
     def release(self, reason: str) -> None:
@@ -326,7 +341,7 @@ class AgreementChannel:
                 self._admission.abort(reason)
             for rank, sock in self._peers.items():
                 try:  # never blocks: the message is 2 bytes, the buffer holds at most a few
-                    sock.send(_ABANDON, socket.MSG_DONTWAIT)
+                    self._send(sock, _ABANDON, socket.MSG_DONTWAIT)
                 except OSError as exc:  # gone already, or its buffer is full: it is not waiting
                     if unanswered(exc.errno):
                         self._silent.add(rank)  # the error is read once: remember what it said
@@ -337,32 +352,34 @@ class AgreementChannel:
                     pass  # not connected (a listener) or already reset by the peer
 
     def peers_gone(self) -> list[int]:
-        """The ranks whose connection ended (rank 0: any rank; another rank: rank 0)."""
+        """The ranks lost (rank 0: any rank; another rank: rank 0), however (``peers_lost``)."""
         return list(self.peers_lost())
 
-    def peers_lost(self) -> dict[int, bool]:
-        """The ranks whose connection ended, each with whether it ended silently.
+    def peers_lost(self) -> dict[int, str]:
+        """The ranks lost, each with how: ``ENDED``, ``SILENT`` or ``FROZEN``.
 
         Until this channel is closed, a connection that ended means that the peer's process is
-        gone (its kernel ended it: false), no live member ends its connection before its next
-        round formed; or that the network acknowledged nothing for ``silence`` (true): the peer
-        may be alive on the other side of a cut link, or its machine vanished.
+        gone (its kernel ended it: ``ENDED``), no live member ends its connection before its
+        next round formed; or that the network acknowledged nothing for ``silence``
+        (``SILENT``): the peer may be alive on the other side of a cut link, or its machine
+        vanished. A peer whose kernel answers but whose process stopped beating is ``FROZEN``.
         """
         with self._lock:
             peers = dict(self._peers)
         lost = {}
         for rank, sock in sorted(peers.items()):
-            try:  # the state first: an error that comes between the two reads is still seen
-                state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
-                error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            except OSError:
+            read = link_state(sock)
+            if read is None:
                 continue  # closed by this side: nothing to tell
+            state, error = read
             with self._lock:
                 if unanswered(error):
                     self._silent.add(rank)  # the error is read once: remember what it said
-                silent = rank in self._silent
+                silent, frozen = rank in self._silent, rank in self._frozen
             if state != TCP_ESTABLISHED:
-                lost[rank] = silent
+                lost[rank] = SILENT if silent else ENDED
+            elif frozen:
+                lost[rank] = FROZEN
         return lost
 
     def peer_address(self, rank: int) -> tuple[str, int] | None:
@@ -383,6 +400,9 @@ class AgreementChannel:
             sockets = self._sockets()
             self._peers, self._listener = {}, None
             watcher, self._watcher = self._watcher, None
+            heartbeat = self._heartbeat
+        if heartbeat is not None:  # the heartbeat process's copies too, or no peer sees the end
+            heartbeat.let_go()
         if watcher is not None:
             for sock in sockets:
                 try:  # wakes the watcher (a socket closed under a poll would not)

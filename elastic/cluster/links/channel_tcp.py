@@ -55,6 +55,15 @@ def unanswered(error: int | None) -> bool:
     return error not in (None, 0, errno.ECONNRESET, errno.EPIPE)
 
 
+def link_state(sock: socket.socket) -> tuple[int, int] | None:
+    """The connection's TCP state and pending error (read once), or None once it is closed."""
+    try:  # the state first: an error that comes between the two reads is still seen
+        state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+        return state, sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    except OSError:
+        return None
+
+
 def receive_exactly(sock: socket.socket, size: int) -> bytes:
     """Reads ``size`` bytes; fewer means the peer closed the connection (or it was released)."""
     data = b""

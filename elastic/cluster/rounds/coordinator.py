@@ -144,15 +144,15 @@ class Coordinator:
         self._drop_watch()
 
     def forget_dead(self, members: list[str]) -> None:
-        """Frees the coordinator key when its holder is among ``members`` (dead by direct
-        evidence: its connection ended), so that a live member leads now, not at the holder's
-        lease TTL. Safe if the evidence were wrong: rounds close by compare-and-swap whoever
+        """Frees the coordinator key when its holder is among ``members`` (dead or frozen by
+        direct evidence: its connection ended, or its heartbeats stopped), so that a live member
+        leads now, not at the holder's lease TTL. Safe if the evidence were wrong: rounds close by compare-and-swap whoever
         leads, and a holder whose key went steps down."""
         kv = self._client.get(self._keys.coordinator)
         if kv is None or kv.value.decode("utf-8", errors="replace") not in members:
             return
         if self._client.delete_if(self._keys.coordinator, kv.mod_revision):
-            log.info("the coordinator %s is gone (its connection ended); taking over",
+            log.info("the coordinator %s is gone (its connection ended or it froze); taking over",
                      kv.value.decode("utf-8", errors="replace"))
         self._poke()
 

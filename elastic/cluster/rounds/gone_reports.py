@@ -1,8 +1,8 @@
 """The reports of the last round's connections that ended, kept in etcd.
 
 A member of round ``n - 1`` that saw a connection of that round end writes one report per
-member it lost, under its own lease (``rounds/{n}/gone/{member}/{reporter}``: ``ended`` or
-``silent``, ``roll_call.Evidence``); the coordinator's watch brings them to the roll call of
+member it lost, under its own lease (``rounds/{n}/gone/{member}/{reporter}``: ``ended``,
+``silent`` or ``frozen``, ``roll_call.Evidence``); the coordinator's watch brings them to the roll call of
 round ``n``. A report that could not come from such a member is skipped with one warning.
 """
 
@@ -16,6 +16,9 @@ from elastic.cluster.rounds.records import SkippedRecords
 from elastic.cluster.rounds.roll_call import Evidence
 
 log = logging.getLogger(__name__)
+_TOLD = {"ended": "gone (its connection ended)",
+         "silent": "unreachable (its connection went silent)",
+         "frozen": "frozen (its heartbeats stopped while its machine answered)"}
 
 
 class GoneReports:
@@ -32,25 +35,23 @@ class GoneReports:
         self._keys = keys
         self._skipped = skipped
 
-    def write(self, n: int, reporter: str, lease: int, members: dict[str, bool],
+    def write(self, n: int, reporter: str, lease: int, members: dict[str, str],
               reported: set[str]) -> list[str]:
-        """Reports the members of round ``n - 1`` that ``reporter`` lost (true: on a silent
-        link), except those in ``reported`` (which it extends).
+        """Reports the members of round ``n - 1`` that ``reporter`` lost, each with how
+        (``ended``, ``silent`` or ``frozen``), except those in ``reported`` (which it extends).
 
         Returns:
-            The members newly reported dead (their kernel ended the connection).
+            The members newly reported dead or frozen (not waited for).
         """
         dead = []
-        for member, silent in members.items():
+        for member, how in members.items():
             if member in reported:
                 continue
-            report = Evidence(member, reporter, lease, silent)
+            report = Evidence.of(member, reporter, lease, how)
             self._client.put(self._keys.gone(n, member, reporter), report.to_value(), lease=lease)
             reported.add(member)
-            log.info("member %s of round %d is %s", member, n - 1,
-                     "unreachable (its connection went silent)" if silent
-                     else "gone (its connection ended)")
-            if not silent:
+            log.info("member %s of round %d is %s", member, n - 1, _TOLD[report.to_value()])
+            if not report.silent:
                 dead.append(member)
         return dead
 
@@ -65,7 +66,7 @@ class GoneReports:
             if report is not None and report.is_credible(previous, leases):
                 reports.append(report)
             else:
-                self._skipped.skip(kv.key, kv.mod_revision, "it is not a report (ended or "
-                                   "silent) by a member of the previous round about its rank 0 "
+                self._skipped.skip(kv.key, kv.mod_revision, "it is not a report (ended, "
+                                   "silent or frozen) by a member of the previous round about its rank 0 "
                                    "or by its rank 0")
         return reports

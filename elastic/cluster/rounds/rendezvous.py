@@ -165,7 +165,7 @@ class Rendezvous:
 
     def join(self, reason: str, version: int, port: int,
              cancelled: Callable[[], bool] = lambda: False,
-             gone: Callable[[int], dict[str, bool]] = lambda n: {},
+             gone: Callable[[int], dict[str, str]] = lambda n: {},
              came_from: tuple[int, int] = (0, 0)) -> Topology | None:
         """Asks to be in the next round and waits until it forms.
 
@@ -174,9 +174,9 @@ class Rendezvous:
             version: its newest commit version.
             port: the port it offers as the round's master port.
             cancelled: turns true when it must stop waiting (SIGTERM).
-            gone: the members of round ``n - 1`` this member saw die (true: their connection
-                ended silently, they may be cut off), asked while waiting for round ``n``
-                (reported in etcd, so that nobody waits for their leases).
+            gone: the members of round ``n - 1`` this member lost, each with how (``ended``,
+                ``silent``: they may be cut off, ``frozen``), asked while waiting for round
+                ``n`` (reported in etcd, so that nobody waits for their leases).
             came_from: the round this process was last in and its world size (0, 0: none).
 
         Returns:
@@ -270,7 +270,7 @@ class Rendezvous:
                               "other members went down")
 
     def _wait_for_seat(self, n: int, started: float, cancelled: Callable[[], bool],
-                       gone: Callable[[int], dict[str, bool]],
+                       gone: Callable[[int], dict[str, str]],
                        reported: set[str]) -> Seat | None:
         """Waits for this member's seat in round ``n``; None when round ``n`` closed without
         it, or was overtaken (the news is of a later round and no plan of ``n`` is left)."""
@@ -294,7 +294,7 @@ class Rendezvous:
                 if self._epoch == epoch:
                     self._changed.wait(timeout=self.config.timeouts.wake.total_seconds())
 
-    def _report_gone(self, n: int, members: dict[str, bool], reported: set[str]) -> None:
+    def _report_gone(self, n: int, members: dict[str, str], reported: set[str]) -> None:
         """Reports the members of round ``n - 1`` this member lost (``GoneReports``), and
         frees the coordinator key if a dead one held it."""
         dead = self._gone.write(n, self._membership.member_id, self._membership.lease, members,

@@ -9,7 +9,10 @@ long step (that would make a minority round):
   machine that vanished is dropped at its lease TTL);
 - it is dead by direct evidence (``dead``): its kernel ended its agreement connection to rank 0
   of round ``n - 1`` (reported by rank 0), or rank 0's connection (reported by any member,
-  while rank 0 has not asked itself), ``Evidence``.
+  while rank 0 has not asked itself), ``Evidence``;
+- it is frozen by direct evidence: its process stopped sending heartbeats on such a connection
+  while its kernel still acknowledged them (``Timeouts.frozen``). It is left out like a dead
+  one, but nothing kills it: once it runs again it asks to join like any newcomer.
 
 A live member of round ``n - 1`` that has done none of these is waited for, up to the rejoin
 timeout (``Timeouts.rejoin``) counted from the first request of a member of round ``n - 1``.
@@ -52,25 +55,34 @@ class Evidence:
         silent: the connection ended because the network acknowledged nothing for the peer
             timeout, not because the peer's kernel ended it: the member may be alive and cut
             off, and the other links cut with its are reported shortly after.
+        frozen: the connection is up and the member's kernel answers, but its process sent no
+            heartbeat for the frozen timeout (stopped, or hung holding the GIL).
     """
 
     member: str
     reporter: str
     lease: int
     silent: bool = False
+    frozen: bool = False
 
     def to_value(self) -> str:
         """The report's etcd value (its key names the member and the reporter)."""
-        return "silent" if self.silent else "ended"
+        return "silent" if self.silent else "frozen" if self.frozen else "ended"
+
+    @classmethod
+    def of(cls, member: str, reporter: str, lease: int, how: str) -> Evidence:
+        """The report that ``reporter`` lost ``member`` ``how`` (``ended``, ``silent`` or
+        ``frozen``)."""
+        return cls(member, reporter, lease, silent=how == "silent", frozen=how == "frozen")
 
     @classmethod
     def read(cls, name: str, value: bytes, lease: int) -> Evidence | None:
         """The report stored under ``{member}/{reporter}`` (``name``) with ``value``; None
-        when the value is neither ``ended`` nor ``silent``."""
+        when the value is not ``ended``, ``silent`` or ``frozen``."""
         member, _, reporter = name.partition("/")
-        if value not in (b"ended", b"silent"):
+        if value not in (b"ended", b"silent", b"frozen"):
             return None
-        return cls(member, reporter, lease, silent=value == b"silent")
+        return cls.of(member, reporter, lease, value.decode())
 
     def is_credible(self, previous: list[str], leases: dict[str, int]) -> bool:
         """Whether the report may count: both are members of the previous round (``previous``,
@@ -124,10 +136,11 @@ def may_close(requests: list[JoinRequest], live: set[str], roll: RollCall, quiet
 
 
 def dead(previous: list[str], joined: set[str], reports: list[Evidence]) -> frozenset[str]:
-    """The members of round ``n - 1`` dead by evidence (``RollCall.dead``): those whose
-    connection the peer's kernel ended, as a credible report says; rank 0 only while it has not
-    asked itself. A report of a silent link kills nobody: that member may be alive and cut off,
-    and is waited for like any live member.
+    """The members of round ``n - 1`` not waited for by evidence (``RollCall.dead``): those
+    whose connection the peer's kernel ended, or whose process stopped beating while its kernel
+    answered, as a credible report says; rank 0 only while it has not asked itself. A report of
+    a silent link kills nobody: that member may be alive and cut off, and is waited for like
+    any live member.
 
     Args:
         previous: the members of round ``n - 1``, rank 0 first.

@@ -117,16 +117,20 @@ class RoundTracker:
         if broken:
             self._on_broken(broken)
 
-    def on_peer_gone(self, member: str) -> None:
-        """A member's agreement connection ended (its process is gone, or the link went silent;
-        ``AgreementChannel.watch``): the round is broken now, without waiting for its lease or
-        the news."""
+    def on_peer_gone(self, member: str, how: str = "ended") -> bool:
+        """A member was lost on its agreement connection (``how``: its process is gone, the
+        link went silent, or it stopped beating; ``AgreementChannel.watch``): the round is
+        broken now, without waiting for its lease or the news. Returns whether that broke it
+        (not when it was broken already, or no round is armed)."""
         with self._lock:
             if self._round is None or self._broken:
-                return
+                return False
             self._broken = True
             if not self.pending.is_set():
                 self.reason = f"member {member} is gone"
                 self.pending.set()
             n = self._round
-        self._on_broken(f"member {member} of round {n} is gone (its connection ended)")
+        seen = {"silent": "its connection went silent", "frozen": "its heartbeats stopped"}
+        self._on_broken(f"member {member} of round {n} is gone "
+                        f"({seen.get(how, 'its connection ended')})")
+        return True
