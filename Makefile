@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: install test test-unit test-integration test-scenario bench demo docs clean
+.PHONY: install test test-unit test-integration test-scenario bench demo demo-fsdp docs clean
 
 install: $(STAMP)
 
@@ -48,6 +48,10 @@ docs: install
 
 demo: install
 	$(PY) examples/demo.py
+
+# The FSDP2 language model (tiny) under `elastic run`, with a kill, a join and sharded checkpoints.
+demo-fsdp: install
+	$(PY) examples/demo.py --fsdp
 
 clean:
 	rm -rf $(VENV) site

@@ -70,6 +70,10 @@ REGISTRY: dict[str, Benchmark] = {
     "survivor-sync": Benchmark(
         "bench_survivor_sync.py", ("--reps", "2"), "file",
         "what the survivors of a 100M-parameter job move when one worker dies"),
+    "reshard": Benchmark(
+        "bench_reshard.py", (), "file",
+        "FSDP2, 8 ranks, ~100M parameters: kill 2, reshard in memory to 6, 2 join back to 8, "
+        "against DCP save at 8 + load at 6 (--small on a loaded machine)"),
     "spares": Benchmark(
         "bench_spares.py", ("--reps", "4"), "file",
         "a warm spare against a cold restart under elastic run"),

@@ -1,6 +1,7 @@
 """Durable checkpoints on any fsspec URL: layout, manifest, checksums, retention, fencing.
 
-Knows neither etcd nor process groups, and never imports ``state`` or ``elastic``.
+Knows nothing of etcd, and never imports ``state`` or ``elastic``; sharded checkpoints
+(``ShardedCheckpoints``) are written and read collectively over the process group given.
 
 Example:
     >>> store = CheckpointStore("s3://bucket/run-7", keep=3)
@@ -29,7 +30,9 @@ from elastic.checkpoint.holder import Holder, UrlClaim
 from elastic.checkpoint.listing import CheckpointRef
 from elastic.checkpoint.probe import check_writable
 from elastic.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest
-from elastic.checkpoint.store import CheckpointStore, LoadedCheckpoint
+from elastic.checkpoint.reading import LoadedCheckpoint
+from elastic.checkpoint.sharded import ShardedCheckpoints
+from elastic.checkpoint.store import CheckpointStore
 
 __all__ = [
     "FORMAT_VERSION",
@@ -54,6 +57,7 @@ __all__ = [
     "Holder",
     "LoadedCheckpoint",
     "Manifest",
+    "ShardedCheckpoints",
     "UrlClaim",
     "check_compatible",
     "check_writable",

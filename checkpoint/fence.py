@@ -8,7 +8,9 @@ gets ``race_lost``'s error. This module reads scans and builds errors; it does n
 
 from __future__ import annotations
 
-from elastic.checkpoint.errors import CheckpointFencedError, CheckpointRaceError
+from collections.abc import Callable
+
+from elastic.checkpoint.errors import CheckpointError, CheckpointFencedError, CheckpointRaceError
 from elastic.checkpoint.listing import CheckpointRef, Scan
 
 
@@ -30,6 +32,31 @@ def check_fence(scan: Scan, generation: int | None, step: int, url: str) -> None
             f"{newer.generation}{f' of job {writer!r}' if writer else ''} has already "
             f"written to {url}. This writer is stale; rejoin the job to get the "
             "current generation.", newer=newer)
+
+
+def check_fence_after(scan: Callable[[], Scan], exc: BaseException, generation: int | None,
+                      step: int, url: str) -> None:
+    """After a failed write: ``CheckpointFencedError`` if a newer generation published
+    meanwhile (whose cleanup of unfinished writes may be why this one failed). When the storage
+    cannot even be listed, the write's own error stands.
+
+    Args:
+        scan: lists the root.
+        exc: the write's error (chained as the cause).
+        generation: the writer's generation; None writes unfenced.
+        step: the step that failed.
+        url: the root URL (for the message).
+    """
+    if generation is None:
+        return
+    try:
+        found = scan()
+    except CheckpointError:
+        return
+    try:
+        check_fence(found, generation, step, url)
+    except CheckpointFencedError as fenced:
+        raise fenced from exc
 
 
 def race_lost(step: int, generation: int | None, step_url: str,

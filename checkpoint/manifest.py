@@ -18,8 +18,10 @@ from elastic.checkpoint.errors import CheckpointCorruptError, CheckpointIncompat
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-#: How the payload is encoded; ``torch.distributed.checkpoint`` (sharded state) can be added later.
+#: How the payload is encoded: one ``torch.save`` archive (replicated state) ...
 PAYLOAD_FORMAT = "torch.save"
+#: ... or a ``torch.distributed.checkpoint`` directory, every rank's shards (sharded state).
+DCP_FORMAT = "torch.distributed.checkpoint"
 MAX_STEP = 10**12 - 1
 _INT_FIELDS = ("epoch", "world_size", "generation")
 

@@ -236,6 +236,16 @@ def _check(path: str, size: int, digest: str, expected: FileEntry) -> None:
             f"(manifest: {expected.size} bytes, sha256 {expected.sha256}).")
 
 
+def file_entry(storage: Storage, path: str) -> FileEntry:
+    """Reads ``path`` back once, in chunks, and returns its size and sha256 (for files that
+    others wrote).
+
+    Raises:
+        OSError: (or the filesystem's own error) the file is missing or unreadable.
+    """
+    return FileEntry(*_stream(storage, path, None))
+
+
 def verify_payload(storage: Storage, path: str, expected: FileEntry) -> None:
     """Checks ``path``'s size and sha256 against its manifest entry, reading it once in chunks
     (never the whole file into memory).

@@ -14,7 +14,7 @@ from elastic.checkpoint.backend import Storage
 from elastic.checkpoint.errors import CheckpointCorruptError
 from elastic.checkpoint.listing import CheckpointRef, Scan
 from elastic.checkpoint.manifest import MANIFEST_NAME, step_dir_name
-from elastic.checkpoint.payload import PAYLOAD_NAME, verify_payload
+from elastic.checkpoint.payload import verify_payload
 
 logger = logging.getLogger(__name__)
 
@@ -66,15 +66,15 @@ class Retention:
         return []
 
     def _verifies(self, ref: CheckpointRef) -> bool:
-        """Whether ``ref``'s payload matches its manifest (each step is read back once)."""
+        """Whether ``ref``'s files match its manifest (each step is read back once)."""
         if ref.step in self._verified:
             return True
-        entry = ref.manifest.files.get(PAYLOAD_NAME)
+        step_dir = self._storage.join(step_dir_name(ref.step))
         try:
-            if entry is None:
-                raise CheckpointCorruptError(f"checkpoint {ref.url} lists no {PAYLOAD_NAME}")
-            verify_payload(self._storage, self._storage.join(step_dir_name(ref.step),
-                                                             PAYLOAD_NAME), entry)
+            if not ref.manifest.files:
+                raise CheckpointCorruptError(f"checkpoint {ref.url} lists no files")
+            for name, entry in ref.manifest.files.items():  # one, or every rank's shards
+                verify_payload(self._storage, f"{step_dir}/{name}", entry)
         except CheckpointCorruptError as exc:
             logger.warning("checkpoint %s does not verify and is not counted as kept: %s",
                            ref.url, exc)

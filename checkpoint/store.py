@@ -1,9 +1,9 @@
 """CheckpointStore: durable, fenced, retained checkpoints under one fsspec URL.
 
 Owns the layout ``{url}/{step:012d}/`` (payload first, ``manifest.json`` last), which directories
-count as checkpoints (only those whose manifest is valid and whose files are all there), retention,
-cleanup of torn writes, fencing by generation, and the single background writer of ``save_async``.
-It knows nothing about process groups, etcd or training objects.
+count as checkpoints (a valid manifest, all its files there; written by it or by each rank),
+retention, torn-write cleanup, fencing, and ``save_async``'s one background writer. It knows
+nothing about process groups, etcd or training objects.
 """
 
 from __future__ import annotations
@@ -12,46 +12,23 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 from elastic.checkpoint.backend import DEFAULT_RETRY_FOR, Storage, resolve_filesystem
-from elastic.checkpoint.errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointFencedError,
-    CheckpointNotFoundError,
-    CheckpointRaceError,
-    CheckpointReadError,
-    CheckpointStorageError,
-    CheckpointWriteError,
-)
-from elastic.checkpoint.fence import check_fence, race_lost
+from elastic.checkpoint.errors import (CheckpointError, CheckpointFencedError,
+                                       CheckpointRaceError, CheckpointWriteError)
+from elastic.checkpoint.fence import check_fence, check_fence_after, race_lost
 from elastic.checkpoint.listing import CheckpointRef, Scan, scan_checkpoints
-from elastic.checkpoint.manifest import MANIFEST_NAME, Manifest, checked_metadata, step_dir_name
-from elastic.checkpoint.payload import (PAYLOAD_NAME, HostStaging, read_payload, to_host,
-                                        write_payload)
+from elastic.checkpoint.manifest import (MANIFEST_NAME, PAYLOAD_FORMAT, FileEntry, Manifest,
+                                        checked_metadata, step_dir_name)
+from elastic.checkpoint.payload import PAYLOAD_NAME, HostStaging, to_host, write_payload
+from elastic.checkpoint.reading import LoadedCheckpoint, newest_readable, read_checkpoint
 from elastic.checkpoint.retention import Retention
 
 logger = logging.getLogger(__name__)
 #: Storage failures that a write translates into CheckpointWriteError.
 _WRITE_FAILURES = (OSError, RuntimeError, ValueError)
-
-
-@dataclass(frozen=True)
-class LoadedCheckpoint:
-    """What ``CheckpointStore.load`` returns.
-
-    Attributes:
-        ref: The checkpoint that was read.
-        state_dict: The decoded state (tensors on the CPU).
-        metadata: The metadata saved with it.
-    """
-
-    ref: CheckpointRef
-    state_dict: Any
-    metadata: Mapping[str, Any]
 
 
 class CheckpointStore:
@@ -76,7 +53,8 @@ class CheckpointStore:
                  retry_for: timedelta = DEFAULT_RETRY_FOR) -> None:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep ({keep!r}) must be an int >= 1, or None to keep all.")
-        fs, root = resolve_filesystem(url, dict(storage_options or {}))
+        self._storage_options = dict(storage_options or {})
+        fs, root = resolve_filesystem(url, self._storage_options)
         self._storage = Storage(fs, root, retry_for)
         self._url = url
         self._keep = keep
@@ -98,7 +76,7 @@ class CheckpointStore:
     def __enter__(self) -> CheckpointStore:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, *exc_info: object) -> None:  # closes: waits for the write in flight
         self.close()
 
     # -- writing -----------------------------------------------------------------------------
@@ -171,14 +149,8 @@ class CheckpointStore:
             return future
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Waits for the in-flight asynchronous write, if any.
-
-        Args:
-            timeout: How long to wait; ``None`` waits until it is done.
-
-        Returns:
-            True if nothing is in flight any more.
-        """
+        """Waits for the in-flight asynchronous write, if any, for up to ``timeout`` (``None``:
+        until it is done). Returns True if nothing is in flight any more."""
         self._wait_in_flight(None if timeout is None else timeout.total_seconds())
         writer = self._writer
         return writer is None or not writer.is_alive()
@@ -213,20 +185,79 @@ class CheckpointStore:
 
     def _write(self, step: int, payload: Any, meta: dict[str, Any],
                before_publish: Callable[[], None] | None) -> CheckpointRef:
+        step_dir = self._claim(step, meta)
+        self._writing_step = step
+        try:
+            try:
+                files = {PAYLOAD_NAME: write_payload(self._storage, f"{step_dir}/{PAYLOAD_NAME}",
+                                                     payload)}
+            except _WRITE_FAILURES as exc:
+                self._failed_write(step, step_dir, meta, exc)
+            manifest = self._publish(step, step_dir, files, meta, PAYLOAD_FORMAT, before_publish)
+        finally:
+            self._writing_step = None
+        return self._published(step, manifest)
+
+    # -- files written by others (every rank's shards of a sharded checkpoint) ---------------
+
+    def open_step(self, step: int, metadata: Mapping[str, Any] | None = None) -> str:
+        """Readies ``step``'s directory for files others write there (every rank's shards);
+        :meth:`publish_files` then makes it a checkpoint. Returns the directory's URL.
+
+        Raises:
+            ValueError: bad step or metadata (as for :meth:`save`).
+            CheckpointError: the step has a checkpoint, the store is closed, listing failed.
+            CheckpointFencedError: a newer generation than ``metadata``'s has published.
+        """
+        meta = checked_metadata(step, metadata)
+        with self._lock:
+            self._check_open()
+            self._claim(step, meta)
+            return self._dir_url(step)
+
+    def publish_files(self, step: int, files: Mapping[str, FileEntry],
+                      metadata: Mapping[str, Any] | None, payload_format: str,
+                      before_publish: Callable[[], None] | None = None) -> CheckpointRef:
+        """Writes the manifest of the files already in ``step``'s directory (relative name to
+        size and sha256, encoded as ``payload_format``), then applies retention; on failure the
+        files are removed. ``metadata`` and ``before_publish`` are as for :meth:`save`.
+
+        Raises:
+            CheckpointFencedError: a newer generation published meanwhile.
+            CheckpointRaceError: another writer published ``step`` first.
+            CheckpointWriteError: the storage failed.
+        """
+        meta = checked_metadata(step, metadata)
+        with self._lock:
+            self._check_open()
+            manifest = self._publish(step, self._storage.join(step_dir_name(step)), dict(files),
+                                     meta, payload_format, before_publish)
+            return self._published(step, manifest)
+
+    def discard_step(self, step: int) -> None:
+        """Removes ``step``'s files unless they are a published checkpoint."""
+        with self._lock:
+            if all(ref.step != step for ref in self._scan().valid):  # never a published one
+                self._discard(self._storage.join(step_dir_name(step)))
+
+    storage = property(lambda self: self._storage, doc="The root and its retried I/O.")
+    storage_options = property(lambda self: self._storage_options,
+                               doc="The fsspec options given (for writers opening the URL).")
+
+    def _claim(self, step: int, meta: dict[str, Any]) -> str:
+        """The step's directory, checked free and unfenced, a torn leftover removed."""
         scan = self._scan()
         if any(ref.step == step for ref in scan.valid):
             raise CheckpointError(
                 f"step {step} already has a checkpoint at {self._dir_url(step)}; checkpoints are "
                 f"never overwritten: save under a new step, or delete that directory first.")
-        self._check_fence(scan, meta.get("generation"), step)
+        check_fence(scan, meta.get("generation"), step, self._url)
         step_dir = self._storage.join(step_dir_name(step))
-        self._writing_step = step
-        try:
-            if step in scan.invalid:
-                self._discard(step_dir)  # leftover of a torn write
-            manifest = self._write_files(step, step_dir, payload, meta, before_publish)
-        finally:
-            self._writing_step = None
+        if step in scan.invalid:
+            self._discard(step_dir)  # leftover of a torn write
+        return step_dir
+
+    def _published(self, step: int, manifest: Manifest) -> CheckpointRef:
         logger.info("checkpoint step %d written to %s", step, self._dir_url(step))
         try:
             self._retention.apply(self._scan(), self._writing_step)
@@ -234,19 +265,19 @@ class CheckpointStore:
             logger.warning("retention after step %d failed: %s", step, exc)
         return CheckpointRef(step, self._dir_url(step), manifest)
 
-    def _write_files(self, step: int, step_dir: str, payload: Any, meta: dict[str, Any],
-                     before_publish: Callable[[], None] | None) -> Manifest:
+    def _publish(self, step: int, step_dir: str, files: dict[str, FileEntry],
+                 meta: dict[str, Any], payload_format: str,
+                 before_publish: Callable[[], None] | None) -> Manifest:
         try:
-            entry = write_payload(self._storage, f"{step_dir}/{PAYLOAD_NAME}", payload)
             manifest = Manifest(step=step, epoch=meta.get("epoch"),
                                 world_size=meta.get("world_size"),
                                 generation=meta.get("generation"), metadata=meta,
-                                files={PAYLOAD_NAME: entry})
+                                files=files, payload_format=payload_format)
             if manifest.generation is not None:  # re-check: a newer one may have published
-                self._check_fence(self._scan(), manifest.generation, step)
+                check_fence(self._scan(), manifest.generation, step, self._url)
             if before_publish is not None:
                 before_publish()
-            self._publish(step, f"{step_dir}/{MANIFEST_NAME}", manifest)
+            self._create_manifest(step, f"{step_dir}/{MANIFEST_NAME}", manifest)
             self._storage.sync_dir(step_dir)
             self._storage.sync_dir(self._storage.root)
             return manifest
@@ -256,18 +287,11 @@ class CheckpointStore:
             self._discard(step_dir)
             raise
         except _WRITE_FAILURES as exc:
-            self._discard(step_dir)
-            self._check_fence_after(exc, meta.get("generation"), step)
-            raise CheckpointWriteError(
-                f"writing checkpoint step {step} to {self._dir_url(step)} failed: {exc!r}. "
-                f"Earlier checkpoints are intact; training can go on and save again.") from exc
+            self._failed_write(step, step_dir, meta, exc)
 
-    def _publish(self, step: int, path: str, manifest: Manifest) -> None:
-        """Creates the manifest, never over one that is there (``Storage.create_bytes``).
-
-        Raises:
-            CheckpointRaceError: another writer published ``step`` first.
-        """
+    def _create_manifest(self, step: int, path: str, manifest: Manifest) -> None:
+        """Creates the manifest, never over one that is there (``Storage.create_bytes``);
+        ``CheckpointRaceError`` when another writer published ``step`` first."""
         try:
             self._storage.create_bytes(path, manifest.to_json())
         except FileExistsError as exc:
@@ -278,8 +302,16 @@ class CheckpointStore:
         """The complete checkpoint of ``step`` (None: none, or the storage cannot be listed)."""
         try:
             return next((r for r in self._scan().valid if r.step == step), None)
-        except CheckpointError:
+        except CheckpointError:  # the race's error says who won when it can
             return None
+
+    def _failed_write(self, step: int, step_dir: str, meta: dict[str, Any],
+                      exc: Exception) -> NoReturn:
+        self._discard(step_dir)
+        check_fence_after(self._scan, exc, meta.get("generation"), step, self._url)
+        raise CheckpointWriteError(
+            f"writing checkpoint step {step} to {self._dir_url(step)} failed: {exc!r}. "
+            f"Earlier checkpoints are intact; training can go on and save again.") from exc
 
     def _discard(self, step_dir: str) -> None:
         try:
@@ -287,24 +319,6 @@ class CheckpointStore:
         except OSError as exc:
             logger.warning("could not remove the unfinished checkpoint %s (%r); it is ignored "
                            "by readers and removed by a later save", step_dir, exc)
-
-    def _check_fence_after(self, exc: BaseException, generation: int | None, step: int) -> None:
-        """After a failed write: ``CheckpointFencedError`` if a newer generation published
-        meanwhile (whose cleanup of unfinished writes may be why this one failed). When the
-        storage cannot even be listed, the write's own error stands."""
-        if generation is None:
-            return
-        try:
-            scan = self._scan()
-        except CheckpointError:
-            return
-        try:
-            self._check_fence(scan, generation, step)
-        except CheckpointFencedError as fenced:
-            raise fenced from exc
-
-    def _check_fence(self, scan: Scan, generation: int | None, step: int) -> None:
-        check_fence(scan, generation, step, self._url)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -349,42 +363,25 @@ class CheckpointStore:
         if ref is not None:
             return self._read(ref)
         scan = self._scan()
+        return newest_readable(scan.valid, self._read, self.skipped_newer(scan), self._url)
+
+    def scan(self) -> Scan:
+        """Lists the root once (complete checkpoints, and why others are not); raises
+        ``CheckpointError`` when the storage fails while listing."""
+        return self._scan()
+
+    def skipped_newer(self, scan: Scan) -> list[str]:
+        """Logs and returns why the directories newer than every checkpoint in ``scan`` are not
+        checkpoints (this store's own write in progress aside)."""
         skipped = [f"{self._dir_url(s)}: {why}" for s, why in sorted(scan.invalid.items())
                    if s != self._writing_step
                    and (not scan.valid or s > max(r.step for r in scan.valid))]
         for reason in skipped:
             logger.warning("skipping checkpoint %s", reason)
-        unread: CheckpointReadError | None = None
-        for candidate in reversed(scan.valid):
-            try:
-                return self._read(candidate)
-            except (CheckpointCorruptError, CheckpointReadError) as exc:
-                logger.warning("skipping checkpoint %s: %s; falling back to an older one",
-                               candidate.url, exc)
-                skipped.append(f"{candidate.url}: {exc}")
-                if isinstance(exc, CheckpointReadError):
-                    unread = unread or exc
-        if unread is not None:  # may read fine later: never "not found", which starts over
-            raise unread
-        raise CheckpointNotFoundError(
-            f"no readable checkpoint under {self._url}"
-            + (f"; skipped: {'; '.join(skipped)}" if skipped else "")
-            + ". Start from scratch, or point the store at the right URL.")
+        return skipped
 
     def _read(self, ref: CheckpointRef) -> LoadedCheckpoint:
-        step_dir = self._storage.join(step_dir_name(ref.step))
-        if ref.manifest.payload_format != "torch.save" or PAYLOAD_NAME not in ref.manifest.files:
-            raise CheckpointCorruptError(
-                f"checkpoint {ref.url} has payload format {ref.manifest.payload_format!r} with "
-                f"files {sorted(ref.manifest.files)}; this version reads 'torch.save' only.")
-        try:
-            state = read_payload(self._storage, f"{step_dir}/{PAYLOAD_NAME}",
-                                 ref.manifest.files[PAYLOAD_NAME])
-        except (OSError, CheckpointStorageError) as exc:
-            raise CheckpointReadError(
-                f"reading checkpoint {ref.url} failed: {exc!r}. Check that the storage is "
-                "reachable; the checkpoint itself may be intact.") from exc
-        return LoadedCheckpoint(ref=ref, state_dict=state, metadata=ref.manifest.metadata)
+        return read_checkpoint(self._storage, ref)
 
     def _dir_url(self, step: int) -> str:
         return self._storage.url_of(self._storage.join(step_dir_name(step)))

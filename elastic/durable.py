@@ -28,6 +28,8 @@ import torch
 from elastic.checkpoint import (CheckpointError, CheckpointFencedError, CheckpointNotFoundError,
                                 CheckpointRef, CheckpointStorageError, CheckpointStore,
                                 check_compatible)
+from elastic.checkpoint.manifest import DCP_FORMAT
+from elastic.checkpoint.reading import LoadedCheckpoint, newest_readable, read_sharded_payload
 from elastic.foundation.daemon_call import DaemonCall
 from elastic.foundation.errors import EtcdUnavailableError, UnfinishedWriteError
 from elastic.foundation.events import EventLog
@@ -74,6 +76,7 @@ class DurableCommits:
         self.job_id = job_id
         self.events = events
         self.last_error: Exception | None = None
+        self.sharded = False  # a sharded job's checkpoints: every rank's shards (DCP)
         self.written = 0
         self._published: Callable[[CheckpointRef], None] | None = None
         self.generation: int | None = None
@@ -111,6 +114,29 @@ class DurableCommits:
             self.generation = fencing_generation(self._claim_epoch(floor), self._round)
         return self.generation
 
+    def publish_metadata(self, metadata: dict[str, Any]) -> dict[str, Any]:
+        """``metadata`` with this round's fencing generation and the job id added (a sharded
+        write calls it on every rank; only the writing rank is armed with a generation).
+
+        Raises:
+            CheckpointError: the store could not be listed to claim the generation.
+            EtcdUnavailableError: the fencing epoch could not be claimed.
+        """
+        token = self._token()
+        if token is not None:
+            metadata = {**metadata, "generation": token}
+        if self.job_id is not None:
+            metadata = {**metadata, "job_id": self.job_id}
+        return metadata
+
+    def before_publish(self) -> None:
+        """Refuses to publish once this member's lease is gone (``CheckpointFencedError``)."""
+        self._before_publish()
+
+    def record_failure(self, version: int, exc: Exception) -> None:
+        """Records a write that did not land (as a failed background write is recorded)."""
+        self._failed(version, exc)
+
     def _before_publish(self) -> None:
         """Refuses to publish once this member's lease is gone (a frozen rank 0 woke up)."""
         if self._confirm_lease is not None and not self._confirm_lease():
@@ -139,11 +165,7 @@ class DurableCommits:
             return
         started = time.monotonic()
         try:
-            token = self._token()
-            if token is not None:
-                metadata = {**metadata, "generation": token}
-            if self.job_id is not None:
-                metadata = {**metadata, "job_id": self.job_id}
+            metadata = self.publish_metadata(metadata)
             future = self.store.save_async(version, payload, metadata, self._before_publish)
         except (CheckpointError, EtcdUnavailableError) as exc:
             self._failed(version, exc)
@@ -240,7 +262,7 @@ class DurableCommits:
                 checkpoint, or did not answer in time (``_answered``).
         """
         try:
-            loaded = self._answered(self.store.load, "loading the newest checkpoint of")
+            loaded = self._answered(self._newest, "loading the newest checkpoint of")
         except CheckpointNotFoundError as exc:
             log.warning("no valid checkpoint to resume from: %s", exc)
             return None
@@ -250,6 +272,16 @@ class DurableCommits:
             self.events.emit("checkpoint_loaded", version=loaded.ref.step, url=loaded.ref.url,
                              epoch=loaded.ref.epoch)
         return payload
+
+    def _newest(self) -> LoadedCheckpoint:
+        """The newest checkpoint that reads; of a sharded job, only its small state (every
+        rank loads the shards into the new formation afterwards)."""
+        if not self.sharded:
+            return self.store.load()
+        scan = self.store.scan()
+        refs = [r for r in scan.valid if r.manifest.payload_format == DCP_FORMAT]
+        return newest_readable(refs, lambda ref: read_sharded_payload(self.store.storage, ref),
+                               self.store.skipped_newer(scan), self.url)
 
     def _answered(self, call: Callable[[], T], what: str) -> T:
         """``call()``'s result, for no longer than twice the time one storage call may retry:

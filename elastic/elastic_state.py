@@ -31,6 +31,7 @@ from elastic.loop_helpers import batches, ddp, print_main, samples_done
 from elastic.outcome import RunOutcome
 from elastic.recovery import RunLoop
 from elastic.sharded import Parallelize, ShardedRuntime
+from elastic.sharded_durable import ShardedDurable
 from elastic.foundation.settings import WorkerSettings
 from elastic.setup_check import before_joining
 from elastic.foundation.signals import relay_signals
@@ -83,6 +84,11 @@ class ElasticState:
         self._step_collectives = StepCollectives()
         self._sharded = ShardedRuntime(parallelize, shard_degree, buddies,
                                        self._settings.timeouts.collective) if parallelize else None
+        if self._sharded is not None and self._durable is not None:
+            durable = self._durable
+            durable.sharded = True  # every rank writes its shards; formation loads them
+            shards = ShardedDurable(durable, lambda: durable.events, self._commit_metadata)
+            self._sharded.durable_writer, self._sharded.durable_loader = shards.write, shards.load
         for name, obj in objects.items():
             self.register(name, obj)
 
@@ -366,14 +372,17 @@ class ElasticState:
                             "ELASTIC_CHECKPOINT to make it durable.")
                 self._warned_not_durable = True
             return
-        if self.rank != 0:
-            return
+        if self.rank == 0:
+            self._durable.write(self._train.committed(), version, self._commit_metadata())
+
+    def _commit_metadata(self) -> dict[str, Any]:
+        """The manifest metadata of a durable commit: world size, member, epoch."""
         epoch = self._train.value_of("epoch")
         metadata: dict[str, Any] = {"world_size": self.world_size,
                                     "member": self.member_id or ""}
         if isinstance(epoch, int) and not isinstance(epoch, bool):
             metadata["epoch"] = epoch
-        self._durable.write(self._train.committed(), version, metadata)
+        return metadata
 
     # -- running ----------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -195,7 +195,9 @@ class ShardedRuntime:
             events.emit("resharded", version=choice.version, from_world=choice.world,
                         to_world=topology.world_size, bytes_moved=plan.moved,
                         bytes_minimum=plan.minimum, bytes_lost=plan.lost, reshard_s=moving.seconds)
-        elif self._fallback and self.durable_loader is not None:
+        elif self.durable_loader is not None and (self._fallback or train.version > 0):
+            # nobody holds a commit of the shards, yet the state is at one: a resume from
+            # the durable checkpoint whose small state was just synced, or the fallback
             self._fallback = False
             small = self.durable_loader(self.objects)
             if small is not None:

@@ -60,7 +60,7 @@ def run_in_group(target: Callable[..., Any], world: int, store_dir: Path, *args:
                 raise GroupRunError(f"rank {rank} failed:\n{body}")
             got[rank] = torch.load(io.BytesIO(body), weights_only=False)
         for proc in procs:
-            proc.join(timeout=30)
+            proc.join(timeout=timeout_s)  # exiting torch is slow on a loaded machine
             if proc.exitcode != 0:
                 raise GroupRunError(f"pid {proc.pid} exited with {proc.exitcode}")
         return got

@@ -99,6 +99,7 @@ def main() -> None:
     p.add_argument("--commit-every", type=int, default=4)
     p.add_argument("--shard-degree", type=int, default=None)
     p.add_argument("--hold-at", default="")
+    p.add_argument("--durable", action="store_true", help="durable commits at epoch ends")
     p.add_argument("--copy-free", action="store_true", help="commit every step (commit_step)")
     args = p.parse_args()
     out = Path(args.out)
@@ -140,7 +141,7 @@ def main() -> None:
                     hold(s, args.hold_at)
             s.epoch += 1
             if not args.copy_free:  # the next agreed step records the new epoch
-                s.commit()
+                s.commit(durable=args.durable)
         final["params"] = torch.cat([p.full_tensor().flatten()
                                      for p in s.model.parameters()]).tolist()
 

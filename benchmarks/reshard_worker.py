@@ -1,0 +1,86 @@
+"""The worker of ``bench_reshard.py``: an FSDP2 model of stacked square layers with AdamW under
+``ElasticState(parallelize=...)``, constant global batch, ``commit()`` every ``--commit-every``
+steps, one progress line per step (pid, rank, world, step, time, resident memory).
+
+``--width 2900 --layers 12`` is ~101M parameters (~1.2 GB with AdamW's two moments); ``--small``
+in the benchmark uses a few MB. ``--buddies 0`` keeps no buddy copies (memory comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, TensorDataset
+
+from elastic import ElasticSampler, ElasticState
+
+
+def rss_mb() -> float:
+    """This process's resident memory, MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def build(width: int, layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--width", type=int, default=2900)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--commit-every", type=int, default=10)
+    p.add_argument("--buddies", type=int, default=1)
+    p.add_argument("--steps", type=int, default=10**9)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    def parallelize(mesh):
+        model = build(args.width, args.layers)
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-4)}
+
+    data = TensorDataset(torch.randn(4096, args.width, generator=torch.Generator().manual_seed(1)))
+    sampler = ElasticSampler(data, seed=0, global_batch_size=args.global_batch)
+    state = ElasticState(parallelize=parallelize, buddies=args.buddies, sampler=sampler,
+                         epoch=0, step=0)
+    progress = open(Path(args.out) / f"progress-{os.getpid()}.jsonl", "a", buffering=1)
+
+    def train(s: ElasticState) -> None:
+        loader = DataLoader(data, batch_sampler=s.sampler)
+        while s.step < args.steps:
+            s.sampler.set_epoch(s.epoch)
+            for (x,) in loader:
+                share = s.sampler.share()
+                (s.model(x).pow(2).mean() * share.loss_scale).backward()
+                s.optimizer.step()
+                s.optimizer.zero_grad()
+                s.sampler.record_batch(len(x))
+                s.step += 1
+                progress.write(json.dumps({"pid": os.getpid(), "rank": s.rank,
+                                           "world": s.world_size, "step": s.step,
+                                           "t": time.time(), "rss_mb": rss_mb()}) + "\n")
+                if s.step % args.commit_every == 0:
+                    s.commit()
+                if s.step >= args.steps:
+                    return
+            s.epoch += 1
+
+    state.run(train)
+
+
+if __name__ == "__main__":
+    main()

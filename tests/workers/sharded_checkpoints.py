@@ -1,0 +1,95 @@
+"""Rank functions of the sharded checkpoint tests (run by ``tests.support.gloo_group``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from elastic.checkpoint import CheckpointCorruptError, CheckpointStore
+from elastic.checkpoint import sharded as sharded_module
+from elastic.checkpoint.sharded import ShardedCheckpoints
+from tests.workers import fsdp_model
+
+
+def write(rank: int, world: int, url: str, reference: str, step: int = 3) -> int:
+    """Trains ``step`` steps at ``world`` ranks, saves a sharded checkpoint; rank 0 keeps the
+    full state in ``reference`` for the loaders to compare with."""
+    model, opt = fsdp_model.build(world, seed=0)
+    fsdp_model.train(model, opt, rank, step)
+    ref = ShardedCheckpoints(CheckpointStore(url)).save(
+        step, fsdp_model.sharded_state(model, opt), {"epoch": 1, "note": "sharded"},
+        payload={"step": step, "seen": torch.arange(rank, rank + 3)})
+    full = fsdp_model.full_state(model, opt)
+    if rank == 0:
+        torch.save(full, reference)
+    return ref.step
+
+
+def load_and_compare(rank: int, world: int, url: str, reference: str) -> tuple[list[str], int]:
+    """Builds the model at ``world`` ranks from another seed, loads the newest sharded
+    checkpoint into it; rank 0 returns what differs from the reference and how much it checked."""
+    model, opt = fsdp_model.build(world, seed=1)
+    state = fsdp_model.sharded_state(model, opt)
+    loaded = ShardedCheckpoints(CheckpointStore(url)).load(state)
+    assert loaded.metadata["note"] == "sharded" and loaded.ref.world_size == 4, loaded.metadata
+    assert loaded.state_dict["step"] == 3  # rank 0's payload, on every rank
+    assert torch.equal(loaded.state_dict["seen"], torch.arange(3))
+    fsdp_model.apply(model, opt, state)
+    full = fsdp_model.full_state(model, opt)
+    if rank != 0:
+        return [], 0
+    expected = torch.load(reference, weights_only=True)
+    return fsdp_model.differences(expected, full), fsdp_model.count(expected)
+
+
+def die_before_the_manifest(rank: int, world: int, url: str) -> dict[str, Any]:
+    """Saves step 1, then step 2 during which rank 1 dies once its shards are written (while
+    the ranks read them back); rank 0 reports the error it got and what the store lists."""
+    model, opt = fsdp_model.build(world, seed=0)
+    fsdp_model.train(model, opt, rank, 1)
+    store = CheckpointStore(url)
+    shards = ShardedCheckpoints(store)
+    shards.save(1, fsdp_model.sharded_state(model, opt))
+    if rank == 1:
+        def dying(storage: Any, path: str) -> Any:
+            os._exit(17)  # a rank killed after writing its shards, before the manifest
+        sharded_module.file_entry = dying
+    try:
+        shards.save(2, fsdp_model.sharded_state(model, opt))
+    except RuntimeError as exc:  # the collective that lost its peer
+        error = repr(exc)
+    else:
+        error = ""
+    scan = store.scan()
+    return {"error": error, "listed": [r.step for r in scan.valid], "torn": dict(scan.invalid),
+            "files": sorted(os.listdir(url + "/000000000002")) if os.path.isdir(url + "/000000000002") else []}
+
+
+def corrupt_then_load(rank: int, world: int, url: str) -> dict[str, Any]:
+    """Saves steps 1 and 2, flips one byte of a shard file of step 2, then loads: step 2 by
+    name, and the newest that verifies."""
+    model, opt = fsdp_model.build(world, seed=0)
+    shards = ShardedCheckpoints(CheckpointStore(url))
+    fsdp_model.train(model, opt, rank, 1)
+    shards.save(1, fsdp_model.sharded_state(model, opt))
+    at_1 = fsdp_model.full_state(model, opt)
+    fsdp_model.train(model, opt, rank, 1)
+    newest = shards.save(2, fsdp_model.sharded_state(model, opt))
+    shard = os.path.join(url, "000000000002", "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    state = fsdp_model.sharded_state(model, opt)
+    try:
+        shards.load(state, newest)
+        named = ""
+    except CheckpointCorruptError as exc:
+        named = str(exc)
+    fallback = shards.load(state)
+    fsdp_model.apply(model, opt, state)
+    return {"named": named, "fallback": fallback.ref.step,
+            "wrong": fsdp_model.differences(at_1, fsdp_model.full_state(model, opt))}
