@@ -25,7 +25,7 @@ from datetime import timedelta
 
 from elastic.foundation.errors import (CutOffError, EtcdAccessError, EtcdRecordError,
                                        EtcdUnavailableError, LeaveInterrupt,
-                                       RendezvousClosedError, RendezvousTimeoutError)
+                                       RendezvousClosedError)
 from elastic.cluster.etcd.client import EtcdClient, WatchEvent
 from elastic.cluster.rounds.keys import JobKeys
 from elastic.cluster.rounds.membership import EtcdMembership
@@ -34,6 +34,7 @@ from elastic.cluster.etcd.txn import Carried
 from elastic.cluster.rounds.plan import CloseRule, JoinRequest, Plan, RendezvousConfig, assign_ranks
 from elastic.cluster.rounds import records
 from elastic.cluster.rounds.gone_reports import GoneReports
+from elastic.cluster.rounds.join_requests import JoinRequests
 from elastic.cluster.rounds.verdict import CloseVerdict
 from elastic.cluster.rounds.coordinator import Coordinator
 from elastic.cluster.rounds.news import RoundNews, read_news
@@ -79,6 +80,7 @@ class Rendezvous:
         # Listening before the registration: it hands over the ``control/`` keys as they were.
         self._hears_registration = not membership.is_registered
         self._gone = GoneReports(client, self._keys, self._skipped)
+        self._requests = JoinRequests(client, self._keys, self._skipped, config)
         self.verdict = CloseVerdict(self.rule, config.timeouts.rejoin, self._gone)
         self._coordinator = Coordinator(client, membership, self, self._skipped)
 
@@ -289,7 +291,7 @@ class Rendezvous:
             if news.round == n - 1 and news.done:
                 raise RendezvousClosedError(f"The job finished in round {n - 1}; nothing to join.")
             self._report_gone(n, gone(n), reported)
-            enough_since = self._check_limits(n, started, enough_since, time.monotonic())
+            enough_since = self._requests.check_limits(n, started, enough_since, time.monotonic())
             with self._changed:
                 if self._epoch == epoch:
                     self._changed.wait(timeout=self.config.timeouts.wake.total_seconds())
@@ -302,53 +304,9 @@ class Rendezvous:
         if dead:
             self._coordinator.forget_dead(dead)
 
-    def _read_round(self, n: int) -> tuple[list[JoinRequest], set[str]]:
-        """The round's admissible join requests and the live members' ids.
-
-        The joins are read first: a member registers before it joins, so the member key of a
-        live joiner is in the later read.
-        """
-        joins, _ = self._client.get_prefix(self._keys.joins(n))
-        members, _ = self._client.get_prefix(self._keys.members)
-        leases = {kv.key[len(self._keys.members):]: kv.lease for kv in members}
-        requests = [r for r in (self.admissible(n, kv, leases) for kv in joins) if r is not None]
-        return requests, set(leases)
-
     def admissible(self, n: int, kv: KeyValue, leases: dict[str, int]) -> JoinRequest | None:
-        """The join request in ``kv``, or None (skipped with a warning) when it is malformed or
-        was not written under its member's lease."""
-        member = kv.key[len(self._keys.joins(n)):]
-        request = self._skipped.read(kv.key, kv.mod_revision, lambda: JoinRequest.from_json(
-            kv.value, kv.create_revision, member))
-        if request is None:
-            return None
-        if leases.get(member) != kv.lease or not kv.lease:
-            self._skipped.skip(kv.key, kv.mod_revision, "it was not written under the lease of a "
-                                                        "registered member of that id")
-            return None
-        return request
-
-    def _check_limits(self, n: int, started: float, enough_since: float,
-                      now: float) -> float:
-        """Raises when a deadline passed; returns when the round last had min_workers.
-
-        Only past the rendezvous timeout does it read the round's join requests (one read per
-        wake), so a waiting member reads no other member's records while rounds form in time.
-        """
-        timeout_s = self.config.timeouts.rendezvous.total_seconds()
-        if now - enough_since > timeout_s:
-            requests, _ = self._read_round(n)
-            if len(requests) >= self.config.min_workers:
-                return now
-            raise RendezvousTimeoutError(
-                f"Round {n}: only {len(requests)} of min_workers={self.config.min_workers} "
-                f"worker(s) joined within {timeout_s:.0f} s. Start more workers, or lower "
-                "--min-workers / ELASTIC_MIN_WORKERS.")
-        if now - started > self.config.timeouts.admit.total_seconds():
-            raise RendezvousTimeoutError(
-                f"Round {n} did not form within {self.config.timeouts.admit}: the running members "
-                "admit new workers only at state.commit() or state.check_membership().")
-        return enough_since
+        """``JoinRequests.admissible`` (what the coordinator asks)."""
+        return self._requests.admissible(n, kv, leases)
 
     def close(self, n: int, round_revision: int, requests: list[JoinRequest],
               previous: Plan | None, cut: frozenset[str] = frozenset()) -> Plan | None:
@@ -434,5 +392,5 @@ class Rendezvous:
         plan = self.read_plan(n)
         dones, _ = self._client.get_prefix(self._keys.dones(n))
         finished = {kv.key[len(self._keys.dones(n)):] for kv in dones}
-        _, live = self._read_round(n + 1)
+        _, live = self._requests.read_round(n + 1)
         return [m for m in (plan.ranks if plan else []) if m not in finished and m in live]
