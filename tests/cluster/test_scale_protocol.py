@@ -23,6 +23,7 @@ from elastic.cluster.rounds.keys import JobKeys
 from elastic.cluster.worker_lease_file import heartbeat
 from elastic.cluster.rounds.membership import EtcdMembership, NodeLease, drop_member
 from elastic.cluster.rounds.news import NewsReader, RoundNews
+from elastic.cluster.rounds.plan import JoinRequest
 from elastic.cluster.rounds.records import RecordError
 from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig
 from elastic.cluster.rounds.topology import Topology
@@ -411,6 +412,39 @@ def test_a_newcomer_makes_the_round_pending_without_breaking_it(client):
         joining.join(WAIT_S)
         assert newcomer.rendezvous.latest_round() == 2
     finally:
+        for m in members + ([newcomer] if newcomer else []):
+            m.leave()
+
+
+def test_a_newcomer_to_a_world_at_max_workers_asks_as_a_spare_and_takes_a_dead_members_place(
+        client):
+    # The rollback matrix's spurious re-formation (issue 39): of workers started together, the
+    # first round closes once max_workers asked; one registering just after asked as a
+    # newcomer ("start"), news to the running world, which re-formed at its next commit into
+    # the same world with the newcomer a spare. A spare's request ("spare") is not news.
+    config = RendezvousConfig(max_workers=2, timeouts=TIMEOUTS)
+    keys = JobKeys("scale-full")
+    members = [Member(client, "scale-full", config=config) for _ in range(2)]
+    newcomer = None
+    left, told = threading.Event(), threading.Event()
+    pool = ThreadPoolExecutor(1)
+    try:
+        form_all(members, "start")
+        newcomer = Member(client, "scale-full", config=config)
+        joining = pool.submit(newcomer.rendezvous.join, "start", 0, 29500, cancelled=left.is_set,
+                              on_spare=told.set)
+        assert told.wait(WAIT_S)  # a spare at once, with no round formed to say so
+        asked = JoinRequest.from_json(client.get(keys.join(2, newcomer.id)).value, 0,
+                                      newcomer.id)
+        assert asked.reason == "spare"
+        client.revoke(members[1].membership.lease)
+        assert members[0].broken.wait(WAIT_S)
+        topology = members[0].form("failure")
+        taken = joining.result(timeout=WAIT_S)
+        assert (topology.round, taken.round, taken.world_size) == (2, 2, 2)
+    finally:
+        left.set()
+        pool.shutdown(wait=True)
         for m in members + ([newcomer] if newcomer else []):
             m.leave()
 
