@@ -24,7 +24,7 @@ import pytest
 
 from tests.support.harness import Job
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # hang guards; a case takes ~14 s idle
 SCRIPT = Path(__file__).resolve().parent.parent / "workers" / "loop_shapes.py"
 SAMPLES, EPOCHS, STEPS = 128, 2, 16  # global batch 16: 8 steps an epoch
 ARGS = ["--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--global-batch", "16",
@@ -85,7 +85,12 @@ def run_with_kills(job: Job, plan: list[tuple[str, int, str]]) -> list[dict[str,
     """Starts world 2 and one waiting spare per planned kill (each joins after its kill);
     returns the results of the workers that trained to the end. Fails as soon as a worker
     exits with an error."""
-    job.start_together(range(2 + len(plan)))
+    started = range(2 + len(plan))
+    job.start_together(started)
+    # Starting is apart from the kills' deadlines: under load (20 runnable processes on 2
+    # cores) importing torch in 4-6 processes at once took over 60 s.
+    job.wait_until(lambda: all((job.out / f"ready-{i}").exists() for i in started)
+                   or crashed(job), 150, "every worker to start")
     for n in range(len(plan)):
         job.wait_until(lambda: (job.out / f"fired-{n}").exists() or crashed(job), 60,
                        f"kill {n} {plan[n]}")
