@@ -243,11 +243,15 @@ def test_a_coordinator_whose_watch_has_not_brought_its_own_news_back_writes_the_
     keys = JobKeys("scale-late-news")
     news = lambda: RoundNews.from_json(counting.get(keys.news).value)  # noqa: E731
     members = [Member(counting, "scale-late-news") for _ in range(3)]
-    newcomer = Member(counting, "scale-late-news")
+    newcomer: Member | None = None
     joined: list[Topology] = []
-    joining = threading.Thread(target=lambda: joined.append(newcomer.form("start")), daemon=True)
     try:
         form_all(members, "start")
+        # Registered once the job has a round: it asks for round 2 (one registered before
+        # would be in round 1, its registration carrying its request).
+        newcomer = Member(counting, "scale-late-news")
+        joining = threading.Thread(target=lambda: joined.append(newcomer.form("start")),
+                                   daemon=True)
         lagging.set()
         joining.start()
         assert poll_until(lambda: news().pending, WAIT_S), "the newcomer's news"
@@ -270,7 +274,7 @@ def test_a_coordinator_whose_watch_has_not_brought_its_own_news_back_writes_the_
         assert all(written), f"refused news writes: {written}"
     finally:
         lagging.clear()
-        for m in [*members, newcomer]:
+        for m in [*members, *([newcomer] if newcomer else [])]:
             m.leave()
         counting.close()
 
@@ -413,6 +417,32 @@ def test_a_newcomer_makes_the_round_pending_without_breaking_it(client):
         assert newcomer.rendezvous.latest_round() == 2
     finally:
         for m in members + ([newcomer] if newcomer else []):
+            m.leave()
+
+
+def test_a_member_whose_first_seat_came_before_it_asked_takes_that_seat(client):
+    # Seen in the rollback matrix under load: the registration carries the request for round
+    # 1; the round closed and the seat came by watch before the member called ``join``, which
+    # then asked for round 2, and round 1's group waited out the 20 s form timeout for it.
+    keys = JobKeys("scale-seated-early")
+    first = Member(client, "scale-seated-early")
+    late = Member(client, "scale-seated-early")  # round 1 closes a settle window later
+    told = threading.Event()
+    late.membership.add_listener(lambda events: told.set() if any(
+        e.key == keys.seat(late.id) for e in events) else None)
+    left = threading.Event()
+    pool = ThreadPoolExecutor(2)
+    try:
+        formed = pool.submit(first.form, "start")  # its coordinator closes round 1
+        assert told.wait(WAIT_S)  # after the rendezvous' own listener heard it
+        asked = pool.submit(late.rendezvous.join, "start", 0, 29500, cancelled=left.is_set)
+        topology = asked.result(timeout=10)
+        assert topology is not None and topology.round == 1
+        assert formed.result(timeout=WAIT_S).round == 1
+    finally:
+        left.set()
+        pool.shutdown(wait=True)
+        for m in (first, late):
             m.leave()
 
 

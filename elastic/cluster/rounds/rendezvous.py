@@ -198,6 +198,9 @@ class Rendezvous:
         while True:
             self._membership.check_not_fenced()
             n = self._newest_told() + 1
+            early = self._early_seat(n - 1)
+            if early is not None:
+                return self._take(early)
             if self._last_round and n - 1 > self._last_round:  # it went on: without this one?
                 went_on = self.read_plan(self._last_round + 1)
                 me = self._membership.member_id
@@ -221,9 +224,25 @@ class Rendezvous:
             self._check_not_cut(seat)
             if seat.place == "spare":
                 return None
-            self.standby = False
-            self._last_round = n
-            return Topology.of(seat, self._membership.member_id, self._keys.store(n))
+            return self._take(seat)
+
+    def _take(self, seat: Seat) -> Topology:
+        """This member's place in the round of ``seat``."""
+        self.standby = False
+        self._last_round = seat.round
+        return Topology.of(seat, self._membership.member_id, self._keys.store(seat.round))
+
+    def _early_seat(self, newest: int) -> Seat | None:
+        """This member's rank in round ``newest`` when it came before ``join`` asked: the
+        registration carried the request of round 1, and under load the round closed and the
+        watch brought the seat first. Its round waits for it (asking for the next one instead
+        left that round's group waiting out the form timeout)."""
+        with self._changed:
+            seat = self._seat
+        if seat is None or seat.place != "rank" or seat.round != newest \
+                or seat.round <= self._last_round:
+            return None
+        return seat
 
     def _request(self, member_id: str, reason: str, version: int, port: int,
                  came_from: tuple[int, int], waits: bool) -> JoinRequest:
