@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import timedelta
 
 from elastic.foundation.errors import (CutOffError, EtcdAccessError, EtcdRecordError,
                                        EtcdUnavailableError, LeaveInterrupt,
@@ -39,6 +38,7 @@ from elastic.cluster.rounds.verdict import CloseVerdict
 from elastic.cluster.rounds.coordinator import Coordinator
 from elastic.cluster.rounds.news import RoundNews, read_news
 from elastic.cluster.rounds.records import RecordError, SkippedRecords
+from elastic.cluster.rounds.round_finish import RoundFinish
 from elastic.cluster.rounds.seat import UNSEATED, Seat, seat_in
 from elastic.cluster.rounds.topology import Topology
 
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 FIRST_ROUND = 1  # a job's first round: the one a registration's join request asks for
 
 
-class Rendezvous:
+class Rendezvous(RoundFinish):
     """Joins rounds of one job.
 
     Args:
@@ -394,35 +394,3 @@ class Rendezvous:
         if self._membership.is_registered and not self._membership.has_left:
             self._membership.fence(why)
             self._membership.check_not_fenced()
-
-    def finish(self, topology: Topology, timeout: timedelta) -> None:
-        """Records that this member returned from the training function, then waits until every
-        member of the round has either returned too or gone (so that no finisher breaks a peer
-        still in its last collective): the coordinator says so in the round's news.
-        """
-        n = topology.round
-        self._coordinator.start()
-        self._client.put(self._keys.done(n, self._membership.member_id), b"1")
-        deadline = time.monotonic() + timeout.total_seconds()
-        while time.monotonic() < deadline:
-            with self._changed:
-                epoch = self._epoch
-            news = self._news_now()
-            if news.round > n or (news.round == n and news.finished):
-                return
-            if self._membership.fenced.is_set() and not self._waited_for(topology):
-                return  # with its lease gone it cannot coordinate: it looks for itself
-            with self._changed:
-                if self._epoch == epoch:
-                    self._changed.wait(timeout=self.config.timeouts.wake.total_seconds())
-        log.warning("the members of round %d did not all finish within %s", n, timeout)
-
-    def _waited_for(self, topology: Topology) -> list[str]:
-        """The members of the round that neither returned nor left, read from etcd (O(N): only
-        for a fenced member, when every lease may be gone and no coordinator can speak)."""
-        n = topology.round
-        plan = self.read_plan(n)
-        dones, _ = self._client.get_prefix(self._keys.dones(n))
-        finished = {kv.key[len(self._keys.dones(n)):] for kv in dones}
-        _, live = self._requests.read_round(n + 1)
-        return [m for m in (plan.ranks if plan else []) if m not in finished and m in live]
