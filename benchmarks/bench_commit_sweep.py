@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_interleaved import Job, rate  # noqa: E402
-from bench_recovery import env_for, read_progress, wait_for  # noqa: E402
+from harness import env_for, read_progress, wait_for  # noqa: E402
 from torchft_anchor import TorchftJob  # noqa: E402
 from torchft_anchor import require as require_torchft  # noqa: E402
 from elastic.cluster.links.ports import free_port  # noqa: E402

@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_recovery import env_for, read_progress  # noqa: E402
+from harness import env_for, read_progress  # noqa: E402
 from elastic.cluster.links.ports import free_port  # noqa: E402
 
 JOBS = ("torchrun", "copy-free", "snapshot")  # the first is the anchor

@@ -43,7 +43,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_recovery import Procs, env_for, read_progress, wait_for  # noqa: E402
+from harness import Procs, env_for, read_progress, wait_for  # noqa: E402
 from elastic.cluster.links.ports import free_port  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 

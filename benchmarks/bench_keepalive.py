@@ -33,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.bench_membership import etcd_cpu_s, etcd_metrics  # noqa: E402
+from benchmarks.etcd_observation import etcd_cpu_s, etcd_metrics  # noqa: E402
 from elastic.cluster.etcd.client import EtcdClient  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 

@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-import bench_recovery as br  # noqa: E402
+import harness  # noqa: E402
 import reshard_worker  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
@@ -60,7 +60,7 @@ def _events_after(out: Path, t: float, name: str) -> list[dict]:
 def _latest_pids(out: Path, world: int) -> dict[int, int]:
     """rank -> pid of the newest progress lines in a world of ``world``."""
     ranks: dict[int, int] = {}
-    for p in br.read_progress(out):
+    for p in harness.read_progress(out):
         if p["world"] == world:
             ranks[p["rank"]] = p["pid"]
     return ranks
@@ -69,10 +69,10 @@ def _latest_pids(out: Path, world: int) -> dict[int, int]:
 def run_ours(size: list[str], buddies: int, steps: int | None) -> dict:
     """The kill-2-then-join-2 job (``steps`` None), or a plain run of ``steps`` steps at 8."""
     out = Path(tempfile.mkdtemp(prefix="reshard-"))
-    procs = br.Procs(out)
+    procs = harness.Procs(out)
     etcd = EmbeddedEtcd().start()
     try:
-        env = br.env_for(ELASTIC_ETCD=etcd.url, ELASTIC_JOB_ID=f"reshard-{buddies}",
+        env = harness.env_for(ELASTIC_ETCD=etcd.url, ELASTIC_JOB_ID=f"reshard-{buddies}",
                          ELASTIC_LEASE_TTL="5", ELASTIC_LOG_DIR=str(out / "events"),
                          ELASTIC_MIN_WORKERS="6")
         command = [sys.executable, WORKER, "--out", str(out), "--buddies", str(buddies), *size]
@@ -80,28 +80,29 @@ def run_ours(size: list[str], buddies: int, steps: int | None) -> dict:
             command += ["--steps", str(steps)]
         for _ in range(8):
             procs.start(command, env)
-        br.wait_for(lambda: br.steps_of(out, 12, 8), WAIT_S, "8 workers at step 12")
-        rss_at_8 = max(p["rss_mb"] for p in br.read_progress(out) if p["world"] == 8)
+        harness.wait_for(lambda: harness.steps_of(out, 12, 8), WAIT_S, "8 workers at step 12")
+        rss_at_8 = max(p["rss_mb"] for p in harness.read_progress(out) if p["world"] == 8)
         if steps is not None:
             return {"rss_mb_max_at_8": rss_at_8}
         ranks = _latest_pids(out, 8)
         killed_at = time.time()
         for rank in (1, 4):
             os.kill(ranks[rank], signal.SIGKILL)
-        first6 = br.wait_for(lambda: next((p for p in br.read_progress(out)
+        first6 = harness.wait_for(lambda: next((p for p in harness.read_progress(out)
                                            if p["t"] > killed_at and p["world"] == 6), None),
                              WAIT_S, "a step at world 6")
-        br.wait_for(lambda: br.steps_of(out, first6["step"] + 12, 6), WAIT_S, "12 steps at 6")
+        harness.wait_for(lambda: harness.steps_of(out, first6["step"] + 12, 6), WAIT_S,
+                         "12 steps at 6")
         shrink = _events_after(out, killed_at, "resharded")
         joined_at = time.time()
         for _ in range(2):
             procs.start(command, env)
-        first8 = br.wait_for(lambda: next((p for p in br.read_progress(out)
+        first8 = harness.wait_for(lambda: next((p for p in harness.read_progress(out)
                                            if p["t"] > joined_at and p["world"] == 8), None),
                              WAIT_S, "a step back at world 8")
         grow = [e for e in _events_after(out, joined_at, "resharded") if e["to_world"] == 8]
         survivor = first6["pid"]
-        times = [p["t"] for p in br.read_progress(out) if p["pid"] == survivor]
+        times = [p["t"] for p in harness.read_progress(out) if p["pid"] == survivor]
         gaps = [b - a for a, b in zip(times, times[1:]) if b > joined_at - 1]
         steady = [b - a for a, b in zip(times, times[1:]) if a < killed_at]
         return {

@@ -28,7 +28,7 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.bench_membership import CountingClient  # noqa: E402
+from benchmarks.membership_sim import CountingClient  # noqa: E402
 from elastic.cluster.rounds.keys import JobKeys  # noqa: E402
 from elastic.cluster.links.round_store import RoundStore, StoreTimes  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402

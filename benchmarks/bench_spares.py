@@ -31,7 +31,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_recovery import REPO, Procs, env_for, read_progress, wait_for  # noqa: E402
+from harness import REPO, Procs, env_for, read_progress, wait_for  # noqa: E402
 
 from elastic.cluster.etcd.client import EtcdClient  # noqa: E402
 from elastic.cluster.rounds.keys import JobKeys  # noqa: E402

@@ -28,16 +28,16 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-import bench_recovery as br  # noqa: E402
+import harness  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 
 def one_rep(repo: Path, size: str, optimizer: str) -> dict:
     out = Path(tempfile.mkdtemp(prefix="survivor-sync-"))
-    procs = br.Procs(out)
+    procs = harness.Procs(out)
     etcd = EmbeddedEtcd().start()
     try:
-        env = br.env_for(ELASTIC_ETCD=etcd.url, ELASTIC_JOB_ID="survivor-sync",
+        env = harness.env_for(ELASTIC_ETCD=etcd.url, ELASTIC_JOB_ID="survivor-sync",
                          ELASTIC_LEASE_TTL="5", ELASTIC_LOG_DIR=str(out / "events"),
                          PYTHONPATH=f"{repo}:{repo / 'benchmarks'}")
         worker = str(repo / "benchmarks" / "elastic_worker.py")
@@ -45,11 +45,11 @@ def one_rep(repo: Path, size: str, optimizer: str) -> dict:
             procs.start([sys.executable, worker, "--out", str(out), "--size", size,
                          "--optimizer", optimizer, "--commit-part", "copy-free",
                          "--commit-every", "1", "--batch", "8"], env)
-        br.wait_for(lambda: br.steps_of(out, 3, 3), 600, "3 workers at step 3")
-        victim = next(p["pid"] for p in reversed(br.read_progress(out)) if p["rank"] == 2)
+        harness.wait_for(lambda: harness.steps_of(out, 3, 3), 600, "3 workers at step 3")
+        victim = next(p["pid"] for p in reversed(harness.read_progress(out)) if p["rank"] == 2)
         killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
-        first = br.wait_for(lambda: next((p for p in br.read_progress(out)
+        first = harness.wait_for(lambda: next((p for p in harness.read_progress(out)
                                           if p["t"] > killed_at and p["world"] == 2), None),
                             600, "a step in world 2")
         synced = []

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_recovery import Procs, env_for, read_progress, wait_for
+from harness import Procs, env_for, read_progress, wait_for
 from elastic.cluster.links.ports import free_port
 
 SERIES = {

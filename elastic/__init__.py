@@ -30,6 +30,7 @@ _PUBLIC = {
     "EtcdRecordError": "elastic.foundation.errors",
     "EtcdUnavailableError": "elastic.foundation.errors",
     "FencedError": "elastic.foundation.errors",
+    "FencingContestedError": "elastic.foundation.errors",
     "LeaveInterrupt": "elastic.foundation.errors",
     "LinearLRScaling": "elastic.state",
     "MembershipChangedInterrupt": "elastic.foundation.errors",

@@ -31,7 +31,8 @@ from elastic.checkpoint import (CheckpointError, CheckpointFencedError, Checkpoi
 from elastic.checkpoint.manifest import DCP_FORMAT
 from elastic.checkpoint.reading import LoadedCheckpoint, newest_readable, read_sharded_payload
 from elastic.foundation.daemon_call import DaemonCall
-from elastic.foundation.errors import EtcdUnavailableError, UnfinishedWriteError
+from elastic.foundation.errors import (EtcdUnavailableError, FencingContestedError,
+                                       UnfinishedWriteError)
 from elastic.foundation.events import EventLog
 from elastic.foundation.timeouts import Timeouts
 
@@ -101,8 +102,12 @@ class DurableCommits:
         self._claim_epoch = claim_epoch
         self._confirm_lease = confirm_lease
         self.generation = None
-        if floor is not None:
+        if floor is None:
+            return
+        try:
             self.generation = fencing_generation(claim_epoch(floor), round_)
+        except FencingContestedError as exc:  # claimed again at the first write, which fails
+            log.warning("round %d: %s", round_, exc)
 
     def _token(self) -> int | None:
         """The round's fencing generation (claimed now if the formation could not list the
@@ -121,6 +126,7 @@ class DurableCommits:
         Raises:
             CheckpointError: the store could not be listed to claim the generation.
             EtcdUnavailableError: the fencing epoch could not be claimed.
+            FencingContestedError: something other than the job's members writes its key.
         """
         token = self._token()
         if token is not None:
@@ -167,7 +173,7 @@ class DurableCommits:
         try:
             metadata = self.publish_metadata(metadata)
             future = self.store.save_async(version, payload, metadata, self._before_publish)
-        except (CheckpointError, EtcdUnavailableError) as exc:
+        except (CheckpointError, EtcdUnavailableError, FencingContestedError) as exc:
             self._failed(version, exc)
             return
         blocked_s = time.monotonic() - started

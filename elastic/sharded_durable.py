@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from elastic.checkpoint import CheckpointError, CheckpointNotFoundError, ShardedCheckpoints
 from elastic.durable import DurableCommits
-from elastic.foundation.errors import EtcdUnavailableError
+from elastic.foundation.errors import EtcdUnavailableError, FencingContestedError
 from elastic.foundation.events import EventLog
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class ShardedDurable:
         try:
             meta = self._durable.publish_metadata(self._metadata())
             ref = shards.save(version, state, meta, self._durable.before_publish, payload)
-        except (CheckpointError, EtcdUnavailableError) as exc:
+        except (CheckpointError, EtcdUnavailableError, FencingContestedError) as exc:
             self._durable.record_failure(version, exc)
             return
         self._durable.written += 1

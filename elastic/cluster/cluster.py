@@ -347,6 +347,7 @@ class Cluster:
 
         Raises:
             EtcdUnavailableError: etcd stayed unreachable past the retry deadline.
+            FencingContestedError: something other than the job's members writes the key.
         """
         return claim_fencing_epoch(self.client, self.keys.fence, floor)
 

@@ -10,7 +10,7 @@ import logging
 
 from elastic.cluster.etcd.client import EtcdClient
 from elastic.cluster.etcd.values import KeyValue
-from elastic.foundation.errors import EtcdRecordError
+from elastic.foundation.errors import FencingContestedError
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,8 @@ def claim_fencing_epoch(client: EtcdClient, key: str, floor: int) -> int:
 
     Raises:
         EtcdUnavailableError: etcd stayed unreachable past the retry deadline.
-        EtcdRecordError: the key kept changing under this claim (``_CLAIM_ATTEMPTS`` races
-            lost in a row).
+        FencingContestedError: the key kept changing under this claim (``_CLAIM_ATTEMPTS``
+            races lost in a row).
     """
     existing = client.get(key)
     for _ in range(_CLAIM_ATTEMPTS):
@@ -48,7 +48,7 @@ def claim_fencing_epoch(client: EtcdClient, key: str, floor: int) -> int:
         if written.revision:
             return floor
         existing = written.found  # another member wrote first: compare again
-    raise EtcdRecordError(
+    raise FencingContestedError(
         f"the fencing epoch at {key} changed {_CLAIM_ATTEMPTS} times while this member claimed "
         f"{floor}: something other than this job's members writes that key. Stop it, or give "
         "the job its own --job-id.")

@@ -53,6 +53,11 @@ class EtcdRecordError(ElasticError):
     """A record in the job's etcd prefix that the job cannot go on without is malformed."""
 
 
+class FencingContestedError(EtcdRecordError):
+    """The job's fencing epoch kept changing under this member's claim: something other than
+    the job's members writes that key (a stray process, or another job of the same id)."""
+
+
 class RendezvousClosedError(ElasticError):
     """The job has completed: no new round will form."""
 

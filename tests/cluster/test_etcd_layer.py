@@ -581,7 +581,7 @@ def test_many_puts_fit_an_etcd_that_takes_fewer_operations_per_transaction_and_s
         live, gone = client.grant(timedelta(seconds=30)), client.grant(timedelta(seconds=30))
         assert client.revoke(gone)
         entries = [(f"/few/{i:03d}", f"v{i}", gone if i == 7 else live) for i in range(60)]
-        with caplog.at_level(logging.INFO, logger="elastic.cluster.etcd.client"):
+        with caplog.at_level(logging.INFO, logger="elastic.cluster.etcd.batches"):
             assert client.put_many(entries) == ["/few/007"]
             assert client.put_many(entries[8:]) == []  # the size that fits is kept
         written, _ = client.get_prefix("/few/")

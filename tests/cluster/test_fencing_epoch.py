@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
+from elastic.cluster.etcd.client import EtcdClient
 from elastic.cluster.fencing import claim_fencing_epoch
 from elastic.cluster.rounds.keys import JobKeys
+from elastic.foundation.errors import ElasticError, EtcdRecordError
 
 
 def test_an_epoch_below_the_floor_the_checkpoint_url_requires_is_raised_to_the_floor(client):
@@ -39,3 +43,24 @@ def test_members_claiming_different_floors_at_once_all_end_on_the_highest(client
         thread.join(30)
     assert client.get(key).value == b"5"
     assert all(claimed[floor] >= floor for floor in claimed) and len(claimed) == 4
+
+
+class _RivalWriter(EtcdClient):
+    """A real client of the same etcd whose every compare-and-swap loses: a stray writer puts
+    the fence key just before it (what a foreign process writing the key does)."""
+
+    def replace(self, key, value, mod_revision, **kwargs):  # type: ignore[override]
+        self.put(key, "1")
+        return super().replace(key, value, mod_revision, **kwargs)
+
+
+def test_a_claim_that_loses_every_race_raises_a_contested_error_naming_the_fix(etcd):
+    rival = _RivalWriter(etcd.url)
+    try:
+        with pytest.raises(ElasticError) as raised:
+            claim_fencing_epoch(rival, JobKeys("fence-contested").fence, floor=5)
+    finally:
+        rival.close()
+    assert type(raised.value).__name__ == "FencingContestedError"
+    assert isinstance(raised.value, EtcdRecordError)  # callers catching that still catch it
+    assert "--job-id" in str(raised.value)

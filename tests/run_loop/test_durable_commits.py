@@ -13,6 +13,7 @@ import torch
 from elastic.checkpoint import (CheckpointFencedError, CheckpointIncompatibleError,
                                 CheckpointStorageError, CheckpointStore, CheckpointWriteError)
 from elastic.cluster.etcd.client import EtcdClient
+from elastic.cluster.fencing import claim_fencing_epoch
 from elastic.cluster.rounds.keys import JobKeys
 from elastic.cluster.rounds.membership import EtcdMembership
 from elastic.durable import DurableCommits, fencing_generation, next_epoch
@@ -206,3 +207,27 @@ def test_a_write_fenced_by_another_job_on_the_url_is_a_failure_naming_that_job(t
               if json.loads(line)["event"] == "checkpoint_failed"]
     assert [(e["version"], e["fenced"], e["stale"]) for e in failed] == [(3, True, True)]
     assert failed[0]["newer_job"] == "job-b"
+
+
+
+class _StrayWriter(EtcdClient):
+    """A real client whose every compare-and-swap loses: a stray value is put just before it."""
+
+    def replace(self, key, value, mod_revision, **kwargs):  # type: ignore[override]
+        self.put(key, "stray")
+        return super().replace(key, value, mod_revision, **kwargs)
+
+
+def test_a_fencing_epoch_that_cannot_be_claimed_fails_the_write_instead_of_training(etcd,
+                                                                                    tmp_path):
+    stray, key = _StrayWriter(etcd.url), JobKeys("durable-contested").fence
+    durable = DurableCommits(str(tmp_path / "ckpt"))
+    durable.arm(2, claim_epoch=lambda floor: claim_fencing_epoch(stray, key, floor),
+                confirm_lease=lambda: True, floor=None)  # the formation could not list
+    try:
+        durable.write(payload(1.0), 1, {"epoch": 1})
+        durable.close()
+    finally:
+        stray.close()
+    assert type(durable.last_error).__name__ == "FencingContestedError"
+    assert durable.store.list() == []

@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -37,10 +37,12 @@ import tenacity  # noqa: E402
 from elastic.cluster.etcd.channel import (TRANSIENT, Client, EtcdBusy, busy, cancelled_by_caller,
                                           grpc_options, parse_endpoints, refusal, status_of,
                                           uses_tls)
+from elastic.cluster.etcd.batches import TXN_PUTS, BatchWrites  # noqa: E402
 from elastic.cluster.etcd.keepalive import KeepAlives  # noqa: E402
 from elastic.cluster.etcd.txn import CompareAndSwap  # noqa: E402
 from elastic.cluster.etcd.values import KeyValue, WatchEvent, kv_of, utf8_keys  # noqa: E402
 from elastic.cluster.etcd.key_range import KeyRange  # noqa: E402
+from elastic.cluster.etcd.lease_calls import LeaseCalls  # noqa: E402
 from elastic.cluster.etcd.lease_renewals import LeaseRenewals  # noqa: E402
 from elastic.cluster.etcd.watch import Stop, Watches, within  # noqa: E402
 from elastic.cluster.etcd.tls import (channel_credentials, plaintext_problem,  # noqa: E402
@@ -55,18 +57,7 @@ T = TypeVar("T")
 
 # Retried after fetching a new token: etcd expired or forgot the one we hold.
 _RETRIED = (*TRANSIENT, aetcd.exceptions.UnauthenticatedError)
-# Puts in one transaction: etcd refuses a transaction of more than --max-txn-ops (128 unless
-# its operator lowered it: ``put_many`` then halves what it sends).
-_TXN_PUTS = 100
-
-
-def _too_many_ops(exc: aetcd.ClientError) -> bool:
-    """etcd refused a transaction for holding more operations than its ``--max-txn-ops``."""
-    return status_of(exc) == grpc.StatusCode.INVALID_ARGUMENT \
-        and "too many operations" in str(exc)
-
-
-class EtcdClient(CompareAndSwap):
+class EtcdClient(CompareAndSwap, BatchWrites, LeaseCalls):
     """A synchronous etcd v3 client over aetcd, with bounded retries and endpoint fail-over.
 
     Args:
@@ -98,7 +89,7 @@ class EtcdClient(CompareAndSwap):
         # Beyond one RPC's deadline: how long a caller waits for the loop thread's reply.
         self._shutdown_s = self.timeouts.shutdown.total_seconds()
         self._endpoint_index = 0
-        self._txn_puts = _TXN_PUTS  # keys per transaction of put_many (an etcd may take fewer)
+        self._txn_puts = TXN_PUTS  # keys per transaction of put_many (an etcd may take fewer)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="elastic-etcd",
                                         daemon=True)
@@ -295,91 +286,6 @@ class EtcdClient(CompareAndSwap):
         result = self._call(lambda c: c.put(raw, data, lease=lease), f"put {key!r}")
         return result.header.revision
 
-    def put_many(self, entries: Sequence[tuple[str, bytes | str, int]]) -> list[str]:
-        """Writes many keys, each bound to its lease: up to ``_TXN_PUTS`` to a transaction, the
-        transactions sent together. A key whose lease is gone is not written. An etcd that
-        takes fewer operations per transaction (``--max-txn-ops``) gets halves of a batch it
-        refused, and that size from then on.
-
-        Returns:
-            The keys not written because their lease is gone.
-        """
-        encoded = [(k.encode(), v.encode() if isinstance(v, str) else v, lease)
-                   for k, v, lease in entries]
-        size = self._txn_puts
-        batches = [encoded[i:i + size] for i in range(0, len(encoded), size)]
-
-        async def lease_gone(write: Coroutine[Any, Any, Any]) -> bool:
-            try:
-                await write
-            except aetcd.ClientError as exc:
-                if status_of(exc) != grpc.StatusCode.NOT_FOUND:
-                    raise
-                return True
-            return False
-
-        async def write_batch(c: aetcd.Client, batch: list[tuple[bytes, bytes, int]]
-                              ) -> list[tuple[bytes, bytes, int]]:
-            """Writes ``batch`` in one transaction; returns it whole if a lease was gone."""
-            gone = await lease_gone(c.transaction(compare=[], failure=[], success=[
-                c.transactions.put(k, v, lease=lease) for k, v, lease in batch]))
-            return batch if gone else []
-
-        async def write_all(c: aetcd.Client) -> list[str]:
-            refused = await asyncio.gather(*(self._in_halves(c, b, write_batch)
-                                             for b in batches))
-            # A batch holding a key whose lease is gone wrote nothing: its keys one by one.
-            alone = [e for part in refused for e in part]
-            gone = await asyncio.gather(*(lease_gone(c.put(k, v, lease=lease))
-                                          for k, v, lease in alone))
-            return [k.decode() for (k, _, _), g in zip(alone, gone) if g]
-
-        return self._call(write_all, f"put {len(entries)} keys") if entries else []
-
-    def delete_many(self, keys: Sequence[str]) -> None:
-        """Deletes many keys: as many to a transaction as ``put_many`` puts (halved the same way
-        for an etcd that refuses so many), the transactions sent together."""
-        encoded = [k.encode() for k in keys]
-        size = self._txn_puts
-
-        async def delete_batch(c: aetcd.Client, batch: list[bytes]) -> list[bytes]:
-            await c.transaction(compare=[], failure=[],
-                                success=[c.transactions.delete(k) for k in batch])
-            return []
-
-        async def delete_all(c: aetcd.Client) -> None:
-            await asyncio.gather(*(self._in_halves(c, encoded[i:i + size], delete_batch)
-                                   for i in range(0, len(encoded), size)))
-
-        if keys:
-            self._call(delete_all, f"delete {len(keys)} keys")
-
-    async def _in_halves(self, c: aetcd.Client, batch: list[Any],
-                         send: Callable[[aetcd.Client, list[Any]], Coroutine[Any, Any, list[Any]]]
-                         ) -> list[Any]:
-        """``send(c, batch)``, one transaction; an etcd that takes fewer operations per
-        transaction (``--max-txn-ops``) gets each half instead, and that size from then on.
-        Returns what the sends returned, joined."""
-        try:
-            return await send(c, batch)
-        except aetcd.ClientError as exc:
-            if not _too_many_ops(exc) or len(batch) == 1:
-                raise
-            half = (len(batch) + 1) // 2
-            self._fit_txn(half, exc)
-            halves = await asyncio.gather(self._in_halves(c, batch[:half], send),
-                                          self._in_halves(c, batch[half:], send))
-            return [e for part in halves for e in part]
-
-    def _fit_txn(self, size: int, exc: aetcd.ClientError) -> None:
-        """Puts at most ``size`` keys in each transaction from now on (on the loop thread)."""
-        if size >= self._txn_puts:
-            return
-        if self._txn_puts == _TXN_PUTS:
-            log.info("etcd at %s refused a transaction of %d puts (%s): its --max-txn-ops is "
-                     "lower; writing fewer keys per transaction", self.urls, self._txn_puts, exc)
-        self._txn_puts = size
-
     def get(self, key: str) -> KeyValue | None:
         """Reads one key, or None when it does not exist."""
         got = self._call(lambda c: c.get(key.encode()), f"get {key}")
@@ -403,61 +309,6 @@ class EtcdClient(CompareAndSwap):
     def delete_prefix(self, prefix: str) -> None:
         """Deletes every key under ``prefix``."""
         self._call(lambda c: c.delete_prefix(prefix.encode()), f"delete {prefix}*")
-
-    # -- leases -------------------------------------------------------------------------------
-    def grant(self, ttl: timedelta) -> int:
-        """Grants a lease of ``ttl`` (whole seconds, at least 1); returns its id."""
-        seconds = max(1, round(ttl.total_seconds()))
-        lease = self._call(lambda c: c.lease(seconds), "lease grant")
-        return lease.id
-
-    def refresh(self, lease: int, retry_for: timedelta | None = None) -> int:
-        """Keeps a lease alive once; returns its remaining TTL in seconds, <= 0 when it is gone.
-
-        Args:
-            lease: the lease id.
-            retry_for: how long to retry transient errors (default: the client's deadline).
-        """
-        return self.refresh_many([lease], retry_for)[lease]
-
-    def refresh_many(self, leases: Sequence[int],
-                     retry_for: timedelta | None = None) -> dict[int, int]:
-        """Keeps several leases alive once, their renewals sent together; returns each one's
-        remaining TTL in seconds (``refresh``). A transient error retries them all.
-
-        Raises:
-            EtcdUnavailableError: no answer within ``retry_for``, or an error no other rule
-                maps (a renewal is then as if unanswered).
-            EtcdAccessError: etcd refuses this client.
-        """
-        if not leases:
-            return {}
-
-        async def renew_all(c: aetcd.Client) -> dict[int, int]:
-            return await self._keepalives.renew(c, list(leases), self._rpc_timeout_s)
-
-        try:
-            return self._call(renew_all, "lease keepalive", retry_for)
-        except aetcd.ClientError as exc:
-            raise EtcdUnavailableError(f"etcd at {self.urls} answered a lease keepalive with "
-                                       f"{type(exc).__name__}: {exc}") from exc
-
-    def revoke(self, lease: int) -> bool:
-        """Revokes a lease, deleting every key bound to it.
-
-        Returns:
-            False when the lease did not exist (any more).
-        """
-        async def revoke(c: aetcd.Client) -> bool:
-            try:
-                await c.revoke_lease(lease)
-            except aetcd.ClientError as exc:
-                if status_of(exc) == grpc.StatusCode.NOT_FOUND:
-                    return False
-                raise
-            return True
-
-        return self._call(revoke, "lease revoke")
 
     # -- watches ------------------------------------------------------------------------------
     def follow_prefix(self, prefix: str, callback: Callable[[list[WatchEvent]], None],

@@ -7,11 +7,9 @@ keys after ``control/`` (``JobKeys.coordinated``: members and rounds; ``control/
 own member's watch, so no key reaches it twice), keeps the members, join requests and done marks
 in memory (O(1) work per event), and:
 
-- closes round ``R + 1`` when the rules allow (``verdict.CloseVerdict``: a first round's
-  settle window, a re-formation's roll call of round ``R``), by the same compare-and-swap as
-  always (``Rendezvous.close``: exactly one plan per round, ``round`` only moves forward);
-- seats every member the new plan names (``seat.py``: its rank, under ``assigned/``), then
-  writes the round's news: a member's seat is there before the news of its round;
+- closes round ``R + 1`` when the rules allow and seats every member the new plan names,
+  then writes the round's news: a member's seat is there before the news of its round
+  (``closing.py``: ``verdict.CloseVerdict``, ``Rendezvous.close``, ``seat.py``);
 - tracks the formed round with a ``RoundTracker`` reading every member's records (who is
   news, who breaks the round) and writes what it finds into ``control/news``: pending,
   broken, done, finished.
@@ -31,46 +29,24 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Protocol
 
 from elastic.foundation.errors import (EtcdAccessError, EtcdRecordError, EtcdUnavailableError,
                                        FencedError)
 from elastic.cluster.etcd.client import EtcdClient, KeyValue, WatchEvent
+from elastic.cluster.rounds.closing import RoundCloser, RoundClosing
 from elastic.cluster.rounds.membership import EtcdMembership
 from elastic.cluster.rounds.news import RoundNews
 from elastic.cluster.rounds.news_writer import NewsWriter
 from elastic.cluster.rounds import records
-from elastic.cluster.rounds.plan import CloseRule, JoinRequest, Plan, RendezvousConfig
+from elastic.cluster.rounds.plan import JoinRequest, Plan
 from elastic.cluster.rounds.record_reader import RecordReader
 from elastic.cluster.rounds.records import RecordError, SkippedRecords
-from elastic.cluster.rounds.seat import seats_of
 from elastic.cluster.rounds.tracker import RoundTracker
-from elastic.cluster.rounds.verdict import CloseVerdict
 
 log = logging.getLogger(__name__)
 
 
-class RoundCloser(Protocol):
-    """What the coordinator asks of the job's rendezvous (``rendezvous.Rendezvous``): its
-    limits and close rule, when a round may close, plan and join request reads, and the one
-    compare-and-swap that closes a round."""
-
-    config: RendezvousConfig
-    rule: CloseRule
-    verdict: CloseVerdict
-
-    def read_plan(self, n: int, stored: KeyValue | None = None) -> Plan | None:
-        """The plan of round ``n`` (None: none yet)."""
-
-    def admissible(self, n: int, kv: KeyValue, leases: dict[str, int]) -> JoinRequest | None:
-        """The join request in ``kv`` (None: malformed, or not under its member's lease)."""
-
-    def close(self, n: int, round_revision: int, requests: list[JoinRequest],
-              previous: Plan | None, cut: frozenset[str] = frozenset()) -> Plan | None:
-        """Writes round ``n``'s plan by compare-and-swap (None: another closed it)."""
-
-
-class Coordinator:
+class Coordinator(RoundClosing):
     """Leads the job's rounds while this member holds the coordinator key.
 
     Args:
@@ -329,18 +305,6 @@ class Coordinator:
         self._close_next()
         self._fence_gone()
 
-    def _fence_gone(self) -> None:
-        """Deletes the seat of each member whose key was deleted, in one request: a no-op
-        where its lease ended or ``drop_member`` removed it (each deletes the seat too), the
-        member's fence where the key was deleted by other means (``membership.py``)."""
-        with self._changed:
-            gone = sorted(self._unseat)
-        if not gone:
-            return
-        self._client.delete_many([self._keys.seat(member) for member in gone])
-        with self._changed:
-            self._unseat.difference_update(gone)
-
     def _follow_round(self) -> None:
         """Arms the round tracker when the ``round`` counter moved past the round it tracks."""
         with self._changed:
@@ -425,86 +389,6 @@ class Coordinator:
             return True
         self._poke()
         return False
-
-    def _seat(self, plan: Plan) -> None:
-        """Writes the seat of every member ``plan`` names (``seat.py``), bound to its lease:
-        ``put_many``, about one transaction per hundred members. A member whose lease is gone
-        gets none."""
-        if self._seated == plan.round:
-            return
-        with self._changed:
-            leases = dict(self._members)
-        self._client.put_many([(self._keys.seat(member), seat.to_json(), leases[member])
-                               for member, seat in seats_of(plan).items() if leases.get(member)])
-        self._seated = plan.round
-
-    def _close_next(self) -> None:
-        """Closes round ``R + 1`` when its join requests allow (``verdict.CloseVerdict``)."""
-        n = self._round + 1
-        if n <= self._closed:
-            return  # closed by this leader: its watch brings the new round next
-        if self._cannot_close_yet(n):
-            return
-        with self._changed:
-            leases = dict(self._members)
-            joins = list(self._joins.get(n, {}).values())
-            gone = list(self._gones.get(n, {}).values())
-            revision = self._round_revision if self._round else 0
-        start = len(self._keys.joins(n))  # where the member id begins in a join key
-        requests = [r for r in (self._admissible(n, kv, kv.key[start:], leases) for kv in joins)
-                    if r is not None]
-        state = (frozenset(r.member_id for r in requests), frozenset(leases))
-        now = time.monotonic()
-        if state != self._seen:
-            self._seen, self._last_change = state, now
-        plan = self._plan
-        returning = state[0] & set(plan.ranks) if plan is not None else any(
-            r.from_round for r in requests)  # a first round: members that etcd forgot
-        if returning and (self._rejoin_since is None or self._rejoin_since[0] != n):
-            self._rejoin_since = (n, now)
-        since = self._rejoin_since
-        waited = now - since[1] if since is not None and since[0] == n else 0.0
-        cut = self._rendezvous.verdict(n, requests, leases, plan, now - self._last_change,
-                                       waited, gone) if requests else None
-        if cut is None:
-            return
-        plan = self._rendezvous.close(n, revision, requests, self._plan, cut)
-        if plan is not None:  # its members are told at once, not when the watch brings it
-            self._closed = n
-            self._seat(plan)
-            self._write_news(RoundNews(n))
-            if n > 2:
-                self._client.delete_prefix(self._keys.round_prefix(n - 2))
-
-    def _cannot_close_yet(self, n: int) -> bool:
-        """True while round ``n`` waits for a live member that has not asked, so that the
-        verdict could only say no and weighing it (O(N) each time) can wait until the last one
-        asks; each step then costs O(1), and the whole round O(N).
-
-        A first round closes only once every live member asked (``plan.should_close``). A
-        re-formation waits for each live member of round ``n - 1`` within the rejoin timeout
-        (``roll_call.may_close``), unless a report of an ended connection is to be weighed;
-        the clock starts at the first request of round ``n - 1``'s members, which the full
-        weighing notes."""
-        with self._changed:
-            if self._plan is None:
-                return bool(self._unasked)
-            if self._unasked.isdisjoint(self._plan_members) or self._gones.get(n):
-                return False
-        since = self._rejoin_since
-        if since is None or since[0] != n:
-            return False
-        rejoin_s = self._rendezvous.config.timeouts.rejoin.total_seconds()
-        return time.monotonic() - since[1] < rejoin_s
-
-    def _admissible(self, n: int, kv: KeyValue, member: str,
-                    leases: dict[str, int]) -> JoinRequest | None:
-        """``Rendezvous.admissible``, once per version of a request and of its member's lease
-        (a step sees every request of the round: parsing each again would cost O(N) each)."""
-        checked = (kv.key, kv.mod_revision, leases.get(member))
-        if checked not in self._checked:
-            self._checked[checked] = self._rendezvous.admissible(n, kv, leases)
-        return self._checked[checked]
 
 
 class _Round:

@@ -21,11 +21,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import timedelta
 
 from elastic.foundation.errors import (CutOffError, EtcdAccessError, EtcdRecordError,
                                        EtcdUnavailableError, LeaveInterrupt,
-                                       RendezvousClosedError, RendezvousTimeoutError)
+                                       RendezvousClosedError)
 from elastic.cluster.etcd.client import EtcdClient, WatchEvent
 from elastic.cluster.rounds.keys import JobKeys
 from elastic.cluster.rounds.membership import EtcdMembership
@@ -34,10 +33,12 @@ from elastic.cluster.etcd.txn import Carried
 from elastic.cluster.rounds.plan import CloseRule, JoinRequest, Plan, RendezvousConfig, assign_ranks
 from elastic.cluster.rounds import records
 from elastic.cluster.rounds.gone_reports import GoneReports
+from elastic.cluster.rounds.join_requests import JoinRequests
 from elastic.cluster.rounds.verdict import CloseVerdict
 from elastic.cluster.rounds.coordinator import Coordinator
 from elastic.cluster.rounds.news import RoundNews, read_news
 from elastic.cluster.rounds.records import RecordError, SkippedRecords
+from elastic.cluster.rounds.round_finish import RoundFinish
 from elastic.cluster.rounds.seat import UNSEATED, Seat, seat_in
 from elastic.cluster.rounds.topology import Topology
 
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 FIRST_ROUND = 1  # a job's first round: the one a registration's join request asks for
 
 
-class Rendezvous:
+class Rendezvous(RoundFinish):
     """Joins rounds of one job.
 
     Args:
@@ -79,6 +80,7 @@ class Rendezvous:
         # Listening before the registration: it hands over the ``control/`` keys as they were.
         self._hears_registration = not membership.is_registered
         self._gone = GoneReports(client, self._keys, self._skipped)
+        self._requests = JoinRequests(client, self._keys, self._skipped, config)
         self.verdict = CloseVerdict(self.rule, config.timeouts.rejoin, self._gone)
         self._coordinator = Coordinator(client, membership, self, self._skipped)
 
@@ -321,7 +323,7 @@ class Rendezvous:
             if news.round == n - 1 and news.done:
                 raise RendezvousClosedError(f"The job finished in round {n - 1}; nothing to join.")
             self._report_gone(n, gone(n), reported)
-            enough_since = self._check_limits(n, started, enough_since, time.monotonic())
+            enough_since = self._requests.check_limits(n, started, enough_since, time.monotonic())
             with self._changed:
                 if self._epoch == epoch:
                     self._changed.wait(timeout=self.config.timeouts.wake.total_seconds())
@@ -334,53 +336,9 @@ class Rendezvous:
         if dead:
             self._coordinator.forget_dead(dead)
 
-    def _read_round(self, n: int) -> tuple[list[JoinRequest], set[str]]:
-        """The round's admissible join requests and the live members' ids.
-
-        The joins are read first: a member registers before it joins, so the member key of a
-        live joiner is in the later read.
-        """
-        joins, _ = self._client.get_prefix(self._keys.joins(n))
-        members, _ = self._client.get_prefix(self._keys.members)
-        leases = {kv.key[len(self._keys.members):]: kv.lease for kv in members}
-        requests = [r for r in (self.admissible(n, kv, leases) for kv in joins) if r is not None]
-        return requests, set(leases)
-
     def admissible(self, n: int, kv: KeyValue, leases: dict[str, int]) -> JoinRequest | None:
-        """The join request in ``kv``, or None (skipped with a warning) when it is malformed or
-        was not written under its member's lease."""
-        member = kv.key[len(self._keys.joins(n)):]
-        request = self._skipped.read(kv.key, kv.mod_revision, lambda: JoinRequest.from_json(
-            kv.value, kv.create_revision, member))
-        if request is None:
-            return None
-        if leases.get(member) != kv.lease or not kv.lease:
-            self._skipped.skip(kv.key, kv.mod_revision, "it was not written under the lease of a "
-                                                        "registered member of that id")
-            return None
-        return request
-
-    def _check_limits(self, n: int, started: float, enough_since: float,
-                      now: float) -> float:
-        """Raises when a deadline passed; returns when the round last had min_workers.
-
-        Only past the rendezvous timeout does it read the round's join requests (one read per
-        wake), so a waiting member reads no other member's records while rounds form in time.
-        """
-        timeout_s = self.config.timeouts.rendezvous.total_seconds()
-        if now - enough_since > timeout_s:
-            requests, _ = self._read_round(n)
-            if len(requests) >= self.config.min_workers:
-                return now
-            raise RendezvousTimeoutError(
-                f"Round {n}: only {len(requests)} of min_workers={self.config.min_workers} "
-                f"worker(s) joined within {timeout_s:.0f} s. Start more workers, or lower "
-                "--min-workers / ELASTIC_MIN_WORKERS.")
-        if now - started > self.config.timeouts.admit.total_seconds():
-            raise RendezvousTimeoutError(
-                f"Round {n} did not form within {self.config.timeouts.admit}: the running members "
-                "admit new workers only at state.commit() or state.check_membership().")
-        return enough_since
+        """``JoinRequests.admissible`` (what the coordinator asks)."""
+        return self._requests.admissible(n, kv, leases)
 
     def close(self, n: int, round_revision: int, requests: list[JoinRequest],
               previous: Plan | None, cut: frozenset[str] = frozenset()) -> Plan | None:
@@ -436,35 +394,3 @@ class Rendezvous:
         if self._membership.is_registered and not self._membership.has_left:
             self._membership.fence(why)
             self._membership.check_not_fenced()
-
-    def finish(self, topology: Topology, timeout: timedelta) -> None:
-        """Records that this member returned from the training function, then waits until every
-        member of the round has either returned too or gone (so that no finisher breaks a peer
-        still in its last collective): the coordinator says so in the round's news.
-        """
-        n = topology.round
-        self._coordinator.start()
-        self._client.put(self._keys.done(n, self._membership.member_id), b"1")
-        deadline = time.monotonic() + timeout.total_seconds()
-        while time.monotonic() < deadline:
-            with self._changed:
-                epoch = self._epoch
-            news = self._news_now()
-            if news.round > n or (news.round == n and news.finished):
-                return
-            if self._membership.fenced.is_set() and not self._waited_for(topology):
-                return  # with its lease gone it cannot coordinate: it looks for itself
-            with self._changed:
-                if self._epoch == epoch:
-                    self._changed.wait(timeout=self.config.timeouts.wake.total_seconds())
-        log.warning("the members of round %d did not all finish within %s", n, timeout)
-
-    def _waited_for(self, topology: Topology) -> list[str]:
-        """The members of the round that neither returned nor left, read from etcd (O(N): only
-        for a fenced member, when every lease may be gone and no coordinator can speak)."""
-        n = topology.round
-        plan = self.read_plan(n)
-        dones, _ = self._client.get_prefix(self._keys.dones(n))
-        finished = {kv.key[len(self._keys.dones(n)):] for kv in dones}
-        _, live = self._read_round(n + 1)
-        return [m for m in (plan.ranks if plan else []) if m not in finished and m in live]
