@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 from datetime import timedelta
 
 from elastic.foundation.errors import EtcdUnavailableError
@@ -37,41 +36,9 @@ from elastic.cluster.rounds.keys import JobKeys
 from elastic.cluster.rounds.membership import EtcdMembership
 from elastic.launch.warm_start import WarmStart, reap_adopted
 from elastic.launch.worker_procs import WorkerProcs, describe_exit
+from elastic.launch.etcd_exit import EtcdExit
 
 log = logging.getLogger(__name__)
-
-
-class EtcdExit:
-    """Notices that the embedded etcd process exited, and wakes the launcher at once.
-
-    Args:
-        process: the etcd server process.
-        log_path: its log file, named in the message.
-        wake: the Event the launcher waits on.
-    """
-
-    def __init__(self, process: subprocess.Popen[bytes], log_path: str,
-                 wake: threading.Event) -> None:
-        self.process = process
-        self.log_path = log_path
-        self.said = False
-        self._exited = threading.Event()
-        self._wake = wake
-        threading.Thread(target=self._wait, name="elastic-etcd-exit", daemon=True).start()
-
-    def _wait(self) -> None:
-        self.process.wait()
-        self._exited.set()
-        self._wake.set()
-
-    def is_set(self) -> bool:
-        return self._exited.is_set()
-
-    def message(self) -> str:
-        return (f"the embedded etcd exited ({describe_exit(self.process.returncode or 0)}; its "
-                f"log is kept: {self.log_path}); the job cannot go on without it, so its workers are "
-                "stopped. Start the job again (it resumes from --checkpoint), or give "
-                "`--etcd URL` of an etcd that outlives the job.")
 
 
 def revoke_worker_leases(client: EtcdClient, leases: list[int]) -> list[int]:
