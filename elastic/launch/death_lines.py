@@ -28,11 +28,16 @@ def cause(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
+def named(local_rank: int, host: str, pid: int) -> str:
+    """``worker local_rank=1 (host-a:pid 812)``: a worker as the launcher's lines name it."""
+    return f"worker local_rank={local_rank} ({host}:pid {pid})"
+
+
 def died(local_rank: int, host: str, pid: int, returncode: int) -> str:
     """``worker local_rank=1 (host-a:pid 812) died (SIGKILL)``, or ``... failed (exit code 1)``
     when the process exited with an error status of its own."""
     verb = "died" if returncode < 0 else "failed"
-    return f"worker local_rank={local_rank} ({host}:pid {pid}) {verb} ({cause(returncode)})"
+    return f"{named(local_rank, host, pid)} {verb} ({cause(returncode)})"
 
 
 def with_detail(line: str, detail: str) -> str:

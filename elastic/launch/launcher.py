@@ -36,7 +36,7 @@ from elastic.cluster.rounds.keys import JobKeys
 from elastic.cluster.rounds.membership import EtcdMembership
 from elastic.launch.warm_start import WarmStart, reap_adopted
 from elastic.launch.worker_procs import Worker, WorkerProcs
-from elastic.launch.death_lines import died, with_detail
+from elastic.launch.death_lines import died, named, with_detail
 from elastic.launch.etcd_exit import EtcdExit
 
 log = logging.getLogger(__name__)
@@ -365,19 +365,20 @@ class Launcher:
     def _drop_silent(self) -> None:
         """Removes the workers under this launcher's lease whose heartbeats stopped."""
         assert self.node_members is not None
-        for pid, silent_s, dropped in self.node_members.drop_silent(
-                w.pid for w in self.procs.running()):
+        running = {w.pid: w.local_rank for w in self.procs.running()}
+        for pid, silent_s, dropped in self.node_members.drop_silent(running):
             if dropped:
-                self._tell(f"worker pid={pid} sent no heartbeat for {silent_s:.1f} s (stopped "
-                           f"or hung); removed it from the job (member {dropped[-1]}), as its "
-                           "lease would have expired")
+                self._tell(f"{named(running[pid], socket.gethostname(), pid)} sent no heartbeat "
+                           f"for {silent_s:.1f} s (stopped or hung); removed it from the job "
+                           f"(member {dropped[-1]}), as its lease would have expired")
 
     def _shutdown(self, failed: int) -> int:
         grace = timedelta() if self.stop.forced.is_set() else self.spec.timeouts.grace
         self.procs.terminate(grace, cut=self.stop.forced)
         for worker in self.procs.exited():
             if worker.returncode == -signal.SIGTERM and not self._has_joined(worker.pid):
-                _say(f"worker pid={worker.pid} was stopped before it joined the job")
+                _say(f"{named(worker.local_rank, socket.gethostname(), worker.pid)} was "
+                     "stopped before it joined the job")
             elif worker.returncode:
                 failed += 1
         return self.stop.exit_status or (1 if failed else 0)

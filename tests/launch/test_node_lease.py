@@ -88,7 +88,7 @@ def test_a_stopped_worker_under_a_node_lease_is_removed_after_a_ttl_and_rejoins_
                    "the other worker to go on alone", [run])
         # The other worker's heartbeats left it out first; its launcher still drops its member
         # (the shared lease cannot see a stopped worker) once its lease file goes stale.
-        wait_until(lambda: f"worker pid={frozen} sent no heartbeat for " in run.text(), 30,
+        wait_until(lambda: f":pid {frozen}) sent no heartbeat for " in run.text(), 30,
                    "the launcher to drop the stopped worker", [run])
     finally:
         # Read before the signal: a continued worker can register again within milliseconds,

@@ -231,7 +231,7 @@ def test_a_worker_stopped_by_sigterm_before_it_joined_leaves_the_job_a_clean_exi
     starting = int(pid_file.read_text())
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait(30) == 0, run.text()
-    assert f"worker pid={starting} was stopped before it joined the job" in run.text()
+    assert f":pid {starting}) was stopped before it joined the job" in run.text()
 
 
 def test_a_second_sigint_kills_workers_that_ignore_the_first_without_waiting_the_grace(
