@@ -2,7 +2,7 @@
 
 Usage: ``.venv/bin/python benchmarks/rollback_compiled.py`` (not part of the test suite). Runs
 ``tests/scenarios/test_rollback_matrix.py`` for the ``compiled`` loop (a ``torch.compile``d
-model under DDP, CPU inductor) in both commit modes: three SIGKILLs and joiners each, the end
+model under DDP, CPU inductor) in both commit modes: two SIGKILLs and joiners each, the end
 state compared bit for bit with an uninterrupted run. Prints pytest's verdict and the wall time.
 """
 

@@ -230,8 +230,10 @@ class Cluster:
             with Stopwatch() as waited:
                 try:
                     port, self._port = self._port or free_port(), None
-                    topology = self.rendezvous.join(reason, version, port, cancelled,
-                                                    self._members_gone, self._came_from())
+                    topology = self.rendezvous.join(
+                        reason, version, port, cancelled, self._members_gone, self._came_from(),
+                        on_spare=lambda: self.events.emit(
+                            "spare", waited_s=time.monotonic() - waited.started))
                 except FencedError as exc:
                     self.membership.fence(str(exc))  # a write found the lease gone
                     continue

@@ -23,6 +23,7 @@ from elastic.cluster.rounds.keys import JobKeys
 from elastic.cluster.worker_lease_file import heartbeat
 from elastic.cluster.rounds.membership import EtcdMembership, NodeLease, drop_member
 from elastic.cluster.rounds.news import NewsReader, RoundNews
+from elastic.cluster.rounds.plan import JoinRequest
 from elastic.cluster.rounds.records import RecordError
 from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig
 from elastic.cluster.rounds.topology import Topology
@@ -242,11 +243,15 @@ def test_a_coordinator_whose_watch_has_not_brought_its_own_news_back_writes_the_
     keys = JobKeys("scale-late-news")
     news = lambda: RoundNews.from_json(counting.get(keys.news).value)  # noqa: E731
     members = [Member(counting, "scale-late-news") for _ in range(3)]
-    newcomer = Member(counting, "scale-late-news")
+    newcomer: Member | None = None
     joined: list[Topology] = []
-    joining = threading.Thread(target=lambda: joined.append(newcomer.form("start")), daemon=True)
     try:
         form_all(members, "start")
+        # Registered once the job has a round: it asks for round 2 (one registered before
+        # would be in round 1, its registration carrying its request).
+        newcomer = Member(counting, "scale-late-news")
+        joining = threading.Thread(target=lambda: joined.append(newcomer.form("start")),
+                                   daemon=True)
         lagging.set()
         joining.start()
         assert poll_until(lambda: news().pending, WAIT_S), "the newcomer's news"
@@ -269,7 +274,7 @@ def test_a_coordinator_whose_watch_has_not_brought_its_own_news_back_writes_the_
         assert all(written), f"refused news writes: {written}"
     finally:
         lagging.clear()
-        for m in [*members, newcomer]:
+        for m in [*members, *([newcomer] if newcomer else [])]:
             m.leave()
         counting.close()
 
@@ -411,6 +416,65 @@ def test_a_newcomer_makes_the_round_pending_without_breaking_it(client):
         joining.join(WAIT_S)
         assert newcomer.rendezvous.latest_round() == 2
     finally:
+        for m in members + ([newcomer] if newcomer else []):
+            m.leave()
+
+
+def test_a_member_whose_first_seat_came_before_it_asked_takes_that_seat(client):
+    # Seen in the rollback matrix under load: the registration carries the request for round
+    # 1; the round closed and the seat came by watch before the member called ``join``, which
+    # then asked for round 2, and round 1's group waited out the 20 s form timeout for it.
+    keys = JobKeys("scale-seated-early")
+    first = Member(client, "scale-seated-early")
+    late = Member(client, "scale-seated-early")  # round 1 closes a settle window later
+    told = threading.Event()
+    late.membership.add_listener(lambda events: told.set() if any(
+        e.key == keys.seat(late.id) for e in events) else None)
+    left = threading.Event()
+    pool = ThreadPoolExecutor(2)
+    try:
+        formed = pool.submit(first.form, "start")  # its coordinator closes round 1
+        assert told.wait(WAIT_S)  # after the rendezvous' own listener heard it
+        asked = pool.submit(late.rendezvous.join, "start", 0, 29500, cancelled=left.is_set)
+        topology = asked.result(timeout=10)
+        assert topology is not None and topology.round == 1
+        assert formed.result(timeout=WAIT_S).round == 1
+    finally:
+        left.set()
+        pool.shutdown(wait=True)
+        for m in (first, late):
+            m.leave()
+
+
+def test_a_newcomer_to_a_world_at_max_workers_asks_as_a_spare_and_takes_a_dead_members_place(
+        client):
+    # The rollback matrix's spurious re-formation (issue 39): of workers started together, the
+    # first round closes once max_workers asked; one registering just after asked as a
+    # newcomer ("start"), news to the running world, which re-formed at its next commit into
+    # the same world with the newcomer a spare. A spare's request ("spare") is not news.
+    config = RendezvousConfig(max_workers=2, timeouts=TIMEOUTS)
+    keys = JobKeys("scale-full")
+    members = [Member(client, "scale-full", config=config) for _ in range(2)]
+    newcomer = None
+    left, told = threading.Event(), threading.Event()
+    pool = ThreadPoolExecutor(1)
+    try:
+        form_all(members, "start")
+        newcomer = Member(client, "scale-full", config=config)
+        joining = pool.submit(newcomer.rendezvous.join, "start", 0, 29500, cancelled=left.is_set,
+                              on_spare=told.set)
+        assert told.wait(WAIT_S)  # a spare at once, with no round formed to say so
+        asked = JoinRequest.from_json(client.get(keys.join(2, newcomer.id)).value, 0,
+                                      newcomer.id)
+        assert asked.reason == "spare"
+        client.revoke(members[1].membership.lease)
+        assert members[0].broken.wait(WAIT_S)
+        topology = members[0].form("failure")
+        taken = joining.result(timeout=WAIT_S)
+        assert (topology.round, taken.round, taken.world_size) == (2, 2, 2)
+    finally:
+        left.set()
+        pool.shutdown(wait=True)
         for m in members + ([newcomer] if newcomer else []):
             m.leave()
 

@@ -26,8 +26,9 @@ def test_a_worker_that_imports_slowly_is_in_the_first_round(cli, tmp_path):
     assert first_world(log_dir) == 2, run.text()
 
 
-def test_two_local_workers_form_the_first_round_together_five_runs_in_a_row(cli, tmp_path):
-    for attempt in range(5):
+def test_two_local_workers_form_the_first_round_together_three_runs_in_a_row(cli, tmp_path):
+    # Workers that start together, however they race; the test above makes one seconds late.
+    for attempt in range(3):
         log_dir = tmp_path / f"events-{attempt}"
         run = cli("run", "-n", "2", "--log-dir", str(log_dir), NEWCOMER)
         assert run.wait(120) == 0, run.text()

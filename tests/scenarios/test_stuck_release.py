@@ -12,7 +12,7 @@ import signal
 
 from tests.scenarios.test_elastic_recovery import ARGS, check_outcome
 
-GRACE_S = 3.0
+GRACE_S = 2.0
 
 
 def test_a_worker_blocked_after_its_round_was_released_restarts_in_place_and_rejoins(make_job):
@@ -42,10 +42,10 @@ def test_a_worker_blocked_after_its_round_was_released_restarts_in_place_and_rej
 
 def test_every_survivor_in_a_long_step_at_a_death_waits_and_the_job_goes_on_from_its_commit(
         make_job):
-    # Both survivors stay inside a step with no collective (10 s, past the 3 s grace) when the
+    # Both survivors stay inside a step with no collective (5 s, past the 2 s grace) when the
     # third worker dies: nobody else holds their commit, so neither may restart in place.
     job = make_job(ARGS + ["--step-ms", "100"],
-                   {"FAULTS": "slow:0:20,slow:2:20,kill:1:20", "SLOW_STEP_MS": "10000",
+                   {"FAULTS": "slow:0:20,slow:2:20,kill:1:20", "SLOW_STEP_MS": "5000",
                     "ELASTIC_RELEASE_GRACE": str(GRACE_S)})
     job.start_together(range(3))
     assert job.wait_exit(1) == -signal.SIGKILL

@@ -29,9 +29,10 @@ class JoinRequest:
 
     ``reason`` is one of "start" (a new process), "change" (a running member at an agreed
     re-formation), "failure" (a running member whose group broke), "spare" (a member left out by
-    ``max_workers`` asking again, or a warm spare). ``standby`` marks a warm spare
-    (``elastic run --spares``): it takes a place in a round only when a member of the previous
-    round is gone, never to grow the world. ``from_round`` and ``from_world`` name the round this
+    ``max_workers`` asking again, a new process while the world is at ``max_workers``, or a
+    warm spare; not news: the running members do not re-form for it). ``standby`` marks a
+    warm spare (``elastic run --spares``): it takes a place in a round only when a member of
+    the previous round is gone, never to grow the world. ``from_round`` and ``from_world`` name the round this
     process was last in and its world size (0: none), so that a first round after etcd lost
     its rounds waits for the old world (``roll_call.returning_short``). ``node`` names the
     launcher that started this member and ``node_workers`` how many workers it started (""

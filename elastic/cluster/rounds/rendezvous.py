@@ -166,7 +166,8 @@ class Rendezvous:
     def join(self, reason: str, version: int, port: int,
              cancelled: Callable[[], bool] = lambda: False,
              gone: Callable[[int], dict[str, str]] = lambda n: {},
-             came_from: tuple[int, int] = (0, 0)) -> Topology | None:
+             came_from: tuple[int, int] = (0, 0),
+             on_spare: Callable[[], None] = lambda: None) -> Topology | None:
         """Asks to be in the next round and waits until it forms.
 
         Args:
@@ -178,6 +179,8 @@ class Rendezvous:
                 ``silent``: they may be cut off, ``frozen``), asked while waiting for round
                 ``n`` (reported in etcd, so that nobody waits for their leases).
             came_from: the round this process was last in and its world size (0, 0: none).
+            on_spare: called when a new member asks as a spare (the world is full): no round
+                forms to tell it so.
 
         Returns:
             This member's topology, or None when it was left out as a spare (call again).
@@ -195,11 +198,14 @@ class Rendezvous:
         while True:
             self._membership.check_not_fenced()
             n = self._newest_told() + 1
+            early = self._early_seat(n - 1)
+            if early is not None:
+                return self._take(early)
             if self._last_round and n - 1 > self._last_round:  # it went on: without this one?
                 went_on = self.read_plan(self._last_round + 1)
                 me = self._membership.member_id
                 self._check_not_cut(None if went_on is None else seat_in(went_on, me))
-            waits = self.standby and self._is_world_full()
+            waits = self._waits(reason)
             request = self._request(self._membership.member_id, reason, version, port,
                                     came_from, waits).to_json()
             reported: set[str] = set()  # before asking: a split is seen whole when all asked
@@ -208,6 +214,8 @@ class Rendezvous:
             if n != FIRST_ROUND or carried != request or not self._membership.carried:
                 self._client.put(self._keys.join(n, self._membership.member_id), request,
                                  lease=self._membership.lease)
+            if waits and reason != "spare":
+                on_spare()
             seat = self._wait_for_seat(n, started, cancelled, gone, reported)
             if seat is None:
                 log.info("round %d closed without %s (or was overtaken); asking for the next",
@@ -216,28 +224,52 @@ class Rendezvous:
             self._check_not_cut(seat)
             if seat.place == "spare":
                 return None
-            self.standby = False
-            self._last_round = n
-            return Topology.of(seat, self._membership.member_id, self._keys.store(n))
+            return self._take(seat)
+
+    def _take(self, seat: Seat) -> Topology:
+        """This member's place in the round of ``seat``."""
+        self.standby = False
+        self._last_round = seat.round
+        return Topology.of(seat, self._membership.member_id, self._keys.store(seat.round))
+
+    def _early_seat(self, newest: int) -> Seat | None:
+        """This member's rank in round ``newest`` when it came before ``join`` asked: the
+        registration carried the request of round 1, and under load the round closed and the
+        watch brought the seat first. Its round waits for it (asking for the next one instead
+        left that round's group waiting out the form timeout)."""
+        with self._changed:
+            seat = self._seat
+        if seat is None or seat.place != "rank" or seat.round != newest \
+                or seat.round <= self._last_round:
+            return None
+        return seat
 
     def _request(self, member_id: str, reason: str, version: int, port: int,
                  came_from: tuple[int, int], waits: bool) -> JoinRequest:
-        # A warm spare that ``waits`` never asks the running members to re-form; one that does
-        # not (their world is below its target: deaths took places no spare filled) is taken.
+        # A member that ``waits`` asks as a spare: the running members do not re-form for it
+        # (``record_reader``), and it takes a place at their next re-formation that has one.
         return JoinRequest(member_id, version, "spare" if waits else reason,
                            self._membership.advertise_addr, port, standby=self.standby,
                            from_round=came_from[0], from_world=came_from[1],
                            node=self.config.node, node_workers=self.config.node_workers)
 
-    def _is_world_full(self) -> bool:
-        """Whether the newest round's world is at its target (True when none formed yet, or
-        its plan cannot be read: a spare then waits, as before)."""
+    def _waits(self, reason: str) -> bool:
+        """Whether this member asks as a spare, not as news for the running members to re-form
+        at their next commit: a warm spare while the newest round's world is at its target
+        (also when none formed yet, or its plan cannot be read), and a new process ("start")
+        while that world is at ``max_workers``, where a re-formation would only name it a
+        spare. A member of the round ("change", "failure") never waits."""
+        limit = self.config.max_workers
+        if not self.standby and (reason != "start" or limit is None):
+            return False
         newest = self._newest_told()
         try:
             plan = self.read_plan(newest) if newest else None
         except (EtcdUnavailableError, EtcdAccessError, EtcdRecordError):
             plan = None
-        return plan is None or plan.is_full
+        if self.standby:
+            return plan is None or plan.is_full
+        return plan is not None and limit is not None and plan.world_size >= limit
 
     def first_join(self, reason: str, version: int, port: int,
                    came_from: tuple[int, int] = (0, 0)) -> Callable[[str], Carried]:
