@@ -36,7 +36,9 @@ from elastic.launch.stop_signal import StopSignal
 from elastic.cluster.rounds.keys import JobKeys
 from elastic.cluster.rounds.membership import EtcdMembership
 from elastic.launch.warm_start import WarmStart, reap_adopted
-from elastic.launch.worker_procs import WorkerProcs, describe_exit
+from elastic.launch.worker_procs import Worker, WorkerProcs
+from elastic.launch.death_lines import died, named, with_detail
+from elastic.launch.etcd_exit import EtcdExit
 
 log = logging.getLogger(__name__)
 
@@ -244,8 +246,8 @@ class Launcher:
             if self.is_etcd_lost():
                 return 1  # the workers are killed on the way out: none can leave gracefully
             for replacement, why in held.due():
-                _say(f"starting the replacement of worker local_rank={replacement.local_rank} "
-                     f"({why})")
+                self._tell(f"starting the replacement of worker local_rank="
+                           f"{replacement.local_rank} ({why})")
                 self._start(replacement.local_rank, replacement.standby)
             for worker in self.procs.exited():
                 code = worker.returncode or 0
@@ -259,7 +261,7 @@ class Launcher:
                     self.metrics.failed(code)
                 setup_error = self.leases.has_mark(worker.pid, SETUP_ERROR)
                 error_line = worker.last_error_line()
-                self._revoke(worker.pid, code, hint=not setup_error
+                self._revoke(worker, code, hint=not setup_error
                              and import_failure(error_line) is None)
                 committed = self.leases.has_committed(worker.pid)
                 self.leases.forget(worker.pid)
@@ -284,12 +286,12 @@ class Launcher:
         when = (f" once the others re-formed without it (at most "
                 f"{self.spec.timeouts.replace_wait.total_seconds():g} s)" if held else "")
         if self._take_waiting_spare(pid):
-            _say(f"a warm spare takes the place of worker local_rank={local_rank}; starting a "
-                 f"new spare in its slot{when} (restart {restarts.used} of "
-                 f"{self.spec.max_restarts})")
+            self._tell(f"a warm spare takes the place of worker local_rank={local_rank}; "
+                       f"starting a new spare in its slot{when} (restart {restarts.used} of "
+                       f"{self.spec.max_restarts})")
         else:
-            _say(f"restarting worker local_rank={local_rank}{when} (restart {restarts.used} of "
-                 f"{self.spec.max_restarts})")
+            self._tell(f"restarting worker local_rank={local_rank}{when} (restart "
+                       f"{restarts.used} of {self.spec.max_restarts})")
         if not held:
             self._start(replacement.local_rank, replacement.standby)
 
@@ -331,46 +333,53 @@ class Launcher:
         """Whether worker ``pid`` ever registered as a member of the job."""
         return self.joined is not None and self.joined.has_joined(pid)
 
-    def _revoke(self, pid: int, code: int, hint: bool = True) -> None:
+    def _revoke(self, worker: Worker, code: int, hint: bool = True) -> None:
+        """Revokes dead ``worker``'s leases (or removes it from the job) and says it died, in
+        one line; what was done in etcd goes to the log (``death_lines``)."""
         assert self.client is not None
-        leases = self.leases.read(pid)
+        pid, leases = worker.pid, self.leases.read(worker.pid)
+        line = died(worker.local_rank, socket.gethostname(), pid, code)
         try:
             revoked = revoke_worker_leases(self.client, leases)
             dropped = self.node_members.drop(pid) if self.node_members is not None else []
         except EtcdUnavailableError as exc:
-            _say(f"worker pid={pid} {describe_exit(code)}; could not revoke its lease ({exc})")
+            _say(f"{line}; could not revoke its lease ({exc})")
             return
         if revoked:
-            _say(f"worker pid={pid} {describe_exit(code)}; revoked its lease {revoked[-1]:x}")
+            self._tell(with_detail(line, f"revoked its lease {revoked[-1]:x}"))
         elif dropped:
-            _say(f"worker pid={pid} {describe_exit(code)}; removed it from the job (member "
-                 f"{dropped[-1]})")
+            self._tell(with_detail(line, f"removed it from the job (member {dropped[-1]})"))
         elif self._has_joined(pid) and code > 0:
-            _say(f"worker pid={pid} {describe_exit(code)} after it had joined the job and left "
-                 "it (its own error; see its output above)")
+            self._tell(f"{line} after it had joined the job and left it (its own error; see "
+                       "its output above)")
         elif leases or self._has_joined(pid):
-            _say(f"worker pid={pid} {describe_exit(code)}; its lease was gone already")
+            self._tell(with_detail(line, "its lease was gone already"))
         elif hint:  # (no hint: the refusal to restart it says what went wrong)
-            _say(f"worker pid={pid} {describe_exit(code)} before it joined the job. If it is a "
-                 "plain torch.distributed script (no ElasticState), run it with "
-                 "`elastic run --plain`.")
+            _say(f"{line} before it joined the job. If it is a plain torch.distributed script "
+                 "(no ElasticState), run it with `elastic run --plain`.")
+
+    def _tell(self, message: str) -> None:
+        """Says one line of the job's story (a death, a restart); ``--quiet`` hides it."""
+        if not self.spec.output.quiet:
+            _say(message)
 
     def _drop_silent(self) -> None:
         """Removes the workers under this launcher's lease whose heartbeats stopped."""
         assert self.node_members is not None
-        for pid, silent_s, dropped in self.node_members.drop_silent(
-                w.pid for w in self.procs.running()):
+        running = {w.pid: w.local_rank for w in self.procs.running()}
+        for pid, silent_s, dropped in self.node_members.drop_silent(running):
             if dropped:
-                _say(f"worker pid={pid} sent no heartbeat for {silent_s:.1f} s (stopped or "
-                     f"hung); removed it from the job (member {dropped[-1]}), as its lease "
-                     "would have expired")
+                self._tell(f"{named(running[pid], socket.gethostname(), pid)} sent no heartbeat "
+                           f"for {silent_s:.1f} s (stopped or hung); removed it from the job "
+                           f"(member {dropped[-1]}), as its lease would have expired")
 
     def _shutdown(self, failed: int) -> int:
         grace = timedelta() if self.stop.forced.is_set() else self.spec.timeouts.grace
         self.procs.terminate(grace, cut=self.stop.forced)
         for worker in self.procs.exited():
             if worker.returncode == -signal.SIGTERM and not self._has_joined(worker.pid):
-                _say(f"worker pid={worker.pid} was stopped before it joined the job")
+                _say(f"{named(worker.local_rank, socket.gethostname(), worker.pid)} was "
+                     "stopped before it joined the job")
             elif worker.returncode:
                 failed += 1
         return self.stop.exit_status or (1 if failed else 0)

@@ -38,8 +38,9 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the workers' lines as they are, without the [localN]: "
                              "prefix (or [rankN]: under --plain)")
     parser.add_argument("--quiet", action="store_true",
-                        help="hide the job's story lines (joins, failures, re-formations, "
-                             "resumes, durable checkpoints); errors are still shown")
+                        help="hide the job's story lines (joins, deaths, restarts, "
+                             "re-formations, resumes, durable checkpoints); errors are still "
+                             "shown")
     parser.add_argument("--tee", choices=sorted(TEE_CHOICES), default="0",
                         help="also write each worker's stdout (1), stderr (2) or both (3) to "
                              "LOG_DIR/output-HOST-localN.log (needs --log-dir)")

@@ -30,7 +30,8 @@ from elastic.cluster.rounds.topology import Topology
 from elastic.cluster.rounds.membership import EtcdMembership
 from elastic.launch.launch_spec import LaunchSpec
 from elastic.launch.stop_signal import StopSignal
-from elastic.launch.worker_procs import WorkerProcs, describe_exit
+from elastic.launch.death_lines import died
+from elastic.launch.worker_procs import WorkerProcs
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,9 @@ class PlainGenerations:
                     print(f"elastic: {self.failure} and --max-restarts "
                           f"({self.spec.max_restarts}) is used up; giving up.", flush=True)
                     return 1
-                print(f"elastic: {self.failure}; restarting every worker (restart {failures} "
-                      f"of {self.spec.max_restarts})", flush=True)
+                if not self.spec.output.quiet:  # a line of the story: --quiet hides it
+                    print(f"elastic: {self.failure}; restarting every worker (restart "
+                          f"{failures} of {self.spec.max_restarts})", flush=True)
             reason = "failure" if outcome == "failed" else "change"
 
     def _join(self, reason: str) -> tuple[Topology | None, socket.socket]:
@@ -168,8 +170,8 @@ class PlainGenerations:
             exited = procs.exited()
             failed = [w for w in exited if w.returncode]
             if failed:
-                self.failure = (f"worker local_rank={failed[0].local_rank} pid={failed[0].pid} "
-                                f"{describe_exit(failed[0].returncode or 0)}")
+                self.failure = died(failed[0].local_rank, socket.gethostname(), failed[0].pid,
+                                    failed[0].returncode or 0)
                 return "failed"
             if self.news.is_set():
                 return "changed"

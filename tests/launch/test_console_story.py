@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import urllib.error
 import urllib.request
 
@@ -49,13 +50,19 @@ def test_a_kill_and_the_join_are_told_once_each_and_scraped_from_the_launcher(cl
                60, "the first formation's line", [run])
     wait_until(lambda: scrape(port).get("elastic_steps", 0) >= 20, 60, "step 20 scraped", [run])
     assert scrape(port)["elastic_world_size"] == 2
-    os.kill(max(worker_pids(log_dir)), signal.SIGKILL)
+    victim = max(worker_pids(log_dir))
+    os.kill(victim, signal.SIGKILL)
     wait_until(lambda: any(line.startswith("elastic: joined: world 1 -> 2")
                            for line in story(run.text())), 60, "the join's line", [run])
     seen = scrape(port)
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait(40) == 0, run.text()
 
+    death = re.compile(rf"elastic: worker local_rank=[01] \({re.escape(socket.gethostname())}:"
+                       rf"pid {victim}\) died \(SIGKILL\)")
+    deaths = [line for line in run.text().splitlines()
+              if re.match(r"elastic: worker .*(died|killed)", line)]
+    assert len(deaths) == 1 and death.fullmatch(deaths[0]), run.text()
     told = story(run.text())
     failure = [line for line in told if line.startswith("elastic: re-formed after a failure")]
     assert len(failure) == 1, run.text()
@@ -79,8 +86,16 @@ def test_a_kill_and_the_join_are_told_once_each_and_scraped_from_the_launcher(cl
     assert [e for e in events(log_dir) if e["event"] == "resumed"]
 
 
-def test_quiet_hides_the_story(cli):
-    run = cli("run", "-n", "1", "--quiet", WORKER, "--steps", "10")
-    assert run.wait(90) == 0, run.text()
-    assert "worker done at step 10" in run.text()
-    assert story(run.text()) == [], run.text()
+def test_quiet_hides_the_story_with_its_deaths_and_restarts(cli, tmp_path):
+    log_dir = tmp_path / "events"
+    run = cli("run", "-n", "2", "--quiet", "--max-restarts", "1", "--log-dir", str(log_dir),
+              WORKER, "--steps", "100000")
+    wait_until(lambda: len(set(worker_pids(log_dir))) == 2, 60, "two workers to train", [run])
+    os.kill(max(worker_pids(log_dir)), signal.SIGKILL)
+    wait_until(lambda: len(set(worker_pids(log_dir))) == 3, 60, "the replacement to train",
+               [run])
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(40) == 0, run.text()
+    said = [line for line in run.text().splitlines() if line.startswith("elastic: ")]
+    assert story(run.text()) == [] and not [line for line in said if re.search(
+        r"died|killed|restarting|replacement", line)], run.text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -13,7 +14,8 @@ FAILS = str(WORKERS / "fails.py")
 
 
 def launcher_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.startswith("elastic: worker pid=")]
+    return [line for line in text.splitlines()
+            if re.match(r"elastic: worker local_rank=0 \(\S+:pid \d+\) ", line)]
 
 
 def test_a_worker_that_joined_trained_and_then_raised_is_not_called_one_that_never_joined(
@@ -22,7 +24,7 @@ def test_a_worker_that_joined_trained_and_then_raised_is_not_called_one_that_nev
               "--max-restarts", "0", FAILS, "--when", "train")
     assert run.wait(90) == 1, run.text()
     [line] = launcher_lines(run.text())
-    assert "exit code 1 after it had joined the job and left it" in line
+    assert "failed (exit code 1) after it had joined the job and left it" in line
     assert "before it joined" not in run.text() and "--plain" not in run.text()
 
 
@@ -31,4 +33,5 @@ def test_a_worker_that_fails_before_joining_gets_the_plain_mode_hint(cli, etcd):
               "--max-restarts", "0", FAILS, "--when", "import")
     assert run.wait(90) == 1, run.text()
     [line] = launcher_lines(run.text())
-    assert "exit code 1 before it joined the job" in line and "elastic run --plain" in line
+    assert "failed (exit code 1) before it joined the job" in line
+    assert "elastic run --plain" in line

@@ -199,8 +199,8 @@ def test_a_plain_ddp_script_runs_unchanged_and_survives_a_crash_by_restart(cli, 
     assert all(r["world"] == 2 and r["restart"] == 1 for r in results)
     assert results[0]["params"] == results[1]["params"]
     assert results[0]["master"] == "127.0.0.1"
-    assert re.search(r"elastic: worker local_rank=1 pid=\d+ killed by SIGKILL; restarting every "
-                     r"worker \(restart 1 of 1\)", run.text()), run.text()
+    assert re.search(r"elastic: worker local_rank=1 \(\S+:pid \d+\) died \(SIGKILL\); "
+                     r"restarting every worker \(restart 1 of 1\)", run.text()), run.text()
 
 
 def test_sigint_while_a_plain_generation_forms_stops_the_launcher_at_once(cli, etcd, tmp_path):
@@ -231,7 +231,7 @@ def test_a_worker_stopped_by_sigterm_before_it_joined_leaves_the_job_a_clean_exi
     starting = int(pid_file.read_text())
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait(30) == 0, run.text()
-    assert f"worker pid={starting} was stopped before it joined the job" in run.text()
+    assert f":pid {starting}) was stopped before it joined the job" in run.text()
 
 
 def test_a_second_sigint_kills_workers_that_ignore_the_first_without_waiting_the_grace(

@@ -18,15 +18,15 @@ def test_a_killed_worker_whose_child_keeps_its_output_open_is_revoked_at_once(
         cli, etcd, tmp_path: Path):
     os.mkfifo(tmp_path / "go")
     run = cli("run", "--etcd", etcd.url, "--job-id", f"child-{os.getpid()}",
-              "--max-restarts", "1", LEAVES_CHILD, str(tmp_path))
-    revoked = "worker pid="
+              "--max-restarts", "1", LEAVES_CHILD, str(tmp_path),
+              env={"ELASTIC_DEBUG": "1"})  # the revoked lease on the death line
     try:
         wait_until(lambda: (tmp_path / "killed").exists(), 90, "the worker to kill itself",
                    [run])
         # The child holds the worker's output pipes open until the test writes to "go", which
         # it does only after the revoke: a launcher that waited for the pipes to close would
         # never revoke, and this wait (a hang guard) fails.
-        wait_until(lambda: "killed by SIGKILL; revoked its lease" in run.text(), 30,
+        wait_until(lambda: "died (SIGKILL); revoked its lease" in run.text(), 30,
                    "the launcher to revoke the lease", [run])
         assert "own error" not in run.text()
         child = int((tmp_path / "child.pid").read_text())
@@ -35,7 +35,7 @@ def test_a_killed_worker_whose_child_keeps_its_output_open_is_revoked_at_once(
         wait_until(lambda: "child-output-after-death" in run.text(), 30,
                    "the dead worker's child's output to be shown", [run])
         text = run.text()
-        assert text.index("killed by SIGKILL; revoked") < text.index("child-output-after-death")
+        assert text.index("died (SIGKILL); revoked") < text.index("child-output-after-death")
         assert run.wait(90) == 0, run.text()
     finally:
         pid_file = tmp_path / "child.pid"
