@@ -7,15 +7,25 @@ of the ``ElasticSampler`` whatever the world; its global loss goes into a commit
 and its sample indices into a committed ``ledger``. ``FAULT="kill:1,3:10:4"`` makes the ranks 1
 and 3 of a world of 4 SIGKILL themselves after step 10 (once); ``--hold-at 16:4`` keeps agreeing
 on membership at step 16 until the world is 4. ``--copy-free`` commits every step with
-``commit_step`` instead of ``commit()`` every ``--commit-every`` steps. Writes the whole
-parameters (gathered inside the last call) and the committed history and ledger to
-``result-{index}.json``.
+``commit_step`` instead of ``commit()`` every ``--commit-every`` steps; ``--copy-free
+--with-commits`` also takes a ``commit()`` every ``--commit-every`` steps (docs/sharded.md's
+advice under FSDP). Writes the whole parameters (gathered inside the last call) and the
+committed history and ledger to ``result-{index}.json``.
+
+A fifth field names the point of the step the kill hits (``kill:2:10:4:backward``; ``after`` when
+absent), the points of issue 39 in order: ``forward`` (before the forward), ``backward``
+(inside the backward, before any parameter's gradient: the peers wait in its reduce-scatter),
+``agree`` (after the backward, before the step's last collectives and the agreement),
+``block`` (right after ``optimizer.step()``: inside the ``commit_step()`` block, or before the
+snapshot commit), ``after`` (after the step is recorded), ``commit`` (right after a
+``commit()`` returns, its buddy copies perhaps still in flight; on a commit step).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -68,17 +78,20 @@ def parallelize(mesh) -> dict[str, object]:
     return {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=0.01)}
 
 
-def fire_fault(state: ElasticState, out: Path, index: int) -> None:
+def fire_fault(state: ElasticState, out: Path, index: int, where: str, step: int) -> None:
+    """SIGKILLs this process when ``FAULT`` names this rank, ``step`` (the step being trained)
+    and ``where`` in a world of its size, once job-wide per rank (marker ``fired-kill-INDEX``)."""
     spec = os.environ.get("FAULT", "")
     if not spec:
         return
-    _, ranks, step, world = spec.split(":")
+    _, ranks, at, world, *point = spec.split(":")
     marker = out / f"fired-kill-{index}"
-    if (state.step != int(step) or state.world_size != int(world) or marker.exists()
+    if (step != int(at) or state.world_size != int(world) or marker.exists()
+            or where != (point[0] if point else "after")
             or str(state.rank) not in ranks.split(",")):
         return
-    write_marker(marker, {"step": state.step, "rank": state.rank, "world": state.world_size,
-                          "t": time.time()})
+    write_marker(marker, {"step": step, "rank": state.rank, "world": state.world_size,
+                          "where": where, "t": time.time()})
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -101,6 +114,8 @@ def main() -> None:
     p.add_argument("--hold-at", default="")
     p.add_argument("--durable", action="store_true", help="durable commits at epoch ends")
     p.add_argument("--copy-free", action="store_true", help="commit every step (commit_step)")
+    p.add_argument("--with-commits", action="store_true",
+                   help="with --copy-free, also commit() every --commit-every steps")
     args = p.parse_args()
     out = Path(args.out)
     index = int(os.environ["TEST_WORKER_INDEX"])
@@ -117,10 +132,16 @@ def main() -> None:
         while s.epoch < args.epochs:
             s.sampler.set_epoch(s.epoch)
             for x, y, ids in loader:
+                fire = functools.partial(fire_fault, s, out, index)
+                fire("forward", s.step + 1)
                 share = s.sampler.share()
-                squared = (s.model(x) - y) ** 2
+                predicted = s.model(x)
+                if predicted.requires_grad:
+                    predicted.register_hook(lambda g: fire("backward", s.step + 1) or g)
+                squared = (predicted - y) ** 2
                 s.optimizer.zero_grad()
                 (squared.sum() * share.loss_scale).backward()
+                fire("agree", s.step + 1)
                 total = squared.detach().sum() if share.size else torch.zeros((),
                                                                                dtype=torch.float64)
                 dist.all_reduce(total)
@@ -128,16 +149,18 @@ def main() -> None:
                 dist.all_gather_object(everyone, ids.tolist())
                 with s.commit_step() if args.copy_free else contextlib.nullcontext():
                     s.optimizer.step()
+                    fire("block", s.step + 1)
                     s.sampler.record_batch(len(x))
                     s.ledger[s.epoch].extend(i for part in everyone for i in part)
                     s.step += 1
                     s.history.append(total.item() / share.total)
                 progress.write(json.dumps({"step": s.step, "world": s.world_size,
                                            "loss": s.history[-1]}) + "\n")
-                fire_fault(s, out, index)
+                fire("after", s.step)
                 if s.step % args.commit_every == 0:
-                    if not args.copy_free:
+                    if not args.copy_free or args.with_commits:
                         s.commit()
+                        fire("commit", s.step)
                     hold(s, args.hold_at)
             s.epoch += 1
             if not args.copy_free:  # the next agreed step records the new epoch
