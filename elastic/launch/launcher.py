@@ -38,7 +38,6 @@ from elastic.cluster.rounds.membership import EtcdMembership
 from elastic.launch.warm_start import WarmStart, reap_adopted
 from elastic.launch.worker_procs import Worker, WorkerProcs
 from elastic.launch.death_lines import died, named, with_detail
-from elastic.launch.etcd_exit import EtcdExit
 
 log = logging.getLogger(__name__)
 
