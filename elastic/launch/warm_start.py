@@ -128,8 +128,10 @@ class WarmStart:
         if "unfit" in reply:
             self._give_up(f"the template cannot be forked from: {reply['unfit']}")
             return False
-        skipped = "".join(f"; could not import {name} ({why})"
-                          for name, why in dict(reply.get("skipped", {})).items())
+        # The worker reports a failing import itself, in its one line; here only its name.
+        failed = sorted(dict(reply.get("skipped", {})))
+        skipped = (f"; not preloaded, since importing failed: {', '.join(failed)}"
+                   if failed else "")
         pid = self.process.pid if self.process is not None else 0
         _say(f"warm start: a template (pid {pid}) imported {', '.join(reply['ready'])} in "
              f"{float(reply['took_s']):.1f} s; workers are forked from it{skipped}")

@@ -84,8 +84,8 @@ def _forged_hello(host: str, port: int, round_: int) -> bytes:
             sock.sendall(HELLO.pack(MAGIC, round_, 1, secrets.token_bytes(16),
                                     secrets.token_bytes(32)))
             return sock.recv(64)
-    except (ConnectionResetError, BrokenPipeError):
-        return b""  # hung up on, at any point of the exchange
+    except (ConnectionRefusedError, ConnectionResetError, BrokenPipeError):
+        return b""  # not let in, or hung up on, at any point of the exchange
 
 
 def _plant_while_forming(client: EtcdClient, keys: JobKeys, n: int, impostor: _Impostor,
