@@ -49,7 +49,9 @@ class ForkedProcess:
         self._lock = threading.Lock()
 
     def poll(self) -> int | None:
-        return self.wait(timeout=0) if self.returncode is None else self.returncode
+        """The exit status once it exited, else None (never blocks: ``waitpid`` with WNOHANG)."""
+        self._reap()
+        return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         """The exit status, as ``Popen.wait`` gives it (-N: killed by signal N).
@@ -62,8 +64,6 @@ class ForkedProcess:
             if ready:
                 self._reap()
         if self.returncode is None:
-            if timeout == 0:
-                return None  # type: ignore[return-value] (poll's answer)
             raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
         return self.returncode
 

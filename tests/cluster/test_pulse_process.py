@@ -55,7 +55,9 @@ def test_the_pulse_ends_when_its_worker_lets_go_of_the_control_socket():
 
 
 def test_a_stopped_process_reads_as_stopped_and_a_running_one_not():
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # A child that lives until the test kills it: it blocks reading a pipe nobody writes.
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
     try:
         assert poll_until(lambda: is_stopped(child.pid) is False, 10)
         child.send_signal(signal.SIGSTOP)
@@ -65,6 +67,7 @@ def test_a_stopped_process_reads_as_stopped_and_a_running_one_not():
     finally:
         child.kill()
         child.wait()
+        child.stdin.close()  # type: ignore[union-attr]
     assert is_stopped(child.pid) is None
 
 
