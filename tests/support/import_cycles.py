@@ -9,10 +9,10 @@ are nodes; the lazy re-exports of ``elastic/__init__.py`` are not imports.
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 from tests.support.layering import SOURCES, module_name
+from tests.support.parsed_source import import_statements
 
 
 def import_graph(root: Path) -> dict[str, set[str]]:
@@ -23,17 +23,13 @@ def import_graph(root: Path) -> dict[str, set[str]]:
     for module, path in paths.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         found = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
-                for alias in node.names:
-                    found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths
-                              else base)
+        for statement in import_statements(path, package):
+            base = statement.base
+            if base is None:
+                found.update(statement.names)
+                continue
+            for name in statement.names:
+                found.add(f"{base}.{name}" if f"{base}.{name}" in paths else base)
         graph[module] = {imported for imported in found if imported in paths}
     return graph
 

@@ -12,9 +12,10 @@ user's own ``state.py`` would answer such an import.
 
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.support.parsed_source import import_statements
 
 # Source folder -> the package it installs as (pyproject.toml's package-dir).
 SOURCES = {"elastic": "elastic", "state": "elastic.state", "checkpoint": "elastic.checkpoint"}
@@ -81,21 +82,17 @@ def module_name(root: Path, path: Path) -> str:
 
 def imports_of(path: Path, module: str) -> list[tuple[int, str]]:
     """Every module ``path`` imports (at any depth of the file), with its line."""
-    tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            found.append((node.lineno, base))
-            if base != "elastic":  # the root's names are re-exports, judged as the root
-                found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names
-                          if layer_of(f"{base}.{alias.name}") != layer_of(base)]
+    for statement in import_statements(path, package):
+        line, base = statement.line, statement.base
+        if base is None:
+            found += [(line, name) for name in statement.names]
+            continue
+        found.append((line, base))
+        if base != "elastic":  # the root's names are re-exports, judged as the root
+            found += [(line, f"{base}.{name}") for name in statement.names
+                      if layer_of(f"{base}.{name}") != layer_of(base)]
     return found
 
 

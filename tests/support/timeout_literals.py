@@ -27,6 +27,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.support.parsed_source import cached_by_text
+
 _WAITS = {"wait", "join", "sleep", "settimeout", "result", "wait_for"}
 _DURATION_NAME = re.compile(r"(_S|_MS)$|TIMEOUT|TTL|GRACE|INTERVAL|BACKOFF|DEADLINE|POLL")
 _DURATION_KEY = re.compile(r"timeout|keepalive|backoff|interval", re.IGNORECASE)
@@ -121,17 +123,15 @@ def _in_assignment(node: ast.Assign | ast.AnnAssign) -> list[str]:
             if _is_literal(value) and _DURATION_NAME.search(_name_of(t).upper())]
 
 
-def _in_dict(path: Path, node: ast.Dict) -> list[Finding]:
-    return [Finding(path, key.lineno, f"{key.value!r}: <literal>")
+def _in_dict(node: ast.Dict) -> list[tuple[int, str]]:
+    return [(key.lineno, f"{key.value!r}: <literal>")
             for key, value in zip(node.keys, node.values)
             if isinstance(key, ast.Constant) and isinstance(key.value, str)
             and _DURATION_KEY.search(key.value) and _is_literal(value)]
 
 
-def findings_in(path: Path) -> list[Finding]:
-    """Every literal timeout in one source file."""
-    tree = ast.parse(path.read_text(), str(path))
-    found = []
+def _findings_in_tree(tree: ast.Module) -> tuple[tuple[int, str], ...]:
+    found: list[tuple[int, str]] = []
     for node in ast.walk(tree):
         whats: list[str] = []
         if isinstance(node, ast.Call):
@@ -141,9 +141,17 @@ def findings_in(path: Path) -> list[Finding]:
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             whats = _in_assignment(node)
         elif isinstance(node, ast.Dict):
-            found += _in_dict(path, node)
-        found += [Finding(path, node.lineno, what) for what in whats]
-    return sorted(found, key=lambda f: (str(f.path), f.line))
+            found += _in_dict(node)
+        found += [(node.lineno, what) for what in whats]
+    return tuple(sorted(found, key=lambda f: f[0]))
+
+
+_findings_of = cached_by_text(_findings_in_tree)
+
+
+def findings_in(path: Path) -> list[Finding]:
+    """Every literal timeout in one source file."""
+    return [Finding(path, line, what) for line, what in _findings_of(path)]
 
 
 def literal_timeouts(root: Path, places: tuple[str, ...],
