@@ -5,7 +5,6 @@ loaded at other world sizes with every parameter and Adam moment equal, readable
 from __future__ import annotations
 
 import io
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import torch
 from elastic.checkpoint import (CheckpointCorruptError, CheckpointIncompatibleError,
                                 CheckpointStore)
 from tests.support.gloo_group import run_in_group
+from tests.support.rank_processes import rank_context
 from tests.workers import sharded_checkpoints as workers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -75,7 +75,7 @@ def test_a_flipped_byte_in_a_shard_is_refused_and_the_load_falls_back_to_the_one
 
 def test_a_rank_that_dies_before_the_manifest_leaves_no_listed_checkpoint(tmp_path):
     url = str(tmp_path / "ckpt")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_of_torn_write, args=(rank, 2, tmp_path, url, results))
              for rank in range(2)]
@@ -100,6 +100,6 @@ def test_a_rank_that_dies_before_the_manifest_leaves_no_listed_checkpoint(tmp_pa
 
 
 def _rank_of_torn_write(rank: int, world: int, tmp: Path, url: str, results) -> None:
-    from tests.support import gloo_group  # noqa: PLC0415  (spawned: imports run in the child)
+    from tests.support import gloo_group  # noqa: PLC0415  (imported in the rank process)
     gloo_group._child(workers.die_before_the_manifest, rank, world,
                       str(tmp / "gloo-file-store"), (url,), results)

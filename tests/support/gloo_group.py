@@ -1,4 +1,5 @@
-"""Runs a function on every rank of a real gloo group of spawned processes.
+"""Runs a function on every rank of a real gloo group of processes (from the fork server of
+``tests.support.rank_processes``).
 
 The group meets through a FileStore in a test's temporary directory (no store socket at all)
 and gloo connects over loopback. Each rank's return value comes back through ``torch.save``
@@ -19,7 +20,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.support.rank_processes import rank_context
 
 __all__ = ["run_in_group", "GroupRunError"]
 
@@ -32,7 +34,7 @@ def run_in_group(target: Callable[..., Any], world: int, store_dir: Path, *args:
                  timeout_s: float = 120.0) -> dict[int, Any]:
     """Calls ``target(rank, world, *args)`` on ``world`` ranks of one gloo group.
 
-    ``target`` must be a module-level function (the processes are spawned).
+    ``target`` must be a module-level function (it is pickled to the processes).
 
     Returns:
         ``{rank: target's return value}``.
@@ -41,7 +43,7 @@ def run_in_group(target: Callable[..., Any], world: int, store_dir: Path, *args:
         GroupRunError: a rank raised (its traceback is in the message) or none reported
             within ``timeout_s``.
     """
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     store = str(Path(store_dir) / "gloo-file-store")
     procs = [ctx.Process(target=_child, args=(target, rank, world, store, args, results))

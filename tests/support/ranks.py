@@ -1,4 +1,5 @@
-"""Spawns one process per rank that reports a tuple through a queue; kills them all in the end."""
+"""Starts one process per rank (from the fork server of ``tests.support.rank_processes``) that
+reports a tuple through a queue; kills them all in the end."""
 
 from __future__ import annotations
 
@@ -7,17 +8,18 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch.multiprocessing as mp
+
+from tests.support.rank_processes import rank_context
 
 
 def spawn_ranks(target: Callable[..., None], world: int, *args: Any, reporting: int | None = None,
                 timeout_s: float = 90) -> dict[int, tuple]:
-    """Runs ``target(rank, *args, results)`` in ``world`` spawned processes.
+    """Runs ``target(rank, *args, results)`` in ``world`` processes.
 
     Each rank puts ``(rank, *what)`` on ``results``. Returns ``{rank: what}`` once ``reporting``
     ranks (default: all) reported; fails the test when they have not within ``timeout_s``.
     """
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=target, args=(rank, *args, results)) for rank in range(world)]
     for proc in procs:
