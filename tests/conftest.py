@@ -19,6 +19,7 @@ from elastic.launch.embedded_etcd import EmbeddedEtcd
 from tests.support.faulty_fs import faulty_fs  # noqa: F401 (a fixture)
 from tests.support.harness import Job
 from tests.support.limited_etcd import MAX_TXN_OPS, LimitedEtcd
+from tests.support.references import References
 from tests.support.s3_server import s3_server, s3_url  # noqa: F401 (fixtures)
 from tests.support.tls_etcd import JOB_A, JOB_USERS, Pki, SecureEtcd, make_pki, user_env
 
@@ -143,6 +144,13 @@ def make_job(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator:
     """Makes Jobs on the session etcd; every process they started is killed at the end."""
     with _jobs(etcd.url, tmp_path, {}) as make:
         yield make
+
+
+@pytest.fixture(scope="session")
+def references() -> References:
+    """Uninterrupted reference runs, each run once for the session and shared by the tests that
+    compare with it (tests/support/references.py)."""
+    return References()
 
 
 @pytest.fixture(scope="session")

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.equivalence_scenario import (ARGS, HOLD, SCRIPT, STEPS, finish_reference,
-                                                max_difference, run_elastic, start_reference,
-                                                worlds)
+from tests.support.equivalence_scenario import (ARGS, HOLD, SCRIPT, STEPS, max_difference,
+                                                run_elastic, worlds)
 
 pytestmark = pytest.mark.timeout(150)
 TOLERANCE = 1e-9
@@ -24,21 +23,23 @@ TOLERANCE = 1e-9
 
 @pytest.mark.parametrize("where", ["before", "during", "after"])
 def test_copy_free_commits_reach_the_parameters_of_an_uninterrupted_run_whatever_the_kill_hits(
-        make_job, where):
-    check_equivalent(make_job, where, [])
+        make_job, references, where):
+    check_equivalent(make_job, references, where, [])
 
 
-def test_dropout_and_dataloader_augmentation_replay_identically_with_copy_free_commits(make_job):
-    check_equivalent(make_job, "before", ["--dropout", "0.2", "--loader-workers", "2"])
+def test_dropout_and_dataloader_augmentation_replay_identically_with_copy_free_commits(
+        make_job, references):
+    check_equivalent(make_job, references, "before", ["--dropout", "0.2", "--loader-workers", "2"])
 
 
-def check_equivalent(make_job, where: str, extra: list[str]) -> None:
-    reference_job = make_job(ARGS + extra, script=SCRIPT)
+def check_equivalent(make_job, references, where: str, extra: list[str]) -> None:
+    # The uninterrupted world-2 run (snapshot commits), beside the elastic job unless an
+    # earlier test (here or in test_equivalence.py) ran it.
+    reference_run = references.start(make_job, SCRIPT, ARGS + extra, world=2)
     elastic_job = make_job(ARGS + extra + HOLD + ["--copy-free"],
                            {"FAULTS": f"kill:2:10:{where},term:3:26"}, script=SCRIPT)
-    start_reference(reference_job)  # runs beside the elastic job
     survivors = run_elastic(elastic_job)
-    reference = finish_reference(reference_job)
+    reference = reference_run.result()
     assert elastic_job.fired("kill", 2)["where"] == where
     assert worlds(elastic_job, 0)[-4:] == [3, 2, 3, 2]
     trained = [p["step"] for p in elastic_job.progress(0) if "loss" in p]

@@ -13,20 +13,21 @@ import signal
 
 import pytest
 
-from tests.support.equivalence_scenario import (ARGS, ELASTIC_FAULTS, HOLD, SCRIPT, STEPS, finish_reference,
-                                        max_difference, run_elastic, start_reference, worlds)
+from tests.support.equivalence_scenario import (ARGS, ELASTIC_FAULTS, HOLD, SCRIPT, STEPS,
+                                                max_difference, run_elastic, worlds)
 
 pytestmark = pytest.mark.timeout(150)
 TOLERANCE = 1e-9
 
 
-def check_equivalent(make_job, extra: list[str]) -> None:
-    reference_job = make_job(ARGS + extra, script=SCRIPT)
+def check_equivalent(make_job, references, extra: list[str]) -> None:
+    # The uninterrupted world-2 run, beside the elastic job unless an earlier test ran it
+    # (test_copy_free_equivalence.py compares with the same runs).
+    reference_run = references.start(make_job, SCRIPT, ARGS + extra, world=2)
     elastic_job = make_job(ARGS + extra + HOLD, {"FAULTS": ELASTIC_FAULTS},
                            script=SCRIPT)
-    start_reference(reference_job)  # runs beside the elastic job
     survivors = run_elastic(elastic_job)
-    reference = finish_reference(reference_job)
+    reference = reference_run.result()
     assert worlds(elastic_job, 0)[-4:] == [3, 2, 3, 2]
     replayed = [p["step"] for p in elastic_job.progress(0) if "loss" in p]
     assert replayed.count(9) == 2, "the SIGKILL did not make the survivors roll back and redo"
@@ -37,12 +38,14 @@ def check_equivalent(make_job, extra: list[str]) -> None:
         assert max_difference(result["history"], reference["history"]) < TOLERANCE
 
 
-def test_an_elastic_run_reaches_the_parameters_and_losses_of_an_uninterrupted_one(make_job):
-    check_equivalent(make_job, [])
+def test_an_elastic_run_reaches_the_parameters_and_losses_of_an_uninterrupted_one(
+        make_job, references):
+    check_equivalent(make_job, references, [])
 
 
-def test_dropout_and_dataloader_augmentation_replay_identically_through_reformations(make_job):
-    check_equivalent(make_job, ["--dropout", "0.2", "--loader-workers", "2"])
+def test_dropout_and_dataloader_augmentation_replay_identically_through_reformations(
+        make_job, references):
+    check_equivalent(make_job, references, ["--dropout", "0.2", "--loader-workers", "2"])
 
 
 def test_linear_lr_scaling_sets_the_lr_from_the_world_size_at_every_reformation(make_job):

@@ -59,28 +59,6 @@ def kill_plan(loop: str) -> list[tuple[str, int, str]]:
     return [(who, step, point) for step, (who, point) in zip(KILL_STEPS, PLANS[loop])]
 
 
-_references: dict[str, dict[str, Any]] = {}
-
-
-def start_reference(make_job, loop: str) -> Job | None:
-    """Starts the uninterrupted world-2 run of ``loop`` (the same for both commit modes) beside
-    the elastic job, unless it already ran."""
-    if loop in _references:
-        return None
-    job = make_job(ARGS + ["--loop", loop], script=SCRIPT)
-    job.start_together([0, 1])
-    return job
-
-
-def reference(job: Job | None, loop: str) -> dict[str, Any]:
-    """The uninterrupted run's worker-0 result, once it has finished."""
-    if job is not None:
-        for index in (0, 1):
-            assert job.wait_exit(index) == 0, job.tails()
-        _references[loop] = job.result(0)
-    return _references[loop]
-
-
 def run_with_kills(job: Job, plan: list[tuple[str, int, str]]) -> list[dict[str, Any]]:
     """Starts world 2 and one waiting spare per planned kill (each joins after its kill);
     returns the results of the workers that trained to the end. Fails as soon as a worker
@@ -117,15 +95,17 @@ def _fired(job: Job, n: int) -> dict[str, Any]:
 @pytest.mark.parametrize("mode", ["copy-free", "snapshot"])
 @pytest.mark.parametrize("loop", LOOPS + [COMPILED])
 def test_a_killed_and_rejoined_run_ends_bitwise_equal_to_an_uninterrupted_one(
-        make_job, loop, mode):
+        make_job, references, loop, mode):
     plan = kill_plan(loop)
-    reference_job = start_reference(make_job, loop)
+    # The uninterrupted world-2 run of the loop (the same for both commit modes), beside the
+    # elastic job unless the other mode's case ran it.
+    reference = references.start(make_job, SCRIPT, ARGS + ["--loop", loop], world=2)
     job = make_job(ARGS + ["--loop", loop] + (["--copy-free"] if mode == "copy-free" else []),
                    {"FAULTS": ",".join(f"kill:{who}:{step}:{point}"
                                        for who, step, point in plan),
                     "ELASTIC_MAX_WORKERS": "2"}, script=SCRIPT)
     survivors = run_with_kills(job, plan)
-    expected = reference(reference_job, loop)
+    expected = reference.result()
     for n, (who, step, point) in enumerate(plan):
         fired = _fired(job, n)
         assert (f"r{fired['rank']}", fired["step"], fired["where"]) == (who, step, point)

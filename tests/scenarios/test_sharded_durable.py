@@ -19,9 +19,10 @@ from tests.support.equivalence_scenario import max_difference
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_a_sharded_job_killed_at_4_resumes_from_its_durable_checkpoint_at_3(make_job, tmp_path):
-    reference = make_job(ARGS, script=SCRIPT)
-    reference.start(0)
+def test_a_sharded_job_killed_at_4_resumes_from_its_durable_checkpoint_at_3(
+        make_job, references, tmp_path):
+    # The uninterrupted run of test_sharded_reshard.py's kill-and-join cases.
+    reference = references.start(make_job, SCRIPT, ARGS)
     url = str(tmp_path / "ckpt")
     store = CheckpointStore(url)
     env = {"ELASTIC_CHECKPOINT": url}
@@ -39,8 +40,7 @@ def test_a_sharded_job_killed_at_4_resumes_from_its_durable_checkpoint_at_3(make
 
     resumed = make_job(ARGS + ["--durable"], env, script=SCRIPT)
     resumed.start_together(range(3))
-    assert reference.wait_exit(0) == 0, reference.tails()
-    want = reference.result(0)
+    want = reference.result()
     for i in range(3):
         assert resumed.wait_exit(i) == 0, resumed.tails()
         got = resumed.result(i)

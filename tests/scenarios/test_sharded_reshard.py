@@ -24,15 +24,9 @@ STEPS = 2 * 12
 TOLERANCE = 1e-12
 
 
-def _reference(make_job):
-    job = make_job(ARGS, script=SCRIPT)
-    job.start(0)
-    return job
-
-
 def _check(job, reference, survivors: list[int], steps: int = STEPS,
            samples: int = 96) -> None:
-    want = reference if isinstance(reference, dict) else _result(reference)
+    want = reference.result()
     assert len(want["history"]) == steps
     for index in survivors:
         assert job.wait_exit(index) == 0, job.tails()
@@ -44,12 +38,6 @@ def _check(job, reference, survivors: list[int], steps: int = STEPS,
             assert sorted(Counter(seen).items()) == [(i, 1) for i in range(samples)], epoch
     resharded = [e for e in job.events() if e["event"] == "resharded"]
     assert resharded and all(e["bytes_moved"] == e["bytes_minimum"] for e in resharded)
-
-
-def _result(reference) -> dict:
-    """The uninterrupted run's result, once it has finished."""
-    assert reference.wait_exit(0) == 0, reference.tails()
-    return reference.result(0)
 
 
 def _fired(job, index: int) -> bool:
@@ -64,11 +52,12 @@ def _worlds(job, index: int) -> list[int]:
     return seen
 
 
-def _kill_then_join(make_job, extra: list[str], fault: str, rollback: bool = True) -> None:
+def _kill_then_join(make_job, references, extra: list[str], fault: str,
+                    rollback: bool = True) -> None:
     """4 workers; the rank named by ``fault`` dies after step 10; the survivors carry on at 3
     (after redoing steps 9 and 10 from the commit of step 8 when ``rollback``) and hold at
     step 16 until a fifth worker joins them back to 4."""
-    reference = _reference(make_job)
+    reference = references.start(make_job, SCRIPT, ARGS)
     job = make_job(ARGS + extra + ["--hold-at", "16:4"], {"FAULT": fault}, script=SCRIPT)
     job.start_together(range(4))
     job.wait_until(lambda: any(_fired(job, i) for i in range(4)), 150, "the kill")
@@ -85,21 +74,24 @@ def _kill_then_join(make_job, extra: list[str], fault: str, rollback: bool = Tru
     assert {(4, 3), (3, 4)} <= moves, moves
 
 
-def test_fsdp_four_to_three_by_a_kill_and_back_to_four_by_a_join_keeps_the_math(make_job):
-    _kill_then_join(make_job, [], "kill:2:10:4")
+def test_fsdp_four_to_three_by_a_kill_and_back_to_four_by_a_join_keeps_the_math(
+        make_job, references):
+    _kill_then_join(make_job, references, [], "kill:2:10:4")
 
 
-def test_hsdp_two_by_two_losing_a_rank_trains_on_as_fsdp_over_three_and_regains_it(make_job):
-    _kill_then_join(make_job, ["--shard-degree", "2"], "kill:3:10:4")
+def test_hsdp_two_by_two_losing_a_rank_trains_on_as_fsdp_over_three_and_regains_it(
+        make_job, references):
+    _kill_then_join(make_job, references, ["--shard-degree", "2"], "kill:3:10:4")
 
 
-def test_hsdp_with_copy_free_commits_loses_a_rank_without_a_rollback_and_regains_it(make_job):
-    _kill_then_join(make_job, ["--shard-degree", "2", "--copy-free"], "kill:0:10:4",
-                    rollback=False)
+def test_hsdp_with_copy_free_commits_loses_a_rank_without_a_rollback_and_regains_it(
+        make_job, references):
+    _kill_then_join(make_job, references, ["--shard-degree", "2", "--copy-free"],
+                    "kill:0:10:4", rollback=False)
 
 
-def test_fsdp_four_to_two_by_two_kills_that_leave_a_holder_of_every_shard(make_job):
-    reference = _reference(make_job)
+def test_fsdp_four_to_two_by_two_kills_that_leave_a_holder_of_every_shard(make_job, references):
+    reference = references.start(make_job, SCRIPT, ARGS)
     job = make_job(ARGS, {"FAULT": "kill:1,3:10:4"}, script=SCRIPT)
     job.start_together(range(4))
     job.wait_until(lambda: sum(bool(_fired(job, i)) for i in range(4)) == 2, 150, "two kills")
@@ -134,15 +126,12 @@ KILL_CASES = [pytest.param(point, mode, None, id=f"{point}-{mode}",
               for mode in ("snapshot", "copy-free") for point in POINTS] + [
     pytest.param(point, mode, 2, id=f"{point}-{mode}-hsdp", marks=_ALL)
     for mode in ("snapshot", "copy-free") for point in POINTS if (point, mode) in HSDP]
-_kill_reference: dict[str, dict] = {}
 
 
 @pytest.mark.parametrize(("point", "mode", "shard_degree"), KILL_CASES)
 def test_fsdp_losing_a_rank_at_any_point_of_a_step_trains_on_at_three_with_the_same_math(
-        make_job, point, mode, shard_degree):
-    reference = None if _kill_reference else make_job(KILL_ARGS, script=SCRIPT)
-    if reference is not None:
-        reference.start(0)
+        make_job, references, point, mode, shard_degree):
+    reference = references.start(make_job, SCRIPT, KILL_ARGS)
     victim = POINTS.index(point) % 4
     extra = ["--copy-free", "--with-commits"] if mode == "copy-free" else []
     extra += ["--shard-degree", str(shard_degree)] if shard_degree else []
@@ -153,10 +142,8 @@ def test_fsdp_losing_a_rank_at_any_point_of_a_step_trains_on_at_three_with_the_s
     assert job.wait_exit(killed[0]) == -signal.SIGKILL
     fired = job.fired("kill", killed[0])
     assert (fired["rank"], fired["step"], fired["where"]) == (victim, 6, point)
-    if reference is not None:
-        _kill_reference["result"] = _result(reference)
     survivors = [i for i in range(4) if i != killed[0]]
-    _check(job, _kill_reference["result"], survivors, KILL_STEPS, 32)
+    _check(job, reference, survivors, KILL_STEPS, 32)
     assert _worlds(job, survivors[0]) == [4, 3]
     moves = {(e["from_world"], e["to_world"]) for e in job.events() if e["event"] == "resharded"}
     assert (4, 3) in moves, moves
