@@ -234,9 +234,10 @@ class Storage:
         """Writes a whole (small) file only if none exists at ``path``, in one atomic step.
 
         Local disks write a temporary file and hard-link it into place (where links are not
-        supported: an exclusive create, not atomic for readers); object stores get a
-        conditional write (``fs.pipe_file(mode="create")``: ``If-None-Match: *`` on S3,
-        ``ifGenerationMatch=0`` on GCS); other filesystems check first (not atomic, see
+        supported: an exclusive create, not atomic for readers); elsewhere an existing file is
+        looked for first, then ``fs.pipe_file(mode="create")`` writes: a conditional write on
+        object stores (``If-None-Match: *`` on S3, ``ifGenerationMatch=0`` on GCS), which
+        closes the window between the look and the write where the server honours it (see
         docs/storage.md). A retry after a transient error that finds ``data`` itself already
         there counts as done: the first try landed.
 
@@ -247,6 +248,9 @@ class Storage:
             if self.is_local:
                 self._link_into_place(path, data)
             else:
+                self.fs.invalidate_cache(path)  # a listing cached before the other's write
+                if self.fs.exists(path):  # servers that ignore the condition still refuse
+                    raise FileExistsError(errno.EEXIST, "exists already", path)
                 self.fs.pipe_file(path, data, mode="create")
         except FileExistsError:
             if self._holds(path, data):

@@ -19,7 +19,7 @@ from elastic.launch.embedded_etcd import EmbeddedEtcd
 from tests.support.faulty_fs import faulty_fs  # noqa: F401 (a fixture)
 from tests.support.harness import Job
 from tests.support.limited_etcd import MAX_TXN_OPS, LimitedEtcd
-from tests.support.s3_server import s3_server, s3_url  # noqa: F401 (fixtures)
+from tests.support.object_stores import gcs_server, gcs_url, s3_server, s3_url  # noqa: F401
 from tests.support.tls_etcd import JOB_A, JOB_USERS, Pki, SecureEtcd, make_pki, user_env
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -30,7 +30,8 @@ _job_ids = itertools.count()
 # cannot be a unit test.
 _INTEGRATION_FIXTURES = frozenset({
     "etcd", "client", "small_txn_etcd", "full_etcd", "private_etcd", "make_job",
-    "secure_etcd", "secure_job", "make_private_job", "s3_server", "s3_url", "faulty_fs"})
+    "secure_etcd", "secure_job", "make_private_job", "s3_server", "s3_url", "gcs_server",
+    "gcs_url", "faulty_fs"})
 
 
 def _tier(item: pytest.Item) -> str:
