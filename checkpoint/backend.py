@@ -290,6 +290,23 @@ class Storage:
         except FileNotFoundError:
             pass
 
+    def discard(self, path: str) -> None:
+        """Removes what an unfinished write left at ``path`` (a file or a directory tree); when
+        that fails, warns: readers ignore it, and a later save removes it."""
+        try:
+            self.remove(path, recursive=True)
+        except OSError as exc:
+            logger.warning("could not remove %s of an unfinished checkpoint (%r); it is ignored "
+                           "by readers and removed by a later save", self.url_of(path), exc)
+
+    def remove_empty_dir(self, path: str) -> None:
+        """Removes the local directory ``path`` if it is empty (object stores have none); one
+        that stays (not empty, or not removable) is left to retention's clean-up of torn
+        directories."""
+        if self.is_local:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+
     @contextlib.contextmanager
     def open_write(self, path: str) -> Iterator[IO[bytes]]:
         """Opens ``path`` for writing, creating its parent directory first."""
