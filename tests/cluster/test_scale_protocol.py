@@ -512,6 +512,34 @@ def test_a_newcomer_to_a_world_at_max_workers_asks_as_a_spare_and_takes_a_dead_m
             m.leave()
 
 
+def test_a_spare_asking_again_below_max_workers_is_news_and_takes_the_free_place(client):
+    # A member left out as a spare asks again as "spare", which is not news. When the world
+    # fell below max_workers without taking it (its request came after that round closed),
+    # a "spare" request would wait for a re-formation that nobody starts.
+    config = RendezvousConfig(max_workers=2, timeouts=TIMEOUTS)
+    keys = JobKeys("scale-spare-again")
+    running = Member(client, "scale-spare-again", config=config)
+    spare = None
+    left = threading.Event()
+    pool = ThreadPoolExecutor(1)
+    try:
+        form_all([running], "start")  # a world of 1: a place is free
+        spare = Member(client, "scale-spare-again", config=config)
+        joining = pool.submit(spare.rendezvous.join, "spare", 0, 29500, cancelled=left.is_set)
+        assert poll_until(lambda: client.get(keys.join(2, spare.id)), timeout_s=WAIT_S)
+        asked = JoinRequest.from_json(client.get(keys.join(2, spare.id)).value, 0, spare.id)
+        assert asked.reason == "start"
+        assert running.monitor.pending.wait(WAIT_S), "the running member was not told of it"
+        topology = running.form("change")
+        taken = joining.result(timeout=WAIT_S)
+        assert (topology.round, taken.round, taken.world_size) == (2, 2, 2)
+    finally:
+        left.set()
+        pool.shutdown(wait=True)
+        for m in [running] + ([spare] if spare else []):
+            m.leave()
+
+
 def test_a_member_joining_after_the_job_finished_is_told_so(client):
     members = [Member(client, "scale-finished") for _ in range(2)]
     late = None

@@ -247,7 +247,9 @@ class Rendezvous(RoundFinish):
                  came_from: tuple[int, int], waits: bool) -> JoinRequest:
         # A member that ``waits`` asks as a spare: the running members do not re-form for it
         # (``record_reader``), and it takes a place at their next re-formation that has one.
-        return JoinRequest(member_id, version, "spare" if waits else reason,
+        # A spare asking again that finds a free place asks as news ("start").
+        asked = "spare" if waits else "start" if reason == "spare" else reason
+        return JoinRequest(member_id, version, asked,
                            self._membership.advertise_addr, port, standby=self.standby,
                            from_round=came_from[0], from_world=came_from[1],
                            node=self.config.node, node_workers=self.config.node_workers)
@@ -257,9 +259,10 @@ class Rendezvous(RoundFinish):
         at their next commit: a warm spare while the newest round's world is at its target
         (also when none formed yet, or its plan cannot be read), and a new process ("start")
         while that world is at ``max_workers``, where a re-formation would only name it a
-        spare. A member of the round ("change", "failure") never waits."""
+        spare; so does a spare asking again. A member of the round ("change", "failure")
+        never waits."""
         limit = self.config.max_workers
-        if not self.standby and (reason != "start" or limit is None):
+        if not self.standby and (reason not in ("start", "spare") or limit is None):
             return False
         newest = self._newest_told()
         try:
