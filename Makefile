@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	@echo "==> [3/4] installing $(TORCH) (a large download: pip shows its progress)"
 	$(PY) -m pip install --progress-bar on $(TORCH)
-	@echo "==> [4/4] installing elastic-trainer, its test tools (etcd, moto, s3fs, ...) and mkdocs"
+	@echo "==> [4/4] installing elastic-trainer, its test tools (etcd, moto, s3fs, gcsfs, a GCS emulator, ...) and mkdocs"
 	$(PY) -m pip install --quiet -e '.[test,docs]' $(TORCH)
 	touch $(STAMP)
 	@echo "==> installed; next time this step is skipped"

@@ -50,8 +50,9 @@ def _whole_file_load(store: CheckpointStore, url: str) -> Any:
     ref = store.latest()
     assert ref is not None
     fs, root = fsspec.core.url_to_fs(url)
-    data = fs.cat_file(f"{root.rstrip('/')}/{ref.step:012d}/state.pt")
-    assert hashlib.sha256(data).hexdigest() == ref.manifest.files["state.pt"].sha256
+    [(name, entry)] = ref.manifest.files.items()
+    data = fs.cat_file(f"{root.rstrip('/')}/{ref.step:012d}/{name}")
+    assert hashlib.sha256(data).hexdigest() == entry.sha256
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 

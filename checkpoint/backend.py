@@ -234,9 +234,10 @@ class Storage:
         """Writes a whole (small) file only if none exists at ``path``, in one atomic step.
 
         Local disks write a temporary file and hard-link it into place (where links are not
-        supported: an exclusive create, not atomic for readers); object stores get a
-        conditional write (``fs.pipe_file(mode="create")``: ``If-None-Match: *`` on S3,
-        ``ifGenerationMatch=0`` on GCS); other filesystems check first (not atomic, see
+        supported: an exclusive create, not atomic for readers); elsewhere an existing file is
+        looked for first, then ``fs.pipe_file(mode="create")`` writes: a conditional write on
+        object stores (``If-None-Match: *`` on S3, ``ifGenerationMatch=0`` on GCS), which
+        closes the window between the look and the write where the server honours it (see
         docs/storage.md). A retry after a transient error that finds ``data`` itself already
         there counts as done: the first try landed.
 
@@ -247,6 +248,9 @@ class Storage:
             if self.is_local:
                 self._link_into_place(path, data)
             else:
+                self.fs.invalidate_cache(path)  # a listing cached before the other's write
+                if self.fs.exists(path):  # servers that ignore the condition still refuse
+                    raise FileExistsError(errno.EEXIST, "exists already", path)
                 self.fs.pipe_file(path, data, mode="create")
         except FileExistsError:
             if self._holds(path, data):
@@ -285,6 +289,23 @@ class Storage:
             self.fs.rm(path, recursive=recursive)
         except FileNotFoundError:
             pass
+
+    def discard(self, path: str) -> None:
+        """Removes what an unfinished write left at ``path`` (a file or a directory tree); when
+        that fails, warns: readers ignore it, and a later save removes it."""
+        try:
+            self.remove(path, recursive=True)
+        except OSError as exc:
+            logger.warning("could not remove %s of an unfinished checkpoint (%r); it is ignored "
+                           "by readers and removed by a later save", self.url_of(path), exc)
+
+    def remove_empty_dir(self, path: str) -> None:
+        """Removes the local directory ``path`` if it is empty (object stores have none); one
+        that stays (not empty, or not removable) is left to retention's clean-up of torn
+        directories."""
+        if self.is_local:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
 
     @contextlib.contextmanager
     def open_write(self, path: str) -> Iterator[IO[bytes]]:

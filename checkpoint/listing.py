@@ -3,7 +3,8 @@
 A directory ``{step:012d}`` is a checkpoint when its ``manifest.json`` decodes and every file the
 manifest lists exists with the recorded size. Anything else is reported with the reason (a torn
 write, a manifest naming a missing file, an unreadable manifest) so that readers can warn and skip
-it and the store can clean it up. Checksums are not read here (that is the loader's job).
+it and the store can clean it up; so are the files in a checkpoint's directory that its manifest
+does not name. Checksums are not read here (that is the loader's job).
 """
 
 from __future__ import annotations
@@ -65,11 +66,18 @@ class Scan:
             its step (no generation counts as 0).
         invalid: Step to why its directory is not a checkpoint.
         removable: Invalid steps that may be deleted (not a newer format this version cannot read).
+        bad_manifests: Removable steps whose manifest is there but unusable (undecodable, or
+            naming a missing file): a torn write's, which a new write of the step replaces.
+        orphans: Step of a complete checkpoint to the files in its directory that its manifest
+            does not name (a payload of a writer that lost the race to publish the step, a torn
+            write's leftovers); dot-names (temporary files of writes in progress) aside.
     """
 
     valid: list[CheckpointRef] = field(default_factory=list)
     invalid: dict[int, str] = field(default_factory=dict)
     removable: set[int] = field(default_factory=set)
+    bad_manifests: set[int] = field(default_factory=set)
+    orphans: dict[int, list[str]] = field(default_factory=dict)
 
 
 def scan_checkpoints(storage: Storage) -> Scan:
@@ -111,15 +119,24 @@ def _classify(storage: Storage, scan: Scan, step: int, present: dict[str, int]) 
         scan.invalid[step] = str(exc)
         return
     except CheckpointCorruptError as exc:
-        scan.invalid[step] = str(exc)
-        scan.removable.add(step)
+        _unusable(scan, step, str(exc))
         return
     problem = _mismatch(manifest, step, present)
     if problem:
-        scan.invalid[step] = problem
-        scan.removable.add(step)
+        _unusable(scan, step, problem)
         return
     scan.valid.append(CheckpointRef(step, storage.url_of(step_dir), manifest))
+    orphans = sorted(n for n in present
+                     if n != MANIFEST_NAME and n not in manifest.files and not n.startswith("."))
+    if orphans:
+        scan.orphans[step] = orphans
+
+
+def _unusable(scan: Scan, step: int, why: str) -> None:
+    """Records that ``step``'s manifest is there but unusable."""
+    scan.invalid[step] = why
+    scan.removable.add(step)
+    scan.bad_manifests.add(step)
 
 
 def _mismatch(manifest: Manifest, step: int, present: dict[str, int]) -> str | None:

@@ -1,7 +1,8 @@
 """The payload: snapshotting a state dict to host memory, encoding it, and decoding it safely.
 
 The payload is one ``torch.save`` archive streamed through fsspec while its sha256 is computed
-(hashing overlaps the write, so a save runs at disk speed). Loading reads it once in chunks,
+(hashing overlaps the write, so a save runs at disk speed), in a file whose name is the writer's
+own (``new_payload_name``), so that two writers of one step never write the same file. Loading reads it once in chunks,
 verifying the checksum on the way, and then uses ``torch.load(weights_only=True, mmap=True)``,
 which never runs code from the file, on the local file or on an in-memory spool of the download.
 This module does not decide where files go or which checkpoint is current.
@@ -13,7 +14,9 @@ import contextlib
 import hashlib
 import os
 import pickle
+import re
 import tempfile
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,11 +32,27 @@ from elastic.checkpoint.errors import (
 )
 from elastic.checkpoint.manifest import FileEntry
 
+#: The payload's name in checkpoints written before names were a writer's own (still read), and
+#: the name of a sharded checkpoint's rank-0 payload.
 PAYLOAD_NAME = "state.pt"
+_PAYLOAD_FILE = re.compile(r"state(\.[0-9a-f]{16})?\.pt")
 _CHUNK = 8 << 20  # bytes handed to (or asked of) the filesystem per write (read) call
 _OVERLAP_MIN = 256 << 10  # below this, hashing in parallel costs more than it saves
 _WRITEBACK = 32 << 20  # local disks: push to disk every this many bytes
 _PLAIN = (int, float, str, bool, type(None), bytes, complex, torch.dtype, torch.device, torch.Size)
+
+
+def new_payload_name() -> str:
+    """A payload name of one writer's own, ``state.<16 hex digits>.pt``: the loser of a race to
+    publish a step then writes beside the winner's payload, never over it."""
+    return f"state.{uuid.uuid4().hex[:16]}.pt"
+
+
+def payload_name_in(files: Mapping[str, FileEntry]) -> str | None:
+    """The payload file a replicated checkpoint's manifest names (``state.pt`` or
+    ``state.<hex>.pt``), or None unless it names exactly one."""
+    names = [name for name in files if _PAYLOAD_FILE.fullmatch(name)]
+    return names[0] if len(names) == 1 else None
 
 
 def _unstaged(path: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from elastic.checkpoint.errors import (CheckpointCorruptError, CheckpointIncompa
                                        CheckpointStorageError)
 from elastic.checkpoint.listing import CheckpointRef
 from elastic.checkpoint.manifest import DCP_FORMAT, PAYLOAD_FORMAT, step_dir_name
-from elastic.checkpoint.payload import PAYLOAD_NAME, read_payload
+from elastic.checkpoint.payload import PAYLOAD_NAME, payload_name_in, read_payload
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,13 +54,13 @@ def read_checkpoint(storage: Storage, ref: CheckpointRef) -> LoadedCheckpoint:
             f"checkpoint {ref.url} is sharded (written by every rank of an FSDP job); "
             "load it with checkpoint.ShardedCheckpoints.load, or "
             "torch.distributed.checkpoint.load.")
-    if ref.manifest.payload_format != PAYLOAD_FORMAT or PAYLOAD_NAME not in ref.manifest.files:
+    name = payload_name_in(ref.manifest.files)
+    if ref.manifest.payload_format != PAYLOAD_FORMAT or name is None:
         raise CheckpointCorruptError(
             f"checkpoint {ref.url} has payload format {ref.manifest.payload_format!r} with "
             f"files {sorted(ref.manifest.files)}; this version reads 'torch.save' only.")
     try:
-        state = read_payload(storage, f"{step_dir}/{PAYLOAD_NAME}",
-                             ref.manifest.files[PAYLOAD_NAME])
+        state = read_payload(storage, f"{step_dir}/{name}", ref.manifest.files[name])
     except (OSError, CheckpointStorageError) as exc:
         raise CheckpointReadError(
             f"reading checkpoint {ref.url} failed: {exc!r}. Check that the storage is "

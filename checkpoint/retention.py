@@ -2,8 +2,9 @@
 
 Keeps the ``keep`` newest checkpoints whose payload reads back intact (each step is read back
 once), removes the older complete ones (the manifest first: a directory stops being a checkpoint
-before its payload goes) and the torn directories older than the newest complete one. It never
-writes a checkpoint and knows nothing of fencing.
+before its payload goes), the torn directories older than the newest complete one, and the files
+in a kept checkpoint's directory that its manifest does not name (a payload of a writer that lost
+the race to publish that step). It never writes a checkpoint and knows nothing of fencing.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Retention:
     def apply(self, scan: Scan, writing_step: int | None) -> None:
         """Removes, from what ``scan`` found, complete checkpoints beyond the newest ``keep``
         ones that verify, and torn directories older than the newest complete one (except
-        ``writing_step``, this store's write in progress)."""
+        ``writing_step``, this store's write in progress), and the orphans of those it keeps."""
         if not scan.valid:
             return
         newest = max(ref.step for ref in scan.valid)
@@ -45,6 +46,10 @@ class Retention:
         torn = [s for s in sorted(scan.removable) if s < newest and s != writing_step]
         for ref in stale:
             self._remove(ref.step, manifest_first=True)
+        gone = {ref.step for ref in stale}
+        for step, names in sorted(scan.orphans.items()):
+            if step not in gone:
+                self._remove_orphans(step, names)
         for step in torn:
             logger.warning("removing unfinished checkpoint directory %s (%s)",
                            self._dir_url(step), scan.invalid[step])
@@ -94,6 +99,17 @@ class Retention:
             self._storage.remove(step_dir, recursive=True)
         except OSError as exc:
             logger.warning("retention could not remove %s: %r", self._dir_url(step), exc)
+
+    def _remove_orphans(self, step: int, names: list[str]) -> None:
+        logger.warning("removing %s from checkpoint %s: its manifest does not name them (the "
+                       "payload of a writer that lost the race to publish this step, or a torn "
+                       "write's leftovers)", names, self._dir_url(step))
+        step_dir = self._storage.join(step_dir_name(step))
+        for name in names:
+            try:
+                self._storage.remove(f"{step_dir}/{name}")
+            except OSError as exc:
+                logger.warning("retention could not remove %s/%s: %r", step_dir, name, exc)
 
     def _dir_url(self, step: int) -> str:
         return self._storage.url_of(self._storage.join(step_dir_name(step)))

@@ -1,9 +1,10 @@
 """CheckpointStore: durable, fenced, retained checkpoints under one fsspec URL.
 
-Owns the layout ``{url}/{step:012d}/`` (payload first, ``manifest.json`` last), which directories
-count as checkpoints (a valid manifest, all its files there; written by it or by each rank),
-retention, torn-write cleanup, fencing, and ``save_async``'s one background writer. It knows
-nothing about process groups, etcd or training objects.
+Owns the layout ``{url}/{step:012d}/`` (the payload, in a file of the writer's own, first;
+``manifest.json`` last), which directories count as checkpoints (a valid manifest, all its files
+there; written by it or by each rank), retention, torn-write cleanup, fencing, and
+``save_async``'s one background writer. It knows nothing about process groups, etcd or training
+objects.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from elastic.checkpoint.fence import check_fence, check_fence_after, race_lost
 from elastic.checkpoint.listing import CheckpointRef, Scan, scan_checkpoints
 from elastic.checkpoint.manifest import (MANIFEST_NAME, PAYLOAD_FORMAT, FileEntry, Manifest,
                                         checked_metadata, step_dir_name)
-from elastic.checkpoint.payload import PAYLOAD_NAME, HostStaging, to_host, write_payload
+from elastic.checkpoint.payload import HostStaging, new_payload_name, to_host, write_payload
 from elastic.checkpoint.reading import LoadedCheckpoint, newest_readable, read_checkpoint
 from elastic.checkpoint.retention import Retention
 
@@ -186,14 +187,14 @@ class CheckpointStore:
     def _write(self, step: int, payload: Any, meta: dict[str, Any],
                before_publish: Callable[[], None] | None) -> CheckpointRef:
         step_dir = self._claim(step, meta)
+        own = new_payload_name()  # never the file of another writer of this step
         self._writing_step = step
         try:
             try:
-                files = {PAYLOAD_NAME: write_payload(self._storage, f"{step_dir}/{PAYLOAD_NAME}",
-                                                     payload)}
+                files = {own: write_payload(self._storage, f"{step_dir}/{own}", payload)}
             except _WRITE_FAILURES as exc:
-                self._failed_write(step, step_dir, meta, exc)
-            manifest = self._publish(step, step_dir, files, meta, PAYLOAD_FORMAT, before_publish)
+                self._failed_write(step, meta, exc, own)
+            manifest = self._publish(step, files, meta, PAYLOAD_FORMAT, before_publish, own)
         finally:
             self._writing_step = None
         return self._published(step, manifest)
@@ -230,22 +231,23 @@ class CheckpointStore:
         meta = checked_metadata(step, metadata)
         with self._lock:
             self._check_open()
-            manifest = self._publish(step, self._storage.join(step_dir_name(step)), dict(files),
-                                     meta, payload_format, before_publish)
+            manifest = self._publish(step, dict(files), meta, payload_format, before_publish,
+                                     own=None)
             return self._published(step, manifest)
 
     def discard_step(self, step: int) -> None:
         """Removes ``step``'s files unless they are a published checkpoint."""
         with self._lock:
             if all(ref.step != step for ref in self._scan().valid):  # never a published one
-                self._discard(self._storage.join(step_dir_name(step)))
+                self._storage.discard(self._storage.join(step_dir_name(step)))
 
     storage = property(lambda self: self._storage, doc="The root and its retried I/O.")
     storage_options = property(lambda self: self._storage_options,
                                doc="The fsspec options given (for writers opening the URL).")
 
     def _claim(self, step: int, meta: dict[str, Any]) -> str:
-        """The step's directory, checked free and unfenced, a torn leftover removed."""
+        """The step's directory, checked free and unfenced; a torn write's manifest removed (files
+        with no manifest may be another writer's in progress: retention removes leftovers)."""
         scan = self._scan()
         if any(ref.step == step for ref in scan.valid):
             raise CheckpointError(
@@ -253,8 +255,8 @@ class CheckpointStore:
                 f"never overwritten: save under a new step, or delete that directory first.")
         check_fence(scan, meta.get("generation"), step, self._url)
         step_dir = self._storage.join(step_dir_name(step))
-        if step in scan.invalid:
-            self._discard(step_dir)  # leftover of a torn write
+        if step in scan.bad_manifests:
+            self._storage.discard(f"{step_dir}/{MANIFEST_NAME}")  # a torn write's
         return step_dir
 
     def _published(self, step: int, manifest: Manifest) -> CheckpointRef:
@@ -265,9 +267,10 @@ class CheckpointStore:
             logger.warning("retention after step %d failed: %s", step, exc)
         return CheckpointRef(step, self._dir_url(step), manifest)
 
-    def _publish(self, step: int, step_dir: str, files: dict[str, FileEntry],
-                 meta: dict[str, Any], payload_format: str,
-                 before_publish: Callable[[], None] | None) -> Manifest:
+    def _publish(self, step: int, files: dict[str, FileEntry], meta: dict[str, Any],
+                 payload_format: str, before_publish: Callable[[], None] | None,
+                 own: str | None) -> Manifest:
+        step_dir = self._storage.join(step_dir_name(step))
         try:
             manifest = Manifest(step=step, epoch=meta.get("epoch"),
                                 world_size=meta.get("world_size"),
@@ -282,12 +285,14 @@ class CheckpointStore:
             self._storage.sync_dir(self._storage.root)
             return manifest
         except CheckpointRaceError:
-            raise  # the directory holds the winner's checkpoint now: nothing of it is ours
+            if own is not None:  # the winner's checkpoint stays as it is; this file is ours
+                self._storage.discard(f"{step_dir}/{own}")
+            raise
         except CheckpointFencedError:
-            self._discard(step_dir)
+            self._clean_up(step, own)
             raise
         except _WRITE_FAILURES as exc:
-            self._failed_write(step, step_dir, meta, exc)
+            self._failed_write(step, meta, exc, own)
 
     def _create_manifest(self, step: int, path: str, manifest: Manifest) -> None:
         """Creates the manifest, never over one that is there (``Storage.create_bytes``);
@@ -305,20 +310,20 @@ class CheckpointStore:
         except CheckpointError:  # the race's error says who won when it can
             return None
 
-    def _failed_write(self, step: int, step_dir: str, meta: dict[str, Any],
-                      exc: Exception) -> NoReturn:
-        self._discard(step_dir)
+    def _failed_write(self, step: int, meta: dict[str, Any], exc: Exception,
+                      own: str | None) -> NoReturn:
+        self._clean_up(step, own)
         check_fence_after(self._scan, exc, meta.get("generation"), step, self._url)
         raise CheckpointWriteError(
             f"writing checkpoint step {step} to {self._dir_url(step)} failed: {exc!r}. "
             f"Earlier checkpoints are intact; training can go on and save again.") from exc
 
-    def _discard(self, step_dir: str) -> None:
-        try:
-            self._storage.remove(step_dir, recursive=True)
-        except OSError as exc:
-            logger.warning("could not remove the unfinished checkpoint %s (%r); it is ignored "
-                           "by readers and removed by a later save", step_dir, exc)
+    def _clean_up(self, step: int, own: str | None) -> None:
+        """Removes an unpublished write's payload ``own`` (None: every rank's, the directory)."""
+        step_dir = self._storage.join(step_dir_name(step))
+        self._storage.discard(step_dir if own is None else f"{step_dir}/{own}")
+        if own is not None:
+            self._storage.remove_empty_dir(step_dir)
 
     # -- reading -----------------------------------------------------------------------------
 

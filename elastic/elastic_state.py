@@ -12,7 +12,6 @@ import gc
 import logging
 import os
 import signal
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -32,7 +31,7 @@ from elastic.sharded import Parallelize, ShardedRuntime
 from elastic.sharded_durable import ShardedDurable
 from elastic.foundation.settings import WorkerSettings
 from elastic.setup_check import before_joining
-from elastic.foundation.signals import relay_signals
+from elastic.foundation.signals import LeaveRequest, relay_signals
 from elastic.step_collectives import StepCollectives
 from elastic.state import TrainState
 
@@ -71,7 +70,7 @@ class ElasticState(CollectiveCommit):
         self._train = TrainState.stored_in(self.__dict__)  # registered names are attributes
         self._cluster: Cluster | None = None
         self._callbacks: list[Callable[[ElasticState], None]] = []
-        self._leave_requested = threading.Event()
+        self._leave_requested = LeaveRequest()
         self._generation = 0
         self._durable = DurableCommits(
             self._settings.checkpoint, retry_for=self._settings.timeouts.storage_retry,
@@ -295,4 +294,5 @@ class ElasticState(CollectiveCommit):
             self._leave_requested.set()
 
         return relay_signals((signal.SIGTERM, signal.SIGINT), on_signal, "elastic-signals",
-                             join_timeout=self._settings.timeouts.shutdown)
+                             join_timeout=self._settings.timeouts.shutdown,
+                             mark=self._leave_requested)

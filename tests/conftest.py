@@ -16,11 +16,12 @@ import pytest
 from elastic.cluster.etcd.client import EtcdClient
 from elastic.foundation.errors import EtcdAccessError
 from elastic.launch.embedded_etcd import EmbeddedEtcd
+from tests.support.etcd_cluster import EtcdCluster
 from tests.support.faulty_fs import faulty_fs  # noqa: F401 (a fixture)
 from tests.support.harness import Job
 from tests.support.limited_etcd import MAX_TXN_OPS, LimitedEtcd
+from tests.support.object_stores import gcs_server, gcs_url, s3_server, s3_url  # noqa: F401
 from tests.support.references import References
-from tests.support.s3_server import s3_server, s3_url  # noqa: F401 (fixtures)
 from tests.support.tls_etcd import JOB_A, JOB_USERS, Pki, SecureEtcd, make_pki, user_env
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -31,7 +32,8 @@ _job_ids = itertools.count()
 # cannot be a unit test.
 _INTEGRATION_FIXTURES = frozenset({
     "etcd", "client", "small_txn_etcd", "full_etcd", "private_etcd", "make_job",
-    "secure_etcd", "secure_job", "make_private_job", "s3_server", "s3_url", "faulty_fs"})
+    "secure_etcd", "secure_job", "make_private_job", "s3_server", "s3_url", "gcs_server",
+    "gcs_url", "faulty_fs", "etcd_cluster", "make_cluster_job"})
 
 
 def _tier(item: pytest.Item) -> str:
@@ -119,6 +121,17 @@ def private_etcd() -> Iterator[EmbeddedEtcd]:
         server.stop()
 
 
+@pytest.fixture
+def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
+    """A cluster of three etcd members of the test's own, for tests that kill or freeze
+    members; every member is stopped at the end."""
+    cluster = EtcdCluster(tmp_path / "etcd-cluster")
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
 @contextlib.contextmanager
 def _jobs(url: str, tmp_path: Path, base_env: dict[str, str], folder: str = "job") -> Iterator:
     """Makes Jobs on the etcd at ``url``; every process they started is killed at the end."""
@@ -185,4 +198,12 @@ def secure_job(secure_etcd: SecureEtcd, pki: Pki, tmp_path: Path) -> Iterator:
 def make_private_job(private_etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator:
     """Makes Jobs on the test's own etcd (``private_etcd``), for tests that stop or lose it."""
     with _jobs(private_etcd.url, tmp_path, {}, folder="private-job") as make:
+        yield make
+
+
+@pytest.fixture
+def make_cluster_job(etcd_cluster: EtcdCluster, tmp_path: Path) -> Iterator:
+    """Makes Jobs on the three-member etcd (``etcd_cluster``; all three URLs, the first
+    member's first)."""
+    with _jobs(etcd_cluster.urls, tmp_path, {}, folder="cluster-job") as make:
         yield make

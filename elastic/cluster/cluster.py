@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from elastic.cluster.links.agreement_channel import ENDED, SILENT, AgreementChannel
+from elastic.cluster.links.agreement_channel import ENDED, FROZEN, SILENT, AgreementChannel
 from elastic.cluster.links.channel_book import ChannelBook
 from elastic.cluster.links.ports import answers, free_port
 from elastic.cluster.links.pulse_process import PulseProcess
@@ -304,13 +304,13 @@ class Cluster:
 
     def _came_from(self) -> tuple[int, int]:
         """The round this process was last in and how many of its members may still live
-        ((0, 0): none): its world less the members whose kernel ended their connection to this
-        one. Told in its join requests: after etcd lost its data, the first round waits for
-        that many (``roll_call.returning_short``)."""
+        ((0, 0): none): its world less those whose kernel ended their connection to this one
+        or that froze. Told in its join requests: after etcd lost its data or every lease, the
+        next round waits for that many (``roll_call.returning_short``, ``heirs_short``)."""
         last = self._last
         if last is None:
             return 0, 0
-        dead = sum(how == ENDED for how in self.channel.peers_lost().values())
+        dead = sum(how in (ENDED, FROZEN) for how in self.channel.peers_lost().values())
         return last.round, last.world_size - dead
 
     def _drop_group(self) -> Callable[[], None]:

@@ -20,11 +20,31 @@ from datetime import timedelta
 
 from elastic.foundation.timeouts import Timeouts
 
-__all__ = ["relay_signals"]
+__all__ = ["LeaveRequest", "relay_signals"]
+
+
+class LeaveRequest(threading.Event):
+    """An Event that a signal handler can mark without a lock: ``is_set`` and ``wait`` see the
+    mark at once, on the main thread too, before the relay thread gets to ``set`` it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._marked = False
+
+    def mark(self) -> None:
+        """Records the request with one attribute store: safe inside a signal handler."""
+        self._marked = True
+
+    def is_set(self) -> bool:
+        return self._marked or super().is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True if self._marked else super().wait(timeout)
 
 
 def relay_signals(signals: Iterable[signal.Signals], callback: Callable[[signal.Signals], None],
-                  name: str, join_timeout: timedelta | None = None) -> Callable[[], None]:
+                  name: str, join_timeout: timedelta | None = None,
+                  mark: LeaveRequest | None = None) -> Callable[[], None]:
     """Routes ``signals`` to ``callback``, called on a thread named ``name`` in arrival order.
 
     Only the main thread can install signal handlers; from any other thread this does nothing.
@@ -35,6 +55,8 @@ def relay_signals(signals: Iterable[signal.Signals], callback: Callable[[signal.
         name: the relay thread's name.
         join_timeout: how long restoring waits for the relay thread to finish its last callback
             (default: ``Timeouts.shutdown``).
+        mark: marked inside the handler itself, so that the main thread sees the signal as
+            soon as the handler ran, not only once the relay thread ran the callback.
 
     Returns:
         A function that puts the previous handlers back and ends the relay thread.
@@ -52,6 +74,8 @@ def relay_signals(signals: Iterable[signal.Signals], callback: Callable[[signal.
         if os.getpid() != owner:  # a forked child (a DataLoader worker): not ours to relay
             _as_before_in_child(signal.Signals(signum), previous, frame)
             return
+        if mark is not None:
+            mark.mark()
         if open_fd:
             try:
                 os.write(open_fd[0], bytes([signum]))

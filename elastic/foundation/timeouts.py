@@ -94,7 +94,8 @@ class Timeouts:
     long step, a native op, a full garbage collection or a starved CPU is never frozen."""
     heartbeat: timedelta = _entry(0.1)
     """Default 0.1 s (``ELASTIC_HEARTBEAT``): how often each end of an agreement connection
-    sends a heartbeat and looks at what it heard. Under half of ``frozen``."""
+    sends a heartbeat and looks at what it heard, and how often a member waiting for the next
+    round looks again at its connections of the last one. Under half of ``frozen``."""
     admit: timedelta = _entry(1800, "ELASTIC_ADMIT_TIMEOUT")
     """Default 1800 s (``ELASTIC_ADMIT_TIMEOUT``): how long a new worker waits to be admitted
     by the running members (they admit at a commit) before ``RendezvousTimeoutError``."""

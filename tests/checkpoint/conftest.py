@@ -1,6 +1,6 @@
 """Fixtures of the checkpoint tests: a clean ``memory://`` store and a marker file.
 
-The S3 server and the fault-injecting filesystem are shared with other folders: see
+The object-store servers (S3, GCS) and the fault-injecting filesystem are shared with other folders: see
 ``tests/conftest.py``.
 """
 

@@ -21,7 +21,7 @@ PAYLOAD = 64 << 20
 MEASURE = """
 import gc, json, sys, torch
 from elastic.checkpoint import CheckpointStore
-from elastic.checkpoint.payload import PAYLOAD_NAME, verify_payload
+from elastic.checkpoint.payload import verify_payload
 
 def status(key):
     with open("/proc/self/status") as f:
@@ -38,9 +38,9 @@ def peak_growth(call):
 store = CheckpointStore("memory://streamed/run", keep=None)
 store.save(1, {"w": torch.randn(int(sys.argv[1]) // 4)})
 ref = store.latest()
-path = store._storage.join("000000000001", PAYLOAD_NAME)
-verified, _ = peak_growth(lambda: verify_payload(store._storage, path,
-                                                 ref.manifest.files[PAYLOAD_NAME]))
+[(name, entry)] = ref.manifest.files.items()
+path = store._storage.join("000000000001", name)
+verified, _ = peak_growth(lambda: verify_payload(store._storage, path, entry))
 loaded, _ = peak_growth(lambda: float(store.load(ref).state_dict["w"].sum()))
 print(json.dumps({"verify": verified, "load": loaded}))
 """

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from elastic.cluster.rounds.plan import CloseRule, JoinRequest
-from elastic.cluster.rounds.roll_call import (Evidence, RollCall, cut_off, dead, may_close,
-                                              returning_short)
+from elastic.cluster.rounds.roll_call import (Evidence, RollCall, cut_off, dead, heirs_short,
+                                              may_close, returning_short)
 
 pytestmark = pytest.mark.unit
 
@@ -168,3 +168,32 @@ def back(member: str, from_round: int, from_world: int) -> JoinRequest:
 ])
 def test_a_first_round_after_etcd_lost_its_data_waits_for_the_old_world_to_ask(requests, short):
     assert returning_short(requests) == short
+
+
+@pytest.mark.parametrize("requests, short", [
+    ([req("a"), req("b")], 0),  # no request names round 7: members asking under their own ids
+    ([back("a", 7, 3), back("b", 7, 3)], 0),  # the last round's members, under their own ids
+    ([back("x", 7, 3)], 2),  # the first of a world of 3 whose every lease etcd revoked
+    ([back("x", 7, 3), back("y", 7, 3)], 1),
+    ([back("x", 7, 3), back("y", 7, 3), back("z", 7, 3)], 0),
+    ([back("x", 7, 3), back("b", 7, 3)], 1),  # b kept its lease; x lost its own
+    ([back("x", 7, 2), back("y", 7, 3)], 0),  # x saw the third die (or freeze)
+    ([back("x", 6, 3), req("new", "start")], 0),  # from an older round: a newcomer here
+])
+def test_members_that_lost_their_lease_count_the_last_round_that_has_yet_to_ask(requests,
+                                                                               short):
+    assert heirs_short(PREVIOUS, 7, requests) == short
+
+
+def test_a_member_that_lost_its_lease_does_not_close_a_round_alone_before_the_rejoin_timeout():
+    # Every lease was revoked (a stalled etcd leader woke): "a", "b", "c" are gone, and the
+    # first of them to register again must not make a world of one.
+    first = [back("x", 7, 3)]
+    waiting = RollCall(PREVIOUS, frozenset(), 1.0, 120.0, heirs_short(PREVIOUS, 7, first))
+    assert not may_close(first, {"x"}, waiting, 60.0, RULE)
+    late = RollCall(PREVIOUS, frozenset(), 120.0, 120.0, heirs_short(PREVIOUS, 7, first))
+    assert may_close(first, {"x"}, late, 0.0, RULE)
+    everyone = [back("x", 7, 3), back("y", 7, 3), back("z", 7, 3)]
+    assert may_close(everyone, {"x", "y", "z"},
+                     RollCall(PREVIOUS, frozenset(), 1.0, 120.0,
+                              heirs_short(PREVIOUS, 7, everyone)), 0.0, RULE)

@@ -12,6 +12,7 @@ import sys
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -401,6 +402,38 @@ def test_when_the_coordinators_lease_ends_another_member_takes_over_and_the_roun
             m.leave()
 
 
+def test_a_death_a_survivor_sees_only_after_it_asked_is_reported_without_waiting_for_the_wake(
+        client):
+    """Seen in the recovery benchmark (1.1 s instead of 0.1 s): a SIGKILLed worker's agreement
+    connection ended a moment after rank 0 asked for the next round (the dead worker's heartbeat
+    process still held a copy), and rank 0 looked at its connections again only at its wake."""
+    slow_wake = RendezvousConfig(timeouts=replace(TIMEOUTS, wake=timedelta(seconds=60)))
+    rank0, other, dead = [Member(client, "scale-late-end", version=v, config=slow_wake)
+                          for v in (2, 1, 0)]  # the newest commit is rank 0; rank0 leads
+    looks = []
+
+    def lost_after_two_looks(n: int) -> dict[str, str]:  # as the channel's peers_lost tells
+        looks.append(n)
+        return {dead.id: "ended"} if len(looks) > 2 else {}
+
+    try:
+        assert [t.rank for t in form_all([rank0, other, dead], "start")] == [0, 1, 2]
+        dead.rendezvous.stop()  # its lease lives on (no launcher revokes it): only rank0 knows
+        heard = rank0.heard["news"]
+        with ThreadPoolExecutor(2) as pool:
+            others = pool.submit(other.rendezvous.join, "failure", 1, 29500)
+            assert poll_until(lambda: rank0.heard["news"] > heard, WAIT_S), "its ask is told"
+            ours = pool.submit(rank0.rendezvous.join, "failure", 2, 29500,
+                               gone=lost_after_two_looks)
+            topologies = [ours.result(timeout=WAIT_S), others.result(timeout=WAIT_S)]
+        assert [(t.round, t.world_size) for t in topologies] == [(2, 2), (2, 2)]
+        assert len(looks) >= 3, "reported at a look after the end"
+    finally:
+        for m in (rank0, other):
+            m.leave()
+        dead.membership.leave()
+
+
 def test_a_newcomer_makes_the_round_pending_without_breaking_it(client):
     members = [Member(client, "scale-newcomer") for _ in range(3)]
     newcomer = None
@@ -476,6 +509,34 @@ def test_a_newcomer_to_a_world_at_max_workers_asks_as_a_spare_and_takes_a_dead_m
         left.set()
         pool.shutdown(wait=True)
         for m in members + ([newcomer] if newcomer else []):
+            m.leave()
+
+
+def test_a_spare_asking_again_below_max_workers_is_news_and_takes_the_free_place(client):
+    # A member left out as a spare asks again as "spare", which is not news. When the world
+    # fell below max_workers without taking it (its request came after that round closed),
+    # a "spare" request would wait for a re-formation that nobody starts.
+    config = RendezvousConfig(max_workers=2, timeouts=TIMEOUTS)
+    keys = JobKeys("scale-spare-again")
+    running = Member(client, "scale-spare-again", config=config)
+    spare = None
+    left = threading.Event()
+    pool = ThreadPoolExecutor(1)
+    try:
+        form_all([running], "start")  # a world of 1: a place is free
+        spare = Member(client, "scale-spare-again", config=config)
+        joining = pool.submit(spare.rendezvous.join, "spare", 0, 29500, cancelled=left.is_set)
+        assert poll_until(lambda: client.get(keys.join(2, spare.id)), timeout_s=WAIT_S)
+        asked = JoinRequest.from_json(client.get(keys.join(2, spare.id)).value, 0, spare.id)
+        assert asked.reason == "start"
+        assert running.monitor.pending.wait(WAIT_S), "the running member was not told of it"
+        topology = running.form("change")
+        taken = joining.result(timeout=WAIT_S)
+        assert (topology.round, taken.round, taken.world_size) == (2, 2, 2)
+    finally:
+        left.set()
+        pool.shutdown(wait=True)
+        for m in [running] + ([spare] if spare else []):
             m.leave()
 
 

@@ -19,6 +19,7 @@ from elastic.cluster.rounds.membership import EtcdMembership
 from elastic.durable import DurableCommits, fencing_generation, next_epoch
 from elastic.foundation.events import EventLog
 from elastic.foundation.timeouts import Timeouts
+from tests.support.faulty_fs import PAYLOAD_FILES
 
 URL = "faultmem://run"
 
@@ -161,7 +162,7 @@ def test_a_failed_read_of_the_newest_checkpoint_costs_a_warning_and_loads_the_on
     for version in (1, 2):
         durable.write(payload(float(version)), version, {"epoch": version})
         durable.store.wait()
-    faulty_fs.plan.read_target = "state.pt"
+    faulty_fs.plan.read_target = PAYLOAD_FILES
     faulty_fs.plan.read_failures = 1  # an input/output error: not worth another try
     faulty_fs.plan.read_error = lambda: OSError(errno.EIO, "injected: input/output error")
     loaded = durable.load_latest(payload(0.0))

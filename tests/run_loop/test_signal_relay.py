@@ -3,12 +3,16 @@ lock the handling needs is still handled, and restoring leaves nothing behind.""
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import signal
 import threading
 
 import pytest
+import torch
+
+from elastic import ElasticState
 
 from elastic.launch.stop_signal import StopSignal
 from elastic.foundation.signals import relay_signals
@@ -62,6 +66,32 @@ def test_off_the_main_thread_nothing_is_installed():
     thread.start()
     thread.join(5)
     assert results == [before]
+
+
+def test_a_sigterm_asks_to_leave_as_soon_as_it_is_handled_even_while_the_relay_thread_lags():
+    """The run loop reads the leave request on the main thread right after registering; a
+    request that only the relay thread records can come too late, and the worker trains."""
+    release = threading.Event()
+
+    class Lagging(logging.Handler):  # holds the relay thread inside its callback's log line
+        def emit(self, record: logging.LogRecord) -> None:
+            release.wait(10)
+
+    logger = logging.getLogger("elastic.elastic_state")
+    lagging, level = Lagging(), logger.level
+    state = ElasticState(model=torch.nn.Linear(2, 1), step=0)
+    logger.addHandler(lagging)
+    logger.setLevel(logging.INFO)
+    restore = state._install_signal_handlers()  # noqa: SLF001 (what run() installs)
+    try:
+        signal.raise_signal(signal.SIGTERM)
+        seen_at_once = state._leave_requested.is_set()  # noqa: SLF001
+    finally:
+        release.set()
+        restore()
+        logger.removeHandler(lagging)
+        logger.setLevel(level)
+    assert seen_at_once, "the SIGTERM was handled but the main thread does not see it yet"
 
 
 def test_a_sigterm_that_lands_as_the_worker_registers_makes_it_leave_not_die(make_job):

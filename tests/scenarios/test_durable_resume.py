@@ -28,7 +28,8 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(make_job, tmp_
     refs = store.list()
     assert len(refs) >= 2
     newest, previous = refs[-1], refs[-2]
-    payload = Path(url) / f"{newest.step:012d}" / "state.pt"
+    [name] = newest.manifest.files
+    payload = Path(url) / f"{newest.step:012d}" / name
     data = bytearray(payload.read_bytes())
     data[len(data) // 2] ^= 0xFF
     payload.write_bytes(bytes(data))

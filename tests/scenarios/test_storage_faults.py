@@ -10,7 +10,7 @@ import json
 import os
 
 from elastic.checkpoint import CheckpointStore
-from tests.support.faulty_fs import PLAN_VARIABLE
+from tests.support.faulty_fs import PAYLOAD_FILES, PLAN_VARIABLE
 from tests.support.resume_scenario import (ARGS, model_params, resume, run_until_checkpoint,
                                            start_and_expect_refusal)
 
@@ -37,7 +37,7 @@ def test_a_checkpoint_write_that_hangs_at_exit_ends_the_worker_with_one_line_in_
         make_job, tmp_path):
     gate, started = tmp_path / "gate", tmp_path / "write-started"
     os.mkfifo(gate)  # never opened for writing: every payload write hangs, as on a hard mount
-    plan = {"target": "state.pt", "gate_fifo": str(gate), "started_marker": str(started)}
+    plan = {"target": PAYLOAD_FILES, "gate_fifo": str(gate), "started_marker": str(started)}
     job = make_job(["--epochs", "1", "--samples", "96"],
                    {"ELASTIC_CHECKPOINT": f"faultfile://{tmp_path / 'ckpt'}",
                     PLAN_VARIABLE: json.dumps(plan), "ELASTIC_FINAL_WRITE_TIMEOUT": "2"})

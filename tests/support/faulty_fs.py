@@ -1,7 +1,7 @@
 """Fault-injecting fsspec filesystems, ``faultmem://`` (in memory) and ``faultfile://`` (local
 files), and the fixture of the first.
 
-Writes of one named file fail after a number of bytes, rot (one byte flipped), or stall until the
+Writes of the files a name pattern matches fail after a number of bytes, rot (one byte flipped), or stall until the
 test releases them; the first reads (listings and file reads) fail a number of times before the
 filesystem heals. ``faultfile://`` serves worker processes: its plan comes from the environment
 variable ``FAULTFS_PLAN`` (JSON, see ``plan_from_env``), read when the worker imports this module.
@@ -10,6 +10,7 @@ variable ``FAULTFS_PLAN`` (JSON, see ``plan_from_env``), read when the worker im
 from __future__ import annotations
 
 import errno
+import fnmatch
 import json
 import os
 import threading
@@ -22,7 +23,8 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
-PAYLOAD_NAME = "state.pt"
+#: The payload files of replicated checkpoints (``state.<writer>.pt``; ``state.pt`` before).
+PAYLOAD_FILES = "state*.pt"
 PLAN_VARIABLE = "FAULTFS_PLAN"
 
 
@@ -41,7 +43,8 @@ READ_ERRORS: dict[str, Callable[[], Exception]] = {
 
 @dataclass
 class FaultPlan:
-    """What the ``faultmem://`` filesystem does to writes of files named ``target``.
+    """What the ``faultmem://`` filesystem does to writes of files whose name matches ``target``
+    (a glob).
 
     Attributes:
         fail_after_bytes: Raise once this many bytes of the target were written (None: never).
@@ -55,7 +58,8 @@ class FaultPlan:
         read_failures: How many reads (a listing, opening a file to read) fail before the
             filesystem heals.
         read_error: Builds the exception a failing read raises.
-        read_target: Only reads of files of this name fail (None: every read, listings too).
+        read_target: Only reads of files whose name matches this glob fail (None: every read,
+            listings too).
         read_gate: If set, reads (of ``read_target``) block until this Event is set (a hung
             mount).
         fail_while: Reads fail only while a file exists at this path (the switch that crosses
@@ -66,7 +70,7 @@ class FaultPlan:
         started_marker: ``faultfile://`` only: a file created when a target write begins.
     """
 
-    target: str = PAYLOAD_NAME
+    target: str = PAYLOAD_FILES
     fail_after_bytes: int | None = None
     failures: int = 1
     error: Callable[[], Exception] = lambda: OSError(28, "injected: no space left on device")
@@ -85,7 +89,7 @@ class FaultPlan:
 
     def read(self, path: str) -> None:
         """Fails this read of ``path`` if reads (of it) are still to fail."""
-        if self.read_target is not None and path.rsplit("/", 1)[-1] != self.read_target:
+        if self.read_target is not None and not matches(path, self.read_target):
             return
         if self.read_gate is not None:
             assert self.read_gate.wait(30), "test never released the gated read"
@@ -105,12 +109,17 @@ class FaultPlan:
                 pass
 
 
+def matches(path: str, pattern: str) -> bool:
+    """Whether the file name of ``path`` matches the glob ``pattern``."""
+    return fnmatch.fnmatchcase(path.rsplit("/", 1)[-1], pattern)
+
+
 def plan_from_env() -> FaultPlan:
     """The plan named by ``FAULTFS_PLAN``: JSON with ``read_failures`` (int), ``read_error``
     (a key of ``READ_ERRORS``), ``read_target`` and ``target`` (file names), ``fail_while``,
     ``gate_fifo`` and ``started_marker`` (paths); an empty plan when the variable is unset."""
     spec = json.loads(os.environ.get(PLAN_VARIABLE) or "{}")
-    return FaultPlan(target=spec.get("target", PAYLOAD_NAME),
+    return FaultPlan(target=spec.get("target", PAYLOAD_FILES),
                      read_failures=int(spec.get("read_failures", 0)),
                      read_error=READ_ERRORS[spec.get("read_error", "busy")],
                      read_target=spec.get("read_target"), fail_while=spec.get("fail_while"),
@@ -121,14 +130,15 @@ class _FaultyFile(MemoryFile):
     def __init__(self, fs: FaultyMemoryFileSystem, path: str) -> None:
         super().__init__(fs, path)
         self._written = 0
-        self._plan = fs.plan if path.rsplit("/", 1)[-1] == fs.plan.target else None
+        self._plan = fs.plan if matches(path, fs.plan.target) else None
 
     def write(self, data: Any) -> int:
         plan = self._plan
         if plan is not None:
+            gate = plan.gate  # read before ``started``: the test may drop the gate once it is set
             plan.started.set()
-            if plan.gate is not None:
-                assert plan.gate.wait(30), "test never released the gated write"
+            if gate is not None:
+                assert gate.wait(30), "test never released the gated write"
             n = memoryview(data).nbytes
             limit = plan.fail_after_bytes
             if limit is not None and plan.fired < plan.failures and self._written + n > limit:
@@ -196,7 +206,7 @@ class FaultyLocalFileSystem(LocalFileSystem):
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         if "r" in mode:
             self.plan.read(path)
-        elif path.rsplit("/", 1)[-1] == self.plan.target:
+        elif matches(path, self.plan.target):
             self.plan.hold_write()
         return super()._open(path, mode, **kwargs)
 

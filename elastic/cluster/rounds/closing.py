@@ -115,8 +115,11 @@ class RoundClosing:
         if state != self._seen:
             self._seen, self._last_change = state, now
         plan = self._plan
-        returning = state[0] & set(plan.ranks) if plan is not None else any(
-            r.from_round for r in requests)  # a first round: members that etcd forgot
+        # Members of the last round (under their ids, or re-registered after losing their
+        # lease); in a first round, members that etcd forgot.
+        returning = (bool(state[0] & set(plan.ranks))
+                     or any(r.from_round == plan.round for r in requests)) if plan is not None \
+            else any(r.from_round for r in requests)
         if returning and (self._rejoin_since is None or self._rejoin_since[0] != n):
             self._rejoin_since = (n, now)
         since = self._rejoin_since

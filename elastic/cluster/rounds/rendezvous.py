@@ -1,18 +1,17 @@
 """Rounds agreed on etcd: join requests, a roll call of the last round, one plan per round by CAS.
 
-A member reports the members of round ``R`` (the newest planned) whose agreement connection
-it saw end (``gone_reports``), asks to be in round ``R + 1`` with its newest commit version,
-and waits for its seat in round ``R + 1`` (``seat.py``, by the watch of its own seat key). The
-job's coordinator (``coordinator.py``, elected at registration or later by compare-and-swap)
-closes the round once the rules allow (``verdict``) by one compare-and-swap that creates
+A member reports the members of round ``R`` (the newest planned) whose agreement connection it
+saw end (``gone_reports``), asks to be in round ``R + 1`` with its newest commit version, and
+waits for its seat in round ``R + 1`` (``seat.py``, by the watch of its own seat key). The job's
+coordinator (``coordinator.py``, elected at registration or later by compare-and-swap) closes
+the round once the rules allow (``verdict``) by one compare-and-swap that creates
 ``rounds/{n}/plan`` and moves ``round`` to ``n``: one plan per round. It then writes each member
 of the plan its seat, then the round's news (``control/news``). A member that the news of the
 round reaches without a seat of that round reads its seat, then the round's plan, once each:
 it asked too late, or the watch brought the news first. A worker's registration may carry its
 first join request (``first_join``), written with its member key while the job has no round.
-Waiting wakes on the watch and on the wake cap, never on a polling sleep; a waiting member
-reads no other member's records.
-"""
+Waiting wakes on the watch and at the wake cap (a member of round ``R``: every heartbeat, to
+look at its own connections again), never on a polling sleep; it reads no other member's records."""
 
 from __future__ import annotations
 
@@ -110,8 +109,7 @@ class Rendezvous(RoundFinish):
 
     def _news_now(self) -> RoundNews:
         """The newest news: what the registration handed over (none: round 0) and the watch
-        brought since, which together cover everything; read once from etcd only by a
-        rendezvous made after its member registered."""
+        brought since; read once from etcd only by a rendezvous made after it registered."""
         with self._changed:
             if self._news is None and self._hears_registration \
                     and self._membership.is_registered:
@@ -127,8 +125,7 @@ class Rendezvous(RoundFinish):
             return self._news
 
     def is_job_done(self) -> bool:
-        """Whether the newest news this member heard says a member returned from training
-        (the job is over: no round forms after it)."""
+        """Whether the newest news says a member returned from training (the job is over)."""
         return self._news_now().done
 
     def latest_round(self) -> int:
@@ -250,7 +247,9 @@ class Rendezvous(RoundFinish):
                  came_from: tuple[int, int], waits: bool) -> JoinRequest:
         # A member that ``waits`` asks as a spare: the running members do not re-form for it
         # (``record_reader``), and it takes a place at their next re-formation that has one.
-        return JoinRequest(member_id, version, "spare" if waits else reason,
+        # A spare asking again that finds a free place asks as news ("start").
+        asked = "spare" if waits else "start" if reason == "spare" else reason
+        return JoinRequest(member_id, version, asked,
                            self._membership.advertise_addr, port, standby=self.standby,
                            from_round=came_from[0], from_world=came_from[1],
                            node=self.config.node, node_workers=self.config.node_workers)
@@ -260,9 +259,10 @@ class Rendezvous(RoundFinish):
         at their next commit: a warm spare while the newest round's world is at its target
         (also when none formed yet, or its plan cannot be read), and a new process ("start")
         while that world is at ``max_workers``, where a re-formation would only name it a
-        spare. A member of the round ("change", "failure") never waits."""
+        spare; so does a spare asking again. A member of the round ("change", "failure")
+        never waits."""
         limit = self.config.max_workers
-        if not self.standby and (reason != "start" or limit is None):
+        if not self.standby and (reason not in ("start", "spare") or limit is None):
             return False
         newest = self._newest_told()
         try:
@@ -309,6 +309,10 @@ class Rendezvous(RoundFinish):
         """Waits for this member's seat in round ``n``; None when round ``n`` closed without
         it, or was overtaken (the news is of a later round and no plan of ``n`` is left)."""
         enough_since = started  # when the round last had min_workers (checked past the timeout)
+        # A member of round n - 1 looks at its connections again every heartbeat: one to a dead
+        # member can end a moment after it asked (the dead one's heartbeat process held a copy).
+        timeouts = self.config.timeouts
+        look = timeouts.heartbeat if 0 < self._last_round == n - 1 else timeouts.wake
         while True:
             with self._changed:
                 epoch, seat = self._epoch, self._seat
@@ -326,7 +330,7 @@ class Rendezvous(RoundFinish):
             enough_since = self._requests.check_limits(n, started, enough_since, time.monotonic())
             with self._changed:
                 if self._epoch == epoch:
-                    self._changed.wait(timeout=self.config.timeouts.wake.total_seconds())
+                    self._changed.wait(timeout=look.total_seconds())
 
     def _report_gone(self, n: int, members: dict[str, str], reported: set[str]) -> None:
         """Reports the members of round ``n - 1`` this member lost (``GoneReports``), and

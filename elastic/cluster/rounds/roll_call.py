@@ -16,6 +16,10 @@ long step (that would make a minority round):
 
 A live member of round ``n - 1`` that has done none of these is waited for, up to the rejoin
 timeout (``Timeouts.rejoin``) counted from the first request of a member of round ``n - 1``.
+So is one that lost its lease without leaving: etcd revoked every lease at once (a stalled
+leader that wakes after a quorum loss does), and the members re-register as new ones, each
+naming round ``n - 1`` and how many of it may live (``heirs_short``). Until that many asked,
+the first of them would otherwise close a round alone and the others follow one by one.
 The settle window applies only to unknown joiners: live members outside round ``n - 1`` that
 have not asked yet.
 
@@ -102,12 +106,15 @@ class RollCall:
         dead: those dead by credible evidence.
         waited_s: seconds since the first join request of a member of round ``n - 1``.
         rejoin_s: how long a live member of round ``n - 1`` is waited for.
+        short: how many members of round ``n - 1`` that re-registered have yet to ask
+            (``heirs_short``).
     """
 
     previous: list[str]
     dead: frozenset[str]
     waited_s: float
     rejoin_s: float
+    short: int = 0
 
     def missing(self, joined: set[str], live: set[str]) -> list[str]:
         """Live members of round ``n - 1`` that neither asked to join nor are dead by evidence."""
@@ -128,7 +135,7 @@ def may_close(requests: list[JoinRequest], live: set[str], roll: RollCall, quiet
     joined = {r.member_id for r in requests}
     if len(joined) < rule.min_workers:
         return False
-    if roll.missing(joined, live) and roll.waited_s < roll.rejoin_s:
+    if (roll.missing(joined, live) or roll.short) and roll.waited_s < roll.rejoin_s:
         return False
     unknown = live - joined - set(roll.previous) - roll.dead
     full = rule.max_workers is not None and len(joined) >= rule.max_workers
@@ -191,3 +198,21 @@ def returning_short(requests: list[JoinRequest]) -> int:
             worlds[r.from_round] = min(worlds.get(r.from_round, r.from_world), r.from_world)
             asked[r.from_round] += 1
     return sum(max(0, world - asked[n]) for n, world in worlds.items())
+
+
+def heirs_short(previous: list[str], previous_round: int, requests: list[JoinRequest]) -> int:
+    """How many members of round ``n - 1`` have not asked for round ``n`` yet, by the word of
+    those that lost their lease and re-registered under a new id (their requests name round
+    ``n - 1`` and how many of it may live: ``returning_short``); 0 when none did (the members
+    of round ``n - 1`` are then accounted for by their own ids and leases: ``RollCall``).
+
+    Args:
+        previous: the members of round ``n - 1``.
+        previous_round: its number.
+        requests: round ``n``'s join requests.
+    """
+    returning = [r for r in requests if r.from_round == previous_round]
+    members = set(previous)
+    if all(r.member_id in members for r in returning):
+        return 0
+    return returning_short(returning)

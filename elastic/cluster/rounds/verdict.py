@@ -11,7 +11,8 @@ from datetime import timedelta
 from elastic.cluster.etcd.values import KeyValue
 from elastic.cluster.rounds.gone_reports import GoneReports
 from elastic.cluster.rounds.plan import CloseRule, JoinRequest, Plan, should_close
-from elastic.cluster.rounds.roll_call import RollCall, cut_off, dead, may_close, returning_short
+from elastic.cluster.rounds.roll_call import (RollCall, cut_off, dead, heirs_short, may_close,
+                                              returning_short)
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,9 @@ class CloseVerdict:
 
         Args:
             live: every registered member's lease, by member id.
-            waited_s: seconds since the first request of a member of round ``n - 1`` (for a
-                first round: of a member that was in a round before).
+            waited_s: seconds since the first request of a member of round ``n - 1``, under
+                its id or a new one (for a first round: of a member that was in a round
+                before).
             gone: the keys under ``rounds/{n}/gone/`` as the caller's watch holds them.
 
         Returns:
@@ -67,9 +69,14 @@ class CloseVerdict:
         joined = {r.member_id for r in requests}
         reports = self._gone.read(n, previous.ranks, live, gone)
         roll = RollCall(previous.ranks, dead(previous.ranks, joined, reports), waited_s,
-                        rejoin.total_seconds())
+                        rejoin.total_seconds(), heirs_short(previous.ranks, previous.round,
+                                                           requests))
         if not may_close(requests, members, roll, quiet_s, self.rule):
             return None
+        if roll.short:
+            log.warning("round %d closes without %d member(s) of round %d that lost their "
+                        "lease: none asked again within %s (ELASTIC_REJOIN_TIMEOUT)", n,
+                        roll.short, n - 1, rejoin)
         cut = cut_off(previous.ranks, joined, reports)
         if len(joined - cut) < self.rule.min_workers:
             cut = frozenset()  # neither side can go on alone: try the whole world again
