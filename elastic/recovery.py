@@ -4,8 +4,9 @@ Owns one recovery, in order: the training function raised (a peer failure, or a 
 agreed on a change); the cluster says which it was (``Cluster.is_peer_failure``: by type and by
 the group's own state, never by message); after a failure the state rolls back to its last
 commit; the cluster forms the next round; the newest holder of state is found and its commit
-broadcast (``elastic.state.sync``); ``on_formed`` runs; the function is called again. Anything
-else the function raises is the user's and leaves ``run`` on that rank.
+sent to the ranks that lack it (``elastic.state.sync``, ``elastic.state.feed``); ``on_formed``
+runs; the function is called again. Anything else the function raises is the user's and leaves
+``run`` on that rank.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class RunLoop:
         durable: the job's durable commits, or None without a checkpoint URL.
         leave_requested: set when this worker should leave at its next commit.
         on_formed: called with the topology after every formation, once the state is synced.
-        sync_timeout: bound on each broadcast of the state after forming.
+        sync_timeout: bound on each message of the state sent after forming.
         sharded: the sharded objects and their commits, rebuilt at every formation, or None.
     """
 
@@ -265,14 +266,14 @@ class RunLoop:
             if isinstance(sampler, ElasticSampler):
                 sampler.set_topology(topology.rank, topology.world_size)
         cluster.events.emit("state_synced", src_rank=src, version=self._train.version,
-                            moved=moved, sync_s=synced.seconds)
+                            moved=moved > 0, bytes=moved, sync_s=synced.seconds)
         self._on_formed(topology)
 
-    def _sync_newest(self, topology: Topology) -> tuple[int, bool]:
+    def _sync_newest(self, topology: Topology) -> tuple[int, int]:
         """Finds the newest holder (a durable checkpoint newer than every commit is read by
-        rank 0 first) and broadcasts its commit, unless every rank holds that very commit
-        already (the survivors of a round: only their own rollback is needed). Returns the
-        source rank and whether the state was sent.
+        rank 0 first) and sends its commit to the ranks that lack that very commit; the others
+        (the survivors of a round, holding the same commit) take no part and only roll back.
+        Returns the source rank and the bytes of state this rank sent or received.
 
         Raises:
             CheckpointResumeError: rank 0 could not read the checkpoint URL and no rank holds
@@ -287,12 +288,10 @@ class RunLoop:
         if source.from_durable and on_rank0:
             assert found.payload is not None
             self._train.load_committed(found.payload)
-        if source.held_by_all:
-            self._train.restore()
-        else:
-            self._train.sync(source.rank, timeout=self._sync_timeout)
+        moved = self._train.sync(source.rank, timeout=self._sync_timeout,
+                                 receivers=source.receivers)
         self._lineage = topology.lineage
-        return source.rank, not source.held_by_all
+        return source.rank, moved
 
     def _read_durable(self, topology: Topology) -> _Found:
         """On rank 0: lists the checkpoint URL once, takes the round's fencing token (claimed

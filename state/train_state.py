@@ -9,19 +9,19 @@ is any object with ``save(step, state_dict, metadata)`` and ``load(ref)``.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from elastic.state.errors import NoCommitError, StateError, StateKeyError
+from elastic.state.feed import feed_payload
 from elastic.state.half_step import reset_half_step
 from elastic.state.live_commit import (fill_live, holds_live, is_optimizer,
                                        live_tensor_addresses, mark_live, require_optimizers)
 from elastic.state.plain_values import check_plain, restore_value
 from elastic.state.stateful import is_stateful, snapshot
-from elastic.state.sync import broadcast_payload
 
 __all__ = ["TrainState"]
 
@@ -306,32 +306,43 @@ class TrainState:
         src_rank: int,
         group: dist.ProcessGroup | None = None,
         timeout: datetime.timedelta | None = None,
-    ) -> None:
-        """Makes every rank's commit the one of ``src_rank``, then restores it everywhere.
+        receivers: Sequence[int] | None = None,
+    ) -> int:
+        """Makes the commit of ``src_rank`` the commit of every receiver, then restores it.
 
-        Collective: every rank of ``group`` calls it. The source sends a small skeleton,
-        then its tensors in dtype buckets of at most 64 MB (see ``state.sync``). Receivers
-        build the payload from the skeleton, so their own structure (say, an optimizer
-        with empty state on a newly joined worker) does not matter.
+        Collective over the source and the receivers; every rank of ``group`` may call it with
+        the same arguments, and a rank that is neither only restores its own commit (it must
+        hold the source's very commit already: ``newest_source`` names who does not). The source
+        sends a small skeleton, then its tensors point to point along a chain of the receivers
+        (see ``state.feed``). Receivers build the payload from the skeleton, so their own
+        structure (say, an optimizer with empty state on a newly joined worker) does not matter.
 
         Args:
             src_rank: Rank within ``group`` whose commit wins.
             group: The process group; None means the default group.
-            timeout: Bound on each bucket broadcast; None uses the group's timeout.
+            timeout: Bound on each message; None uses the group's timeout.
+            receivers: Ranks within ``group`` that take the source's commit; None means all.
+
+        Returns:
+            The bytes of state this rank sent or received (0: it took no part).
 
         Raises:
-            NoCommitError: The source has no commit (raised on every rank).
-            SyncError: A broadcast failed or timed out.
+            NoCommitError: The source has no commit (raised on the source and every receiver).
+            SyncError: Sending or receiving failed or timed out.
             StateKeyError: The source's objects differ from the registered ones.
         """
         is_src = dist.get_rank(group) == src_rank
+        if receivers is not None and set(receivers) <= {src_rank}:  # every rank holds it
+            self.restore()
+            return 0
         payload = self.committed() if is_src and self.has_commit else None
-        received = broadcast_payload(payload, src_rank, group=group, timeout=timeout)
-        if received is None:
+        fed = feed_payload(payload, src_rank, receivers, group, timeout=timeout)
+        if fed.payload is None and fed.nbytes:
             raise NoCommitError(f"sync() from rank {src_rank}: that rank has no commit.")
-        if not is_src:
-            self._install(received, copy=False)
+        if fed.nbytes and not is_src:
+            self._install(fed.payload, copy=False)
         self.restore()
+        return fed.nbytes
 
     def save(self, store: Any, step: int | None = None, metadata: dict[str, Any] | None = None) -> Any:
         """Writes the current commit to a durable store.

@@ -1,6 +1,6 @@
 """The skeleton's wire form: a payload's structure as tagged JSON, decoded without running code.
 
-``state.sync`` sends a committed payload as this skeleton plus byte buckets of its tensors.
+``state.feed`` sends a committed payload as this skeleton plus its tensors (alone or in buckets).
 What a peer sends is data, never code: the skeleton is JSON, and decoding it builds only the
 types below, checking every node. Every node is a JSON null, boolean, integer, finite number or
 string, or a list whose first item is a tag:

@@ -91,6 +91,24 @@ def test_a_joiner_enters_at_the_next_commit_with_rank_zero_parameters(make_job):
     assert changes, "the running members never agreed on the join at a commit"
 
 
+def test_a_survivor_holding_the_newest_commit_moves_no_state_when_a_worker_joins(make_job):
+    job = make_job(["--epochs", "1", "--samples", str(SAMPLES), "--batch", "8",
+                    "--commit-every", "4", "--hold-at", "8"])
+    job.start_together([0, 1])
+    job.wait_step(0, 5)
+    job.start(2)
+    for i in range(3):
+        assert job.wait_exit(i) == 0
+    synced = {i: [e for e in job.events() if e["event"] == "state_synced"
+                  and e["pid"] == job.procs[i].pid] for i in range(3)}
+    at_join = {i: synced[i][-1] for i in range(3)}  # the joiner's only round
+    assert len(synced[2]) == 1 and at_join[2]["moved"], synced[2]
+    movers = [i for i in (0, 1) if at_join[i]["moved"]]
+    assert len(movers) == 1, f"a survivor holding the source's commit moved state: {at_join}"
+    holder = 1 - movers[0]
+    assert at_join[holder]["bytes"] == 0 < at_join[2]["bytes"] == at_join[movers[0]]["bytes"]
+
+
 def test_a_terminated_worker_leaves_at_once_without_waiting_for_its_lease(make_job):
     """The lease TTL is ten minutes: the survivors can finish within the waits' bounds only if
     the terminated worker left the job itself."""
