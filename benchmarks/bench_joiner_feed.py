@@ -1,18 +1,22 @@
 """How fast a joiner is fed the job's state, against the loopback link measured in the same run.
 
 Usage: ``.venv/bin/python benchmarks/bench_joiner_feed.py [--params 100m] [--small] [--reps 2]
-[--caps 64,256] [--out PATH]`` (``python -m benchmarks joiner-feed``).
+[--direct 1,0] [--caps 64] [--out PATH]`` (``python -m benchmarks joiner-feed``).
 
-Per rep, in this order: (1) the link: a plain TCP socket pair on 127.0.0.1, one process sending
-the payload's size in 64 MiB writes to another that receives into a preallocated buffer; (2)
-the state transfer, once per bucket cap: three processes in a gloo group on loopback (rank 0
-the source, rank 1 a running worker, rank 2 the joiner) run ``broadcast_payload``, the code a
-re-formation uses (``state.sync``), for each bucket cap and number of buckets in flight, on a model of ``--params`` parameters with Adam's state
-(parameters + two moments: 12 bytes a parameter, 1.2 GB at 100M). Reported: the joiner's
-bytes/s and its ratio to the link's, and the running worker's pause (its time inside the
-transfer) against one bucket's transfer time. Targets (issue 45): ratio >= 0.5; pause <= one
-bucket. ``--small`` (10M parameters) runs under load; the claim is the 100M run on an idle
-machine.
+Per rep, in this order: (1) the state transfer, once per packing: three processes in a gloo
+group on loopback (rank 0 the source and rank 1 a running worker, both holding the same commit
+made in the same round; rank 2 a joiner holding nothing) run what a re-formation runs
+(``newest_source``, which names the joiner the only receiver, then ``feed_payload``, the wire of
+``TrainState.sync``), then one barrier, the first collective of the next step, on a model of
+``--params`` parameters with Adam's state (parameters + two moments: 12 bytes a parameter,
+1.2 GB at 100M); (2) the link: a plain TCP socket pair on 127.0.0.1, one process sending the
+payload's size in 64 MiB writes to another that receives into a preallocated buffer. Packings:
+``--direct`` MiB (a tensor at least this large travels from its own memory; 0: every tensor is
+packed, as before) and ``--caps`` MiB (the buckets of the rest). Reported: the joiner's bytes/s
+in the transfer and its ratio to the link's; the bytes the running worker moved (none); each
+rank's pause (from the start to the end of the first collective) against one piece's transfer
+time. Targets (issue 45): ratio >= 0.5; pause <= one bucket. ``--small`` (10M parameters) runs
+under load; the claim is the 100M run on an idle machine.
 """
 
 from __future__ import annotations
@@ -82,20 +86,25 @@ def _rank(rank: int, port: int, params: int, variants: list[tuple[int, int]],
           results: mp.Queue) -> None:
     import torch.distributed as dist  # noqa: PLC0415
     sys.path.insert(0, str(REPO))
-    from elastic.state import sync  # noqa: PLC0415
+    from elastic.state.feed import Packing, feed_payload  # noqa: PLC0415
+    from elastic.state.sync import newest_source  # noqa: PLC0415
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=3, timeout=datetime.timedelta(minutes=10))
-    payload = _payload(params) if rank < 2 else None  # the joiner holds nothing
-    for cap, in_flight in variants:
-        sync.IN_FLIGHT = in_flight
+    payload = _payload(params) if rank == 0 else None
+    version, lineage = (2, 7) if rank < 2 else (1, 0)  # the joiner: no round behind it
+    for direct, cap in variants:
         dist.barrier()
         started = time.perf_counter()
-        got = sync.broadcast_payload(payload if rank == 0 else None, 0, cap_bytes=cap)
-        took = time.perf_counter() - started
-        nbytes = sum(t.numel() * t.element_size() for t in _tensors(got))
-        results.put({"rank": rank, "variant": _name(cap, in_flight), "s": took,
-                     "bytes": nbytes})
-        del got
+        source = newest_source(version, lineage=lineage)
+        fed = feed_payload(payload, source.rank, source.receivers,
+                           packing=Packing(direct_bytes=direct, cap_bytes=cap))
+        transferred = time.perf_counter()
+        dist.barrier()  # the first collective of the next step
+        first = time.perf_counter()
+        results.put({"rank": rank, "variant": _name(direct, cap), "s": transferred - started,
+                     "pause_s": first - started, "moved": fed.nbytes,
+                     "bytes": sum(t.numel() * t.element_size() for t in _tensors(fed.payload))})
+        del fed
     dist.destroy_process_group()
 
 
@@ -110,13 +119,13 @@ def _tensors(value: object) -> list:
     return []
 
 
-def _name(cap: int, in_flight: int) -> str:
-    return f"{cap >> 20} MiB, {in_flight} in flight"
+def _name(direct: int, cap: int) -> str:
+    return (f"direct >= {direct >> 20} MiB, buckets {cap >> 20} MiB" if direct < 2**62
+            else f"all packed, buckets {cap >> 20} MiB")
 
 
 def transfer(params: int, variants: list[tuple[int, int]]) -> list[dict]:
-    """One broadcast per variant (bucket cap, buckets in flight) among three ranks; every rank's
-    figures."""
+    """One transfer per variant (packing) among three ranks; every rank's figures."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with socket.create_server(("127.0.0.1", 0)) as probe:
@@ -142,45 +151,64 @@ def main() -> None:
     p.add_argument("--params", default="100m", help="model parameters (100m: 1.2 GB with Adam)")
     p.add_argument("--small", action="store_true", help="10M parameters: runs under load")
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--caps", default="64,256", help="bucket caps to compare, MiB")
-    p.add_argument("--in-flight", default="0,1",
-                   help="buckets in flight beyond the one waited for, to compare (state.sync "
-                        "IN_FLIGHT; 0: one bucket at a time, as before)")
+    p.add_argument("--caps", default="64", help="bucket caps of the packed tensors, MiB")
+    p.add_argument("--direct", default="1,0",
+                   help="tensors at least this large (MiB) travel alone, from their own "
+                        "memory (0: all packed)")
     p.add_argument("--out", default=str(REPO / "runs" / "joiner-feed.json"))
     args = p.parse_args()
     params = 10**7 if args.small else _parse_count(args.params)
-    variants = [(int(c) * 1024 * 1024, int(n)) for c in args.caps.split(",")
-                for n in args.in_flight.split(",")]
+    variants = [(int(d) << 20 if int(d) else 2**62, int(c) << 20)
+                for d in args.direct.split(",") for c in args.caps.split(",")]
     reps = []
     for rep in range(args.reps):
         figures = transfer(params, variants if rep % 2 == 0 else variants[::-1])
         nbytes = next(f["bytes"] for f in figures if f["rank"] == 2)
         link = link_bytes_per_s(nbytes)
         row = {"bytes": nbytes, "link_bytes_per_s": link, "variants": {}}
-        for cap, in_flight in variants:
-            name = _name(cap, in_flight)
-            joiner = next(f for f in figures if f["rank"] == 2 and f["variant"] == name)
-            running = next(f for f in figures if f["rank"] == 1 and f["variant"] == name)
-            buckets = max(1, -(-nbytes // cap))
+        for direct, cap in variants:
+            name = _name(direct, cap)
+            joiner, running, source = (next(f for f in figures
+                                            if f["rank"] == r and f["variant"] == name)
+                                       for r in (2, 1, 0))
+            pieces = _pieces(params, direct, cap)
             row["variants"][name] = {
                 "joiner_bytes_per_s": nbytes / joiner["s"], "ratio": nbytes / joiner["s"] / link,
-                "transfer_s": joiner["s"], "running_pause_s": running["s"],
-                "one_bucket_s": joiner["s"] / buckets, "buckets": buckets}
+                "transfer_s": joiner["s"], "running_moved_bytes": running["moved"],
+                "running_pause_s": running["pause_s"], "source_pause_s": source["pause_s"],
+                "joiner_pause_s": joiner["pause_s"], "one_piece_s": joiner["s"] / pieces,
+                "pieces": pieces}
         reps.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n{'variant':>24}{'joiner GB/s':>13}{'link GB/s':>11}{'ratio':>7}"
-          f"{'pause s':>9}{'1 bucket s':>12}")
-    for cap, in_flight in variants:
-        key = _name(cap, in_flight)
-        rows = [r["variants"][key] for r in reps]
-        print(f"{key:>24}{statistics.median(r['joiner_bytes_per_s'] for r in rows) / 1e9:>13.2f}"
-              f"{statistics.median(r['link_bytes_per_s'] for r in reps) / 1e9:>11.2f}"
-              f"{statistics.median(r['ratio'] for r in rows):>7.2f}"
-              f"{statistics.median(r['running_pause_s'] for r in rows):>9.2f}"
-              f"{statistics.median(r['one_bucket_s'] for r in rows):>12.3f}")
+    _table(reps, [_name(d, c) for d, c in variants])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"cores": os.cpu_count(), "params": params,
                                           "reps": reps}, indent=1))
+
+
+def _pieces(params: int, direct: int, cap: int) -> int:
+    """Messages of the model's tensors (the largest ones: a layer's weight and its two Adam
+    moments; the small ones are a few bytes)."""
+    width = 2048
+    tensors, each = 3 * max(1, round(params / (width * width))), width * width * 4
+    if each >= direct:
+        return tensors
+    return max(1, -(-tensors * each // cap))
+
+
+def _table(reps: list[dict], names: list[str]) -> None:
+    print(f"\n{'variant':>34}{'joiner GB/s':>12}{'link GB/s':>10}{'ratio':>6}"
+          f"{'running moved':>14}{'pause s: running':>17}{'source':>7}{'1 piece s':>10}")
+    link = statistics.median(r["link_bytes_per_s"] for r in reps) / 1e9
+    for key in names:
+        rows = [r["variants"][key] for r in reps]
+
+        def med(field: str, rows: list[dict] = rows) -> float:
+            return statistics.median(r[field] for r in rows)
+        print(f"{key:>34}{med('joiner_bytes_per_s') / 1e9:>12.2f}{link:>10.2f}"
+              f"{med('ratio'):>6.2f}{int(med('running_moved_bytes')):>14}"
+              f"{med('running_pause_s'):>17.2f}{med('source_pause_s'):>7.2f}"
+              f"{med('one_piece_s'):>10.3f}")
 
 
 if __name__ == "__main__":
