@@ -59,8 +59,9 @@ def test_durable_commits_still_land_after_a_resume_on_a_fresh_etcd_that_counts_r
     url = str(tmp_path / "ckpt")
     env = {"ELASTIC_CHECKPOINT": url}
     store = CheckpointStore(url)
-    args = ["--epochs", "10", "--samples", "480", "--batch", "8", "--step-ms", "100"]
-    first = make_job(args, env)
+    args = ["--samples", "480", "--batch", "8"]
+    # Far more epochs than the kill leaves it: joining one at a time can take a minute under load.
+    first = make_job(args + ["--epochs", "1000", "--step-ms", "100"], env)
     for index in range(3):  # one join at a time: rounds 1, 2 and 3
         first.start(index)
         first.wait_until(lambda: any(p.get("world") == index + 1 for p in first.progress(0)),
@@ -72,7 +73,8 @@ def test_durable_commits_still_land_after_a_resume_on_a_fresh_etcd_that_counts_r
         first.wait_exit(index)
     before = store.latest().step
 
-    resumed = make_private_job(args + ["--step-ms", "5"], env)
+    resumed = make_private_job(args + ["--epochs", str(store.latest().epoch + 2),
+                                       "--step-ms", "5"], env)
     resumed.start_together(range(2))
     for index in range(2):
         assert resumed.wait_exit(index) == 0, resumed.tails()
