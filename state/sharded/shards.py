@@ -39,10 +39,14 @@ def forget_meshes() -> None:
     before building a round's mesh.
     """
     from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._api import DTensor
     from torch.distributed.tensor._collective_utils import MeshTopoInfo
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-    _clear_sharding_prop_cache()
+    # what torch.distributed.tensor.debug._clear_sharding_prop_cache does, without importing
+    # that package: it pulls in torch._inductor, seconds in a fresh process (a joiner's first
+    # formation, which the survivors wait for)
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
     _redistribute._gen_transform_infos.cache_clear()
     _redistribute.clear_redistribute_planner_cache()
     MeshTopoInfo.build_from_mesh.cache_clear()
