@@ -14,8 +14,10 @@ hooks' business (``checkpoint/``).
 from __future__ import annotations
 
 import gc
+import importlib
 import logging
 import os
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -102,6 +104,17 @@ class ShardedRuntime:
         self.durable_writer: DurableWriter | None = None
 
     # -- the run loop's side --------------------------------------------------------------
+    @staticmethod
+    def prepare() -> None:
+        """As this worker asks to join: imports, on a thread, what FSDP2's first
+        ``fully_shard`` in a process would (``torch._dynamo``, ~0.8 s of CPU), so that a
+        joiner pays it while the running ranks train on until their next commit, not inside
+        its ``parallelize`` while they wait. On a thread: registering is not delayed (workers
+        that start together still form one first round); ``parallelize`` waits for the
+        import if it is still under way (Python's import lock)."""
+        threading.Thread(target=importlib.import_module, args=("torch._dynamo",),
+                         name="elastic-fsdp-imports", daemon=True).start()
+
     def settle(self) -> None:
         """Before leaving a round: waits for the buddy copies in flight (a failed one leaves
         its commit incomplete, which ``choose`` sees) and drops the round's objects."""
