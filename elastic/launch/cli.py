@@ -219,6 +219,11 @@ def cmd_run(argv: Sequence[str]) -> int:
             warm_start=args.warm_start, preload=parse_preload(args.preload))
     except ValueError as exc:
         raise UsageError(f"elastic run: {exc}") from None
+    if spec.etcd:  # a command line refused touches nothing, leftovers included
+        _check_etcd(spec.etcd, spec.security, "elastic run")
+    elif spec.security != EtcdSecurity():
+        raise UsageError("elastic run: the --etcd-* TLS and authentication settings need "
+                         "--etcd https://HOST:PORT (the embedded etcd is plain, on 127.0.0.1).")
     _remove_leftovers()
     from elastic.launch.checkpoint_claim import held_checkpoint  # noqa: PLC0415
     with held_checkpoint(None if spec.plain else spec.checkpoint, spec.job_id, spec.timeouts):
@@ -228,11 +233,7 @@ def cmd_run(argv: Sequence[str]) -> int:
 def _run_job(spec) -> int:  # noqa: ANN001 (LaunchSpec is imported lazily)
     """Launches this node's part of the job, on ``spec.etcd`` or an embedded etcd."""
     if spec.etcd:
-        _check_etcd(spec.etcd, spec.security, "elastic run")
         return _launch(spec, embedded=False)
-    if spec.security != EtcdSecurity():
-        raise UsageError("elastic run: the --etcd-* TLS and authentication settings need "
-                         "--etcd https://HOST:PORT (the embedded etcd is plain, on 127.0.0.1).")
     from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: PLC0415
     server = EmbeddedEtcd(timeouts=spec.timeouts).start()
     try:

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import tempfile
 from datetime import timedelta
 
 import pytest
@@ -14,6 +15,7 @@ from elastic.launch.cli import main
 from elastic.cluster.links.ports import free_port
 from elastic.cluster.etcd.client import EtcdClient
 from elastic.launch.job_config import JobConfig, claim
+from elastic.launch.parent_death import OWNER
 from elastic.cluster.rounds.keys import JobKeys
 from elastic.cluster.rounds.membership import EtcdMembership
 from tests.support.cli import WORKERS
@@ -78,6 +80,18 @@ def test_bad_command_lines_get_one_line_and_exit_two(capsys, monkeypatch, args, 
     assert main(args) == 2
     captured = capsys.readouterr()
     one_clear_line(captured.out + captured.err, *needles)
+
+
+def test_a_bad_etcd_url_is_refused_before_a_killed_launchers_leftovers_are_swept(
+        capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    leftover = tmp_path / "elastic-etcd-of-a-killed-launcher"
+    leftover.mkdir()
+    (leftover / OWNER).write_text("999999999 1\n")  # no such process
+    assert main(["run", "--etcd", "nonsense", WORKER]) == 2
+    captured = capsys.readouterr()
+    one_clear_line(captured.out + captured.err, "etcd URL 'nonsense' needs a host and a port")
+    assert leftover.exists(), "a refused command line swept the leftovers"
 
 
 def test_a_malformed_timeout_variable_gets_one_line_naming_it(capsys, monkeypatch):
