@@ -2,9 +2,10 @@
 
 The payload is one ``torch.save`` archive streamed through fsspec while its sha256 is computed
 (hashing overlaps the write, so a save runs at disk speed), in a file whose name is the writer's
-own (``new_payload_name``), so that two writers of one step never write the same file. Loading reads it once in chunks,
-verifying the checksum on the way, and then uses ``torch.load(weights_only=True, mmap=True)``,
-which never runs code from the file, on the local file or on an in-memory spool of the download.
+own (``new_payload_name``), so that two writers of one step never write the same file. Loading
+reads it once in chunks, verifying the checksum on the way, and then uses
+``torch.load(weights_only=True, mmap=True)``, which never runs code from the file, on the local
+file or on an in-memory spool of the download.
 This module does not decide where files go or which checkpoint is current.
 """
 

@@ -10,8 +10,8 @@ of the plan its seat, then the round's news (``control/news``). A member that th
 round reaches without a seat of that round reads its seat, then the round's plan, once each:
 it asked too late, or the watch brought the news first. A worker's registration may carry its
 first join request (``first_join``), written with its member key while the job has no round.
-Waiting wakes on the watch and at the wake cap (a member of round ``R``: every heartbeat, to
-look at its own connections again), never on a polling sleep; it reads no other member's records."""
+Waiting wakes on the watch and at the wake cap (every heartbeat for a member of round ``R``,
+which looks at its connections again), never on a polling sleep; it reads no one else's records."""
 
 from __future__ import annotations
 
