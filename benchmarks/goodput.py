@@ -14,15 +14,27 @@ next commit), ``replace`` (SIGKILL and a new worker started at once, as a launch
 ``join`` (a new worker). With fewer than 4 workers (started or training) the next fault is a
 join; otherwise one of the other four, seeded, at a worker that has trained.
 
+A ``replace`` forks the new worker from a warm-start template, as ``elastic run`` does
+(``soak.Soak(warm=True)``); a ``join`` is a new machine: a cold process.
+
 Useful steps are counted from the event log, not from a step counter: the job's ``step`` is
 committed state (a rolled-back batch takes its count with it) and rank 0 records it in a
 ``progress`` event at every commit (``ELASTIC_PROGRESS`` 1 ms). Of those events only the kept
 line counts: an event whose step a later event undercuts was rolled back. ``goodput`` weighs
 each useful step by the world that took it (its samples: a kill leaves 3 workers until the
 next join, and 3 workers step faster than 4 on a small machine, so unweighted steps flatter);
-``goodput_steps`` counts steps alone. The training time lost to a fault is the wall time to the
-next fault (or the end) less the useful samples made in it at the fault-free rate; the losses
-sum to (1 - goodput) x duration.
+``goodput_steps`` counts steps alone.
+
+``goodput`` is measured against the capacity the job had: its workers' seconds (``slots``), at
+the fault-free rate per worker. A worker's slot closes when it is killed or leaves (SIGTERM) and
+while it is frozen (SIGSTOP to SIGCONT: the fault itself); a joiner's opens when it asks to join
+(its ``joined`` event: starting a new machine's process is not training lost); a replaced
+worker's never closes (its replacement's start is charged). So a kill costs what the survivors
+lose (the pause, the steps rolled back), not the missing quarter of the job until the next join,
+which no framework could train with; ``goodput_samples`` is the same ratio against the full
+job's rate, which charges that quarter too. The training time lost to a fault is its
+stretch's (to the next fault, or the end) capacity less its useful samples, in seconds of the
+full job's fault-free rate; the losses sum to (1 - goodput) x capacity / workers.
 """
 
 from __future__ import annotations
@@ -82,7 +94,7 @@ def run_turn(faulty: bool, args: Any, rng: random.Random) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="elastic-goodput-"))
     (root / "etcd").mkdir()
     etcd = EmbeddedEtcd(data_dir=str(root / "etcd")).start()
-    soak = Soak(root, etcd, args.workers, {"ELASTIC_PROGRESS": PROGRESS_EVERY_S})
+    soak = Soak(root, etcd, args.workers, {"ELASTIC_PROGRESS": PROGRESS_EVERY_S}, warm=True)
     try:
         t0 = wait_all_training(soak, args.workers) + WARMUP_S
         soak.pause.wait(max(0.0, t0 - time.time()))
@@ -98,8 +110,9 @@ def run_turn(faulty: bool, args: Any, rng: random.Random) -> dict[str, Any]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
+        soak.close()
         etcd.stop()
-    return analyse(soak, t0, t1, ended_in_time, left_behind)
+    return analyse(soak, t0, t1, ended_in_time, left_behind, args.workers)
 
 
 def progress_events(root: Path) -> list[dict[str, Any]]:
@@ -127,16 +140,48 @@ def wait_all_training(soak: Soak, workers: int) -> float:
                        f" see the worker logs in {soak.root}")
 
 
+def slot_changes(faults: list[dict[str, Any]],
+                 joined: dict[int, float]) -> list[tuple[float, int]]:
+    """When workers' slots close (-1) and open (+1), from the faults and the joiners' first
+    ``joined`` events (by pid); see the module's docstring."""
+    changes = []
+    for fault in faults:
+        if fault["kind"] in ("kill", "term"):
+            changes.append((fault["t"], -1))
+        elif fault["kind"] == "stop":
+            changes += [(fault["t"], -1), (fault["woken"], 1)]
+        elif fault["kind"] == "join" and fault.get("pid") in joined:
+            changes.append((joined[fault["pid"]], 1))
+    return sorted(changes)
+
+
+def slot_seconds(changes: list[tuple[float, int]], slots: int, a: float, b: float) -> float:
+    """The workers' seconds in [a, b]: ``slots`` at first, then each change at its time."""
+    total, last = 0.0, a
+    for t, delta in changes:
+        if t > a:
+            total += slots * (min(t, b) - last)
+            last = min(t, b)
+        slots += delta
+    return total + slots * (b - last)
+
+
 def analyse(soak: Soak, t0: float, t1: float, ended_in_time: bool,
-            left_behind: int) -> dict[str, Any]:
+            left_behind: int, workers: int) -> dict[str, Any]:
     events = read_jsonl(sorted((soak.root / "events").glob("*.jsonl")))
     line = kept_line(progress_events(soak.root))
     (s0, n0), (s1, n1) = useful_at(line, t0), useful_at(line, t1)
     resumed = [e["t"] for e in events if e["event"] == "resumed"]
+    joined: dict[int, float] = {}
+    for e in events:
+        if e["event"] == "joined":
+            joined.setdefault(e["pid"], e["t"])
+    changes = slot_changes(soak.faults, joined)
     faults = []
     for fault, end in zip(soak.faults, [f["t"] for f in soak.faults[1:]] + [t1]):
         after = [t for t in resumed if fault["t"] < t < end]
         faults.append({**fault, "end": end,
+                       "slot_s": slot_seconds(changes, workers, fault["t"], end),
                        "recovery_s": after[0] - fault["t"] if after else None,
                        "samples": (useful_at(line, end)[1] - useful_at(line, fault["t"])[1])
                        * BATCH})
@@ -147,6 +192,7 @@ def analyse(soak: Soak, t0: float, t1: float, ended_in_time: bool,
         "faulty": bool(soak.faults), "t0": t0, "seconds": t1 - t0,
         "useful_steps": s1 - s0, "steps_per_s": (s1 - s0) / (t1 - t0),
         "samples_per_s": (n1 - n0) * BATCH / (t1 - t0),
+        "slot_s": slot_seconds(changes, workers, t0, t1), "workers": workers,
         "rolled_back_events": len(progress_events(soak.root)) - len(line),
         "faults": faults,
         "samples_duplicated": sum(row[1] for row in audit) if audit else None,
@@ -162,7 +208,7 @@ def by_kind(turns: list[dict[str, Any]]) -> dict[str, Any]:
     rows: dict[str, list[dict[str, Any]]] = {}
     for turn in turns:
         for fault in turn["faults"]:
-            fault["lost_s"] = (fault["end"] - fault["t"]) \
+            fault["lost_s"] = fault["slot_s"] / turn["workers"] \
                 - fault["samples"] / turn["reference_samples"]
             rows.setdefault(fault["kind"], []).append(fault)
     kinds = {}
@@ -183,8 +229,11 @@ def table(report: dict[str, Any]) -> str:
     lines = [f"Goodput, {f['workers']} workers, one mixed fault every {f['fault_every_s']:g} s, "
              f"{f['turns']} faulty turn(s) of {f['duration_s']:g} s between fault-free ones:",
              "", "| | faulty | fault-free (neighbours) | goodput |", "|---|---|---|---|",
-             f"| useful samples/s (steps x world) | {f['samples_per_s']:.0f} | "
+             f"| useful samples/s against the workers present ({f['capacity']:.3f} of the "
+             f"job's worker-seconds) | {f['samples_per_s'] / f['capacity']:.0f} | "
              f"{f['reference_samples_per_s']:.0f} | **{f['goodput']:.4f}** |",
+             f"| useful samples/s (steps x world) | {f['samples_per_s']:.0f} | "
+             f"{f['reference_samples_per_s']:.0f} | {f['goodput_samples']:.4f} |",
              f"| useful steps/s | {f['steps_per_s']:.2f} | {f['reference_steps_per_s']:.2f} | "
              f"{f['goodput_steps']:.4f} |",
              "", "| fault | fired | recovered | recovery p50 | lost per fault: median | p95 |",
@@ -209,7 +258,9 @@ def main(args: Any) -> None:
     for i, turn in enumerate(faulty):
         turn["reference"] = (free[i]["steps_per_s"] + free[i + 1]["steps_per_s"]) / 2
         turn["reference_samples"] = (free[i]["samples_per_s"] + free[i + 1]["samples_per_s"]) / 2
-        turn["goodput"] = turn["samples_per_s"] / turn["reference_samples"]
+        turn["goodput_samples"] = turn["samples_per_s"] / turn["reference_samples"]
+        turn["goodput"] = turn["samples_per_s"] * turn["seconds"] \
+            / (turn["reference_samples"] / args.workers * turn["slot_s"])
         turn["goodput_steps"] = turn["steps_per_s"] / turn["reference"]
     seconds = sum(t["seconds"] for t in faulty)
     report: dict[str, Any] = {
@@ -220,7 +271,9 @@ def main(args: Any) -> None:
         "samples_per_s": sum(t["samples_per_s"] * t["seconds"] for t in faulty) / seconds,
         "reference_samples_per_s": statistics.mean(t["reference_samples"] for t in faulty),
     }
-    report["goodput"] = report["samples_per_s"] / report["reference_samples_per_s"]
+    report["goodput_samples"] = report["samples_per_s"] / report["reference_samples_per_s"]
+    report["capacity"] = sum(t["slot_s"] for t in faulty) / (args.workers * seconds)
+    report["goodput"] = report["goodput_samples"] / report["capacity"]
     report["goodput_steps"] = report["steps_per_s"] / report["reference_steps_per_s"]
     report["by_kind"] = by_kind(faulty)
     for key in ("hangs", "processes_left_behind", "samples_lost", "samples_duplicated"):

@@ -40,10 +40,12 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from elastic.launch.embedded_etcd import EmbeddedEtcd
+from elastic.launch.warm_start import ForkedProcess, WarmStart
 
 HERE = Path(__file__).resolve().parent
 LEASE_TTL_S = 3
@@ -52,13 +54,46 @@ LEASE_TTL_S = 3
 RELEASE_GRACE_S = 5
 STEADY_AFTER_S = 1.0  # a stretch counts towards the fault-free rate from 1 s after a recovery
 MIN_WORLD, MAX_WORLD = 2, 5
+TEMPLATE_READY = timedelta(seconds=180)  # under load torch's import took 30 s
+
+
+class ForkedWorker:
+    """A worker forked from the warm-start template, as ``elastic run`` forks a replacement:
+    the part of ``subprocess.Popen`` the soak uses; its output goes to its log file."""
+
+    def __init__(self, proc: ForkedProcess, log: IO[bytes]) -> None:
+        self._proc = proc
+        self.pid = proc.pid
+        for stream in (proc.stdout, proc.stderr):
+            threading.Thread(target=_copy, args=(stream, log), daemon=True).start()
+
+    def poll(self) -> int | None:
+        return self._proc.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self._proc.wait(timeout)
+
+    def send_signal(self, sig: int) -> None:
+        if self._proc.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _copy(stream: IO[bytes] | None, log: IO[bytes]) -> None:
+    if stream is not None:
+        for line in stream:
+            log.write(line)
+            log.flush()
 
 
 class Soak:
-    """The job, its workers and the faults fired at them."""
+    """The job, its workers and the faults fired at them. With ``warm``, a ``replace`` forks
+    the new worker from a warm-start template, as ``elastic run`` does; others start cold."""
 
     def __init__(self, root: Path, etcd: EmbeddedEtcd, workers: int,
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, warm: bool = False) -> None:
         self.root = root
         self.etcd = etcd
         self.env = dict(os.environ, ELASTIC_ETCD=etcd.url, ELASTIC_JOB_ID="soak",
@@ -67,27 +102,38 @@ class Soak:
                         ELASTIC_MIN_WORKERS="1", MASTER_ADDR="127.0.0.1",
                         GLOO_SOCKET_IFNAME="lo", ELASTIC_ADVERTISE_ADDR="127.0.0.1",
                         OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.live: list[subprocess.Popen[bytes]] = []
+        self.command = [sys.executable, str(HERE / "soak_worker.py"), "--out", str(root)]
+        self.procs: list[Any] = []  # subprocess.Popen or ForkedWorker
+        self.live: list[Any] = []
         self.faults: list[dict[str, Any]] = []
         self.pause = threading.Event()  # never set: paces the fault schedule
+        self.template: WarmStart | None = None
+        if warm:
+            self.template = WarmStart(self.command, self.env, (), TEMPLATE_READY,
+                                      timedelta(seconds=30))
+            self.template.start()
+            if not self.template.wait_ready():
+                raise RuntimeError("the warm-start template did not start: see its line above")
         for _ in range(workers):
             self.start_worker()
 
-    def start_worker(self) -> None:
+    def start_worker(self, forked: bool = False) -> Any:
         log = open(self.root / f"worker-{len(self.procs)}.log", "ab")
-        proc = subprocess.Popen([sys.executable, str(HERE / "soak_worker.py"), "--out",
-                                 str(self.root)], env=self.env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        spawned = self.template.spawn(self.env, piped=True) \
+            if forked and self.template is not None else None
+        proc = ForkedWorker(spawned, log) if spawned is not None else subprocess.Popen(
+            self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
         self.procs.append(proc)
         self.live.append(proc)
+        return proc
 
     def fire(self, kind: str, rng: random.Random,
              victims: list[subprocess.Popen[bytes]] | None = None) -> None:
         """Fires one fault; a worker fault hits one of ``victims`` (default: any live one)."""
         record: dict[str, Any] = {"kind": kind, "t": time.time(), "world": len(self.live)}
         if kind == "join":
-            self.start_worker()
+            record["pid"] = self.start_worker().pid
         elif kind == "etcd":
             self.etcd.restart()
         else:
@@ -97,7 +143,7 @@ class Soak:
                 victim.send_signal(signal.SIGKILL)
                 self.live.remove(victim)
                 if kind == "replace":  # as a launcher does: a new worker at once
-                    self.start_worker()
+                    record["new_pid"] = self.start_worker(forked=True).pid
             elif kind == "term":
                 victim.send_signal(signal.SIGTERM)
                 self.live.remove(victim)
@@ -105,6 +151,7 @@ class Soak:
                 victim.send_signal(signal.SIGSTOP)
                 self.pause.wait(LEASE_TTL_S + 2)
                 victim.send_signal(signal.SIGCONT)
+                record["woken"] = time.time()
         self.faults.append(record)
         print(f"{time.strftime('%H:%M:%S')} {kind:5s} world {record['world']}", flush=True)
 
@@ -129,7 +176,14 @@ class Soak:
         for proc in left:
             proc.kill()
             proc.wait(timeout=10)
+        self.close()
         return not left, len(left)
+
+    def close(self) -> None:
+        """Ends the template, if any (its workers are ended by then)."""
+        if self.template is not None:
+            self.template.close()
+            self.template = None
 
 
 def read_jsonl(paths: list[Path]) -> list[dict[str, Any]]:

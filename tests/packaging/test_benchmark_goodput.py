@@ -76,3 +76,13 @@ def test_torchft_is_an_optional_benchmark_extra_and_never_a_dependency():
     extras = project["optional-dependencies"]
     assert not [d for d in extras["test"] if d.startswith("torchft")]
     assert "torchft==0.2.0" in extras["bench-torchft"]
+
+
+def test_goodput_counts_only_the_workers_present_a_joiner_from_when_it_asks_to_join():
+    faults = [{"kind": "kill", "t": 10.0}, {"kind": "join", "t": 20.0, "pid": 7},
+              {"kind": "stop", "t": 30.0, "woken": 35.0}, {"kind": "replace", "t": 40.0},
+              {"kind": "join", "t": 45.0, "pid": 8}]  # pid 8 never asked to join
+    changes = goodput.slot_changes(faults, {7: 24.0})
+    assert goodput.slot_seconds(changes, 4, 0.0, 50.0) == 4 * 10 + 3 * 14 + 4 * 6 + 3 * 5 + 4 * 15
+    assert goodput.slot_seconds(changes, 4, 10.0, 20.0) == 3 * 10  # the kill's stretch
+    assert goodput.slot_seconds(changes, 4, 40.0, 45.0) == 4 * 5  # a replaced worker's slot
