@@ -25,16 +25,18 @@ each useful step by the world that took it (its samples: a kill leaves 3 workers
 next join, and 3 workers step faster than 4 on a small machine, so unweighted steps flatter);
 ``goodput_steps`` counts steps alone.
 
-``goodput`` is measured against the capacity the job had: its workers' seconds (``slots``), at
-the fault-free rate per worker. A worker's slot closes when it is killed or leaves (SIGTERM) and
-while it is frozen (SIGSTOP to SIGCONT: the fault itself); a joiner's opens when it asks to join
-(its ``joined`` event: starting a new machine's process is not training lost); a replaced
-worker's never closes (its replacement's start is charged). So a kill costs what the survivors
-lose (the pause, the steps rolled back), not the missing quarter of the job until the next join,
-which no framework could train with; ``goodput_samples`` is the same ratio against the full
-job's rate, which charges that quarter too. The training time lost to a fault is its
-stretch's (to the next fault, or the end) capacity less its useful samples, in seconds of the
-full job's fault-free rate; the losses sum to (1 - goodput) x capacity / workers.
+``goodput`` is measured against what the workers present (``slots``) could have trained: all of
+them at the fault-free turns' rate, fewer at that rate times the ratio of the two worlds' steady
+rates in the faulty turn (``expected``). A worker's slot closes when it is killed or leaves
+(SIGTERM) and while it is frozen (SIGSTOP to SIGCONT: the fault itself); a joiner's opens when
+it asks to join (its ``joined`` event: starting a new machine's process is not training lost); a
+replaced worker's never closes (its replacement's start is charged). So a kill costs what the
+survivors lose (the pause, the steps rolled back), not the missing quarter of the job until the
+next join, which no framework could train with; ``goodput_samples`` is the same ratio against
+the full job's rate, which charges that quarter too. The training time lost to a fault is what
+its stretch's (to the next fault, or the end) workers could have trained less its useful
+samples, in seconds of the full job's fault-free rate. ``python goodput.py REPORT.json``
+recomputes a saved report from its turns' log folders.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ from __future__ import annotations
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from elastic.launch.embedded_etcd import EmbeddedEtcd
@@ -54,6 +58,7 @@ from soak import Soak, percentile, read_jsonl
 WARMUP_S = 5.0  # measured from 5 s after all workers first train
 FORM_TIMEOUT_S = 180.0
 PROGRESS_EVERY_S = "0.001"  # one progress event per commit
+STEADY_AFTER_S = 1.0  # a world's steady rate is counted from 1 s after a recovery
 BATCH = 16  # soak_worker.py's samples per worker and step
 WORKER_FAULTS = ("kill", "stop", "term", "replace")
 
@@ -155,15 +160,35 @@ def slot_changes(faults: list[dict[str, Any]],
     return sorted(changes)
 
 
-def slot_seconds(changes: list[tuple[float, int]], slots: int, a: float, b: float) -> float:
-    """The workers' seconds in [a, b]: ``slots`` at first, then each change at its time."""
-    total, last = 0.0, a
+def slot_time(changes: list[tuple[float, int]], slots: int, a: float,
+              b: float) -> dict[str, float]:
+    """Seconds in [a, b] spent with each number of workers present (keys: str, as in JSON):
+    ``slots`` at the start of the turn, then each change at its time."""
+    spent: dict[str, float] = {}
+    last = a
     for t, delta in changes:
         if t > a:
-            total += slots * (min(t, b) - last)
+            spent[str(slots)] = spent.get(str(slots), 0.0) + min(t, b) - last
             last = min(t, b)
         slots += delta
-    return total + slots * (b - last)
+    spent[str(slots)] = spent.get(str(slots), 0.0) + b - last
+    return {k: v for k, v in spent.items() if v > 0}
+
+
+def steady_rates(line: list[dict[str, Any]], faults: list[dict[str, Any]]) -> dict[str, float]:
+    """Samples/s by world size (str keys) between kept commits, outside every fault's window
+    (from the fault to 1 s after its recovery, or to the next fault when it had none)."""
+    windows = [(f["t"], f["t"] + f["recovery_s"] + STEADY_AFTER_S
+                if f["recovery_s"] is not None else f["end"]) for f in faults]
+    totals: dict[str, list[float]] = {}
+    for a, b in zip(line, line[1:]):
+        if a["world_size"] != b["world_size"] or any(
+                lo < b["t"] and a["t"] < hi for lo, hi in windows):
+            continue
+        n, d = totals.setdefault(str(b["world_size"]), [0.0, 0.0])
+        totals[str(b["world_size"])] = [n + (b["step"] - a["step"]) * b["world_size"] * BATCH,
+                                        d + b["t"] - a["t"]]
+    return {w: n / d for w, (n, d) in totals.items() if d > 0}
 
 
 def analyse(soak: Soak, t0: float, t1: float, ended_in_time: bool,
@@ -181,7 +206,7 @@ def analyse(soak: Soak, t0: float, t1: float, ended_in_time: bool,
     for fault, end in zip(soak.faults, [f["t"] for f in soak.faults[1:]] + [t1]):
         after = [t for t in resumed if fault["t"] < t < end]
         faults.append({**fault, "end": end,
-                       "slot_s": slot_seconds(changes, workers, fault["t"], end),
+                       "slot_time": slot_time(changes, workers, fault["t"], end),
                        "recovery_s": after[0] - fault["t"] if after else None,
                        "samples": (useful_at(line, end)[1] - useful_at(line, fault["t"])[1])
                        * BATCH})
@@ -192,7 +217,8 @@ def analyse(soak: Soak, t0: float, t1: float, ended_in_time: bool,
         "faulty": bool(soak.faults), "t0": t0, "seconds": t1 - t0,
         "useful_steps": s1 - s0, "steps_per_s": (s1 - s0) / (t1 - t0),
         "samples_per_s": (n1 - n0) * BATCH / (t1 - t0),
-        "slot_s": slot_seconds(changes, workers, t0, t1), "workers": workers,
+        "slot_time": slot_time(changes, workers, t0, t1), "workers": workers,
+        "steady_samples_per_s": steady_rates(line, faults),
         "rolled_back_events": len(progress_events(soak.root)) - len(line),
         "faults": faults,
         "samples_duplicated": sum(row[1] for row in audit) if audit else None,
@@ -208,8 +234,8 @@ def by_kind(turns: list[dict[str, Any]]) -> dict[str, Any]:
     rows: dict[str, list[dict[str, Any]]] = {}
     for turn in turns:
         for fault in turn["faults"]:
-            fault["lost_s"] = fault["slot_s"] / turn["workers"] \
-                - fault["samples"] / turn["reference_samples"]
+            fault["lost_s"] = (expected(turn, fault["slot_time"]) - fault["samples"]) \
+                / turn["reference_samples"]
             rows.setdefault(fault["kind"], []).append(fault)
     kinds = {}
     for kind, mine in sorted(rows.items()):
@@ -229,9 +255,9 @@ def table(report: dict[str, Any]) -> str:
     lines = [f"Goodput, {f['workers']} workers, one mixed fault every {f['fault_every_s']:g} s, "
              f"{f['turns']} faulty turn(s) of {f['duration_s']:g} s between fault-free ones:",
              "", "| | faulty | fault-free (neighbours) | goodput |", "|---|---|---|---|",
-             f"| useful samples/s against the workers present ({f['capacity']:.3f} of the "
-             f"job's worker-seconds) | {f['samples_per_s'] / f['capacity']:.0f} | "
-             f"{f['reference_samples_per_s']:.0f} | **{f['goodput']:.4f}** |",
+             f"| useful samples/s against what the workers present could train "
+             f"({f['capacity']:.3f} of the full job's rate) | {f['samples_per_s']:.0f} | "
+             f"{f['reference_samples_per_s'] * f['capacity']:.0f} | **{f['goodput']:.4f}** |",
              f"| useful samples/s (steps x world) | {f['samples_per_s']:.0f} | "
              f"{f['reference_samples_per_s']:.0f} | {f['goodput_samples']:.4f} |",
              f"| useful steps/s | {f['steps_per_s']:.2f} | {f['reference_steps_per_s']:.2f} | "
@@ -247,33 +273,47 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(args: Any) -> None:
-    rng = random.Random(args.seed)
-    turns = []
-    for i in range(2 * args.turns + 1):
-        print(f"{time.strftime('%H:%M:%S')} turn {i}: {'faulty' if i % 2 else 'fault-free'}",
-              flush=True)
-        turns.append(run_turn(i % 2 == 1, args, rng))
+def expected(turn: dict[str, Any], spent: dict[str, float]) -> float:
+    """The samples the workers present could have trained in ``spent`` (seconds by number of
+    workers present): the fault-free turns' rate for all of them; for fewer, that rate times
+    the ratio of the two worlds' steady rates in this turn (3 workers of this job train more
+    samples each than 4: a smaller ring), or in proportion when this turn has no such ratio."""
+    full, steady = turn["reference_samples"], turn["steady_samples_per_s"]
+    top = str(turn["workers"])
+    total = 0.0
+    for slots, seconds in spent.items():
+        if slots in steady and top in steady:
+            rate = full * steady[slots] / steady[top]
+        else:
+            rate = full * int(slots) / turn["workers"]
+        total += rate * seconds
+    return total
+
+
+def report_of(turns: list[dict[str, Any]], args: Any) -> dict[str, Any]:
+    """The report of a run's turns (fault-free, faulty, fault-free, ...)."""
     free, faulty = turns[0::2], turns[1::2]
     for i, turn in enumerate(faulty):
         turn["reference"] = (free[i]["steps_per_s"] + free[i + 1]["steps_per_s"]) / 2
         turn["reference_samples"] = (free[i]["samples_per_s"] + free[i + 1]["samples_per_s"]) / 2
+        turn["expected_samples"] = expected(turn, turn["slot_time"])
+        turn["goodput"] = turn["samples_per_s"] * turn["seconds"] / turn["expected_samples"]
         turn["goodput_samples"] = turn["samples_per_s"] / turn["reference_samples"]
-        turn["goodput"] = turn["samples_per_s"] * turn["seconds"] \
-            / (turn["reference_samples"] / args.workers * turn["slot_s"])
         turn["goodput_steps"] = turn["steps_per_s"] / turn["reference"]
     seconds = sum(t["seconds"] for t in faulty)
+    useful = sum(t["samples_per_s"] * t["seconds"] for t in faulty)
     report: dict[str, Any] = {
         "workers": args.workers, "fault_every_s": args.fault_every, "duration_s": args.duration,
         "turns": args.turns, "seed": args.seed,
         "steps_per_s": sum(t["useful_steps"] for t in faulty) / seconds,
         "reference_steps_per_s": statistics.mean(t["reference"] for t in faulty),
-        "samples_per_s": sum(t["samples_per_s"] * t["seconds"] for t in faulty) / seconds,
+        "samples_per_s": useful / seconds,
         "reference_samples_per_s": statistics.mean(t["reference_samples"] for t in faulty),
+        "goodput": useful / sum(t["expected_samples"] for t in faulty),
     }
+    report["capacity"] = sum(t["expected_samples"] for t in faulty) \
+        / sum(t["reference_samples"] * t["seconds"] for t in faulty)
     report["goodput_samples"] = report["samples_per_s"] / report["reference_samples_per_s"]
-    report["capacity"] = sum(t["slot_s"] for t in faulty) / (args.workers * seconds)
-    report["goodput"] = report["goodput_samples"] / report["capacity"]
     report["goodput_steps"] = report["steps_per_s"] / report["reference_steps_per_s"]
     report["by_kind"] = by_kind(faulty)
     for key in ("hangs", "processes_left_behind", "samples_lost", "samples_duplicated"):
@@ -281,6 +321,41 @@ def main(args: Any) -> None:
         report[key] = None if None in values else sum(values)
     report["table"] = table(report)
     report["turns_detail"] = turns
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    return report
+
+
+def main(args: Any) -> None:
+    rng = random.Random(args.seed)
+    turns = []
+    for i in range(2 * args.turns + 1):
+        print(f"{time.strftime('%H:%M:%S')} turn {i}: {'faulty' if i % 2 else 'fault-free'}",
+              flush=True)
+        turns.append(run_turn(i % 2 == 1, args, rng))
+    write(report_of(turns, args), Path(args.out))
+
+
+def reanalyse(saved: Path) -> None:
+    """Recomputes a saved report from its turns' log folders (they must still exist)."""
+    report = json.loads(saved.read_text())
+    turns = []
+    for turn in report["turns_detail"]:
+        faults = [{k: v for k, v in f.items() if k in ("kind", "t", "world", "pid", "new_pid",
+                                                      "woken")} for f in turn["faults"]]
+        job = SimpleNamespace(root=Path(turn["log_dir"]), faults=faults)
+        again = analyse(job, turn["t0"], turn["t0"] + turn["seconds"], True,
+                        turn["processes_left_behind"], report["workers"])
+        again["hangs"] = turn["hangs"]
+        turns.append(again)
+    args = SimpleNamespace(**{k: report[k] for k in ("workers", "turns", "seed")},
+                           fault_every=report["fault_every_s"], duration=report["duration_s"])
+    write(report_of(turns, args), saved)
+
+
+def write(report: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
     print(report["table"])
+
+
+if __name__ == "__main__":
+    reanalyse(Path(sys.argv[1]))

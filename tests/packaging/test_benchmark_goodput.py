@@ -83,6 +83,22 @@ def test_goodput_counts_only_the_workers_present_a_joiner_from_when_it_asks_to_j
               {"kind": "stop", "t": 30.0, "woken": 35.0}, {"kind": "replace", "t": 40.0},
               {"kind": "join", "t": 45.0, "pid": 8}]  # pid 8 never asked to join
     changes = goodput.slot_changes(faults, {7: 24.0})
-    assert goodput.slot_seconds(changes, 4, 0.0, 50.0) == 4 * 10 + 3 * 14 + 4 * 6 + 3 * 5 + 4 * 15
-    assert goodput.slot_seconds(changes, 4, 10.0, 20.0) == 3 * 10  # the kill's stretch
-    assert goodput.slot_seconds(changes, 4, 40.0, 45.0) == 4 * 5  # a replaced worker's slot
+    assert goodput.slot_time(changes, 4, 0.0, 50.0) == {"4": 10 + 6 + 15, "3": 14 + 5}
+    assert goodput.slot_time(changes, 4, 10.0, 20.0) == {"3": 10}  # the kill's stretch
+    assert goodput.slot_time(changes, 4, 40.0, 45.0) == {"4": 5}  # a replaced worker's slot
+
+
+def test_fewer_workers_are_expected_to_train_at_their_own_steady_rate_scaled_to_the_reference():
+    turn = {"workers": 4, "reference_samples": 2000.0,
+            "steady_samples_per_s": {"4": 1900.0, "3": 1520.0}}
+    assert goodput.expected(turn, {"4": 10.0, "3": 5.0}) == 2000 * 10 + 2000 * 0.8 * 5
+    turn["steady_samples_per_s"] = {"4": 1900.0}  # never 3 steadily: in proportion
+    assert goodput.expected(turn, {"3": 4.0}) == 2000 * 0.75 * 4
+
+
+def test_a_worlds_steady_rate_leaves_out_each_fault_until_a_second_after_its_recovery():
+    line = [progress(0, 0), progress(1, 10), progress(2, 20), progress(3, 25, 3),
+            progress(4, 35, 3), progress(5, 45, 3)]
+    faults = [{"t": 2.5, "recovery_s": 0.4, "end": 9.0}]  # steady from 3.9 s on
+    rates = goodput.steady_rates(line, faults)
+    assert rates == {"4": 10 * 4 * goodput.BATCH, "3": 10 * 3 * goodput.BATCH}
