@@ -1,26 +1,36 @@
-"""In-memory N -> M resharding of an FSDP2 job against DCP through disk, in one run.
+"""In-memory N -> M resharding of an FSDP2 job against DCP through disk and a restart, in one run.
 
-Usage: ``.venv/bin/python benchmarks/bench_reshard.py [--small] [--out PATH]``.
+Usage: ``python -m benchmarks reshard [--small | --width W --layers L] [--ranks N] [--out PATH]``
+and ``python -m benchmarks reshard --steady [--rounds R --steps S]``.
 
 Ours: one embedded etcd and 8 workers (``reshard_worker.py``: ~101M parameters, AdamW, gloo on
 loopback, a commit every 10 steps, ``buddies=1``). Past step 12 the ranks 1 and 4 (not each
 other's buddies: the ring is r -> r+1) are SIGKILLed; the 6 survivors reshard in memory and go
-on; then 2 workers join and the job goes back to 8 (each rank's ``resharded`` event holds the
-whole plan: the figures are one event's, not a sum). Reported: SIGKILL -> first step completed at
-6; the reshard phase alone (the ``resharded`` events); the join pause (the longest step interval
-of a survivor around the join); bytes moved against the minimum; resident memory per rank at 8
-with buddy copies, and in a short run of the same job with ``--buddies 0``.
+on; then 2 workers join and the job goes back to 8. Reported, from the workers' events
+(``reshard_timeline``), for the survivor that was ready last:
+- recovery: SIGKILL -> ``resumed`` at 6, split into detection, rendezvous, group, the parts of
+  the sharded rebuild (choosing the commit, mesh, ``parallelize``, state dict, moves, load, the
+  formation's commit with its buddy copies), then the first step at 6 on its own;
+- the join pause: a survivor's last step at 6 -> ``resumed`` at 8, split the same way (its
+  first phase is the commit that saw the joiners), then the first step at 8;
+- the reshard phase alone, bytes moved against the minimum (one ``resharded`` event's: each
+  holds the whole plan), resident memory per rank with and without buddy copies.
 
-Anchor, the path users have today (same model, same machine, same run): DCP save at 8 ranks to
-local disk, then DCP load at 6 ranks (torch.multiprocessing, gloo, FSDP2), both timed on rank 0
-between barriers. ``--small`` shrinks the model (~2M parameters) so that it runs on a loaded
-machine; the figures of the claim come from the default size on an idle one.
+Anchor, the path users have today (same model, same run; ``reshard_anchor``): DCP save at 8 to
+local disk, a restart of 6 fresh processes up to "model built" (process start, import,
+``init_process_group``, FSDP2 model and optimizer), then DCP load at 6. Neither side counts a
+step; the anchor counts no failure detection.
+
+``--steady``: the same FSDP2 loop plainly (``reshard_steady``) and under ``ElasticState`` (a
+commit every 10 steps with buddy copies), taking turns, ``--rounds`` runs each; the ratio of the
+median throughputs. Default 4 ranks, width 1024, 8 layers (8.4M parameters) so that it ends in a
+few minutes. ``--small`` (~2M parameters) runs on a loaded machine; the figures of the claim come
+from the default sizes on an idle one.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import signal
@@ -30,156 +40,227 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
-from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import harness  # noqa: E402
-import reshard_worker  # noqa: E402
+import reshard_anchor  # noqa: E402
+import reshard_steady  # noqa: E402
+import reshard_timeline as timeline  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 WORKER = str(HERE / "reshard_worker.py")
 WAIT_S = 900
 
 
-def _events_after(out: Path, t: float, name: str) -> list[dict]:
-    rows = []
-    for path in sorted((out / "events").glob("*.jsonl")):
-        rows += [json.loads(line) for line in path.read_text().splitlines() if line]
-    return [r for r in rows if r["event"] == name and r["t"] > t]
+class Job:
+    """One embedded etcd and the benchmark's workers (``reshard_worker.py``), stopped by PID."""
+
+    def __init__(self, size: list[str], buddies: int, min_workers: int,
+                 steps: int | None) -> None:
+        self.out = Path(tempfile.mkdtemp(prefix="reshard-"))
+        self.procs = harness.Procs(self.out)
+        self.etcd = EmbeddedEtcd().start()
+        self.env = harness.env_for(ELASTIC_ETCD=self.etcd.url, ELASTIC_JOB_ID=f"reshard-{buddies}",
+                                   ELASTIC_LEASE_TTL="5", ELASTIC_LOG_DIR=str(self.out / "events"),
+                                   ELASTIC_MIN_WORKERS=str(min_workers))
+        self.command = [sys.executable, WORKER, "--out", str(self.out), "--buddies",
+                        str(buddies), *size]
+        if steps is not None:
+            self.command += ["--steps", str(steps)]
+        self.started: list[float] = []
+
+    def start(self, n: int) -> None:
+        for _ in range(n):
+            self.started.append(time.time())
+            self.procs.start(self.command, self.env)
+
+    def progress(self) -> list[dict]:
+        return harness.read_progress(self.out)
+
+    def events(self) -> list[dict]:
+        return timeline.read_events(self.out / "events")
+
+    def stop(self) -> None:
+        self.procs.kill_all()
+        self.etcd.stop()
 
 
-def _latest_pids(out: Path, world: int) -> dict[int, int]:
-    """rank -> pid of the newest progress lines in a world of ``world``."""
-    ranks: dict[int, int] = {}
-    for p in harness.read_progress(out):
-        if p["world"] == world:
-            ranks[p["rank"]] = p["pid"]
-    return ranks
+def _first_at(job: Job, world: int, after: float) -> dict:
+    return harness.wait_for(lambda: next((p for p in job.progress()
+                                          if p["t"] > after and p["world"] == world), None),
+                            WAIT_S, f"a step at world {world}")
 
 
-def run_ours(size: list[str], buddies: int, steps: int | None) -> dict:
-    """The kill-2-then-join-2 job (``steps`` None), or a plain run of ``steps`` steps at 8."""
-    out = Path(tempfile.mkdtemp(prefix="reshard-"))
-    procs = harness.Procs(out)
-    etcd = EmbeddedEtcd().start()
+def _splits(job: Job, pids: set[int], starts: dict[int, float], world: int,
+            trigger: str) -> dict[int, dict[str, float]]:
+    events, progress = job.events(), job.progress()
+    found = {pid: timeline.split(events, progress, pid, starts[pid], world, trigger)
+             for pid in pids}
+    return {pid: s for pid, s in found.items() if s is not None}
+
+
+def _prefixed(prefix: str, phases: dict[str, float]) -> dict[str, float]:
+    return {f"{prefix}_{name}": value for name, value in phases.items() if value}
+
+
+def run_ours(size: list[str], ranks: int) -> dict:
+    """The kill-2-then-join-2 job: recovery and join pause split by phase (the last survivor's)."""
+    job = Job(size, 1, ranks - 2, None)
     try:
-        env = harness.env_for(ELASTIC_ETCD=etcd.url, ELASTIC_JOB_ID=f"reshard-{buddies}",
-                         ELASTIC_LEASE_TTL="5", ELASTIC_LOG_DIR=str(out / "events"),
-                         ELASTIC_MIN_WORKERS="6")
-        command = [sys.executable, WORKER, "--out", str(out), "--buddies", str(buddies), *size]
-        if steps is not None:
-            command += ["--steps", str(steps)]
-        for _ in range(8):
-            procs.start(command, env)
-        harness.wait_for(lambda: harness.steps_of(out, 12, 8), WAIT_S, "8 workers at step 12")
-        rss_at_8 = max(p["rss_mb"] for p in harness.read_progress(out) if p["world"] == 8)
-        if steps is not None:
-            return {"rss_mb_max_at_8": rss_at_8}
-        ranks = _latest_pids(out, 8)
+        job.start(ranks)
+        harness.wait_for(lambda: harness.steps_of(job.out, 12, ranks), WAIT_S,
+                         f"{ranks} workers at step 12")
+        rss_at_full = max(p["rss_mb"] for p in job.progress() if p["world"] == ranks)
+        pids = {p["rank"]: p["pid"] for p in job.progress() if p["world"] == ranks}
+        times = [p["t"] for p in job.progress() if p["pid"] == pids[0]]
+        steady = [b - a for a, b in zip(times, times[1:])]
         killed_at = time.time()
-        for rank in (1, 4):
-            os.kill(ranks[rank], signal.SIGKILL)
-        first6 = harness.wait_for(lambda: next((p for p in harness.read_progress(out)
-                                           if p["t"] > killed_at and p["world"] == 6), None),
-                             WAIT_S, "a step at world 6")
-        harness.wait_for(lambda: harness.steps_of(out, first6["step"] + 12, 6), WAIT_S,
-                         "12 steps at 6")
-        shrink = _events_after(out, killed_at, "resharded")
+        for rank in (1, 4):  # not each other's buddies (the ring is r -> r + 1)
+            os.kill(pids[rank], signal.SIGKILL)
+        small = ranks - 2
+        first_small = _first_at(job, small, killed_at)
+        survivors = set(pids.values()) - {pids[1], pids[4]}
+        harness.wait_for(lambda: all(timeline.resumed_at(job.events(), pid, small, killed_at)
+                                     for pid in survivors), WAIT_S, "every survivor resumed")
+        harness.wait_for(lambda: harness.steps_of(job.out, first_small["step"] + 12, small),
+                         WAIT_S, f"12 steps at {small}")
+        kill = _splits(job, survivors, {pid: killed_at for pid in survivors}, small,
+                       "failure_detected")
+        shrink = [e for e in job.events() if e["event"] == "resharded" and e["t"] > killed_at]
         joined_at = time.time()
-        for _ in range(2):
-            procs.start(command, env)
-        first8 = harness.wait_for(lambda: next((p for p in harness.read_progress(out)
-                                           if p["t"] > joined_at and p["world"] == 8), None),
-                             WAIT_S, "a step back at world 8")
-        grow = [e for e in _events_after(out, joined_at, "resharded") if e["to_world"] == 8]
-        survivor = first6["pid"]
-        times = [p["t"] for p in harness.read_progress(out) if p["pid"] == survivor]
-        gaps = [b - a for a, b in zip(times, times[1:]) if b > joined_at - 1]
-        steady = [b - a for a, b in zip(times, times[1:]) if a < killed_at]
+        job.start(2)
+        first_full = _first_at(job, ranks, joined_at)
+        harness.wait_for(lambda: all(timeline.resumed_at(job.events(), pid, ranks, joined_at)
+                                     for pid in survivors), WAIT_S, "every survivor back")
+        harness.wait_for(lambda: all(any(p["pid"] == pid and p["world"] == ranks
+                                         for p in job.progress()) for pid in survivors),
+                         WAIT_S, f"every survivor's first step at {ranks}")
+        events = job.events()
+        starts = {pid: timeline.last_step_before(
+            job.progress(), pid, small, timeline.resumed_at(events, pid, ranks, joined_at))
+            for pid in survivors}
+        join = _splits(job, survivors, starts, ranks, "membership_changed")
+        grow = [e for e in events if e["event"] == "resharded" and e["t"] > joined_at
+                and e["to_world"] == ranks]
+        joiners = [e for e in events if e["event"] == "joined" and e["t"] > joined_at]
+        kill_last = timeline.slowest(kill)[1] if kill else {}
+        join_last = timeline.slowest(join)[1] if join else {}
+        survivor = min(survivors)
+        times = [p["t"] for p in job.progress() if p["pid"] == survivor and p["world"] == small]
+        steady_small = [b - a for a, b in zip(times[1:], times[2:])]  # not the first step
         return {
-            "kill_to_first_step_at_6_s": first6["t"] - killed_at,
-            "reshard_8_to_6_s": max(e["reshard_s"] for e in shrink),
-            "bytes_moved_8_to_6": max((e["bytes_moved"] for e in shrink), default=0),
-            "bytes_minimum_8_to_6": max((e["bytes_minimum"] for e in shrink), default=0),
-            "join_pause_s": max(gaps) if gaps else None,
-            "join_to_first_step_at_8_s": first8["t"] - joined_at,
-            "reshard_6_to_8_s": max((e["reshard_s"] for e in grow), default=None),
-            "bytes_moved_6_to_8": max((e["bytes_moved"] for e in grow), default=0),
-            "bytes_minimum_6_to_8": max((e["bytes_minimum"] for e in grow), default=0),
+            f"kill_to_first_step_at_{small}_s": first_small["t"] - killed_at,
+            f"recovery_to_ready_at_{small}_s": kill_last.get("ready_s"),
+            **_prefixed("recovery", kill_last),
+            f"reshard_{ranks}_to_{small}_s": max(e["reshard_s"] for e in shrink),
+            f"bytes_moved_{ranks}_to_{small}": max(e["bytes_moved"] for e in shrink),
+            f"bytes_minimum_{ranks}_to_{small}": max(e["bytes_minimum"] for e in shrink),
+            "join_pause_s": join_last.get("ready_s"),
+            **_prefixed("join", join_last),
+            "joiner_start_to_registered_s": (min(e["t"] for e in joiners) - joined_at
+                                             if joiners else None),
+            f"join_to_first_step_at_{ranks}_s": first_full["t"] - joined_at,
+            f"reshard_{small}_to_{ranks}_s": max((e["reshard_s"] for e in grow), default=None),
+            f"bytes_moved_{small}_to_{ranks}": max((e["bytes_moved"] for e in grow), default=0),
+            f"bytes_minimum_{small}_to_{ranks}": max((e["bytes_minimum"] for e in grow),
+                                                     default=0),
             "steady_step_s": statistics.median(steady) if steady else None,
-            "rss_mb_max_at_8": rss_at_8,
+            f"steady_step_at_{small}_s": (statistics.median(steady_small) if steady_small
+                                          else None),
+            f"rss_mb_max_at_{ranks}": rss_at_full,
         }
     finally:
-        procs.kill_all()
-        etcd.stop()
+        job.stop()
 
 
-def _dcp_rank(rank: int, world: int, folder: str, width: int, layers: int, mode: str,
-              store: str, times) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=WAIT_S))
-    model = reshard_worker.build(width, layers)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model(torch.randn(2, width)).pow(2).mean().backward()
-    opt.step()
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optimizer": optim_sd}
-    dist.barrier()
-    started = time.perf_counter()
-    if mode == "save":
-        dcp.save(state, checkpoint_id=folder)
-    else:
-        dcp.load(state, checkpoint_id=folder)
-    dist.barrier()
-    if rank == 0:
-        times[mode] = time.perf_counter() - started
-    dist.destroy_process_group()
+def run_plain_job(size: list[str], buddies: int, ranks: int, steps: int) -> Job:
+    """A job of ``ranks`` workers that trains ``steps`` steps and stops (still to be stopped)."""
+    job = Job(size, buddies, ranks, steps)  # no change of world: all of them form it
+    job.start(ranks)
+    return job
 
 
-def run_dcp_anchor(width: int, layers: int) -> dict:
-    """DCP save at 8 ranks to local disk, then DCP load at 6: the restart path of today."""
-    with tempfile.TemporaryDirectory(prefix="reshard-dcp-") as tmp:
-        times = mp.Manager().dict()
-        for mode, world in (("save", 8), ("load", 6)):
-            mp.start_processes(_dcp_rank, nprocs=world, start_method="spawn",
-                               args=(world, f"{tmp}/ckpt", width, layers, mode,
-                                     f"{tmp}/store-{mode}", times))
-        size = sum(f.stat().st_size for f in Path(tmp, "ckpt").iterdir())
-        return {"dcp_save_at_8_s": times["save"], "dcp_load_at_6_s": times["load"],
-                "dcp_total_s": times["save"] + times["load"], "dcp_bytes": size}
+def rss_without_buddies(size: list[str], ranks: int) -> float:
+    job = run_plain_job(size, 0, ranks, 14)
+    try:
+        harness.wait_for(lambda: harness.steps_of(job.out, 12, ranks), WAIT_S,
+                         f"{ranks} workers at step 12")
+        return max(p["rss_mb"] for p in job.progress() if p["world"] == ranks)
+    finally:
+        job.stop()
+
+
+def elastic_stamps(size: list[str], ranks: int, steps: int) -> list[float]:
+    """Rank 0's step end times in a job of ``ranks`` workers, ``buddies=1``, commits every 10."""
+    job = run_plain_job(size, 1, ranks, steps)
+    try:
+        harness.wait_for(lambda: harness.steps_of(job.out, steps, ranks), WAIT_S,
+                         f"{ranks} workers at step {steps}")
+        return [p["t"] for p in job.progress() if p["rank"] == 0 and p["world"] == ranks]
+    finally:
+        job.stop()
+
+
+def steady(size: list[str], ranks: int, rounds: int, steps: int) -> dict:
+    """The plain FSDP2 loop and the same loop under ElasticState, taking turns, ``rounds``
+    times each; the ratio of the median throughputs (target >= 0.97)."""
+    width, layers = int(size[1]), int(size[3])
+    plain: list[float] = []
+    ours: list[float] = []
+    for turn in range(rounds):
+        order = ("plain", "ours") if turn % 2 == 0 else ("ours", "plain")
+        for side in order:
+            if side == "plain":
+                stamps = reshard_steady.plain_run(width, layers, ranks, steps, 16,
+                                                  meta="--full-init" not in size)
+                plain.append(reshard_steady.throughput(stamps, 10))
+            else:
+                ours.append(reshard_steady.throughput(elastic_stamps(size, ranks, steps), 10))
+            print(f"turn {turn} {side}: {(plain if side == 'plain' else ours)[-1]:.3f} steps/s",
+                  flush=True)
+    return {"steady_ranks": ranks, "steady_steps": steps, "steady_rounds": rounds,
+            "plain_steps_per_s": plain, "ours_steps_per_s": ours,
+            "steady_ratio_of_medians": statistics.median(ours) / statistics.median(plain)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--small", action="store_true", help="~2M parameters (a loaded machine)")
+    parser.add_argument("--width", type=int, help="layer width (default 2900; --small 400)")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--steady", action="store_true",
+                        help="only the steady state: the plain FSDP2 loop against ours, "
+                             "taking turns (default 4 ranks, width 1024, 8 layers)")
+    parser.add_argument("--ranks", type=int, help="ranks (default 8; --steady 4)")
+    parser.add_argument("--rounds", type=int, default=3, help="--steady: turns of each side")
+    parser.add_argument("--steps", type=int, default=40, help="--steady: steps of each run")
+    parser.add_argument("--full-init", action="store_true",
+                        help="every rank builds and initialises the whole model (not on meta)")
     parser.add_argument("--out", type=Path, default=HERE / "runs" / "reshard.json")
     args = parser.parse_args()
-    width, layers = (400, 12) if args.small else (2900, 12)
-    size = ["--width", str(width), "--layers", str(layers)]
+    if args.steady:
+        width, layers = (args.width, args.layers) if args.width else (1024, 8)
+        ranks = args.ranks or 4
+    else:
+        width, layers = args.width or (400 if args.small else 2900), args.layers
+        ranks = args.ranks or 8
     params = layers * (width * width + width)
-    print(f"model: {params / 1e6:.1f}M parameters, {3 * params * 4 / 2**20:.0f} MiB with AdamW",
-          flush=True)
-    result = {"params": params, "small": args.small, **run_ours(size, 1, None)}
-    print(json.dumps(result), flush=True)
-    result["rss_mb_max_at_8_without_buddies"] = run_ours(size, 0, 14)["rss_mb_max_at_8"]
-    result.update(run_dcp_anchor(width, layers))
+    print(f"model: {params / 1e6:.1f}M parameters, {3 * params * 4 / 2**20:.0f} MiB with AdamW, "
+          f"{ranks} ranks", flush=True)
+    result: dict = {"params": params, "ranks": ranks, "small": args.small,
+                    "full_init": args.full_init}
+    size = ["--width", str(width), "--layers", str(layers)] + ["--full-init"] * args.full_init
+    if args.steady:
+        result.update(steady(size, ranks, args.rounds, args.steps))
+    else:
+        result.update(run_ours(size, ranks))
+        print(json.dumps(result), flush=True)
+        result[f"rss_mb_max_at_{ranks}_without_buddies"] = rss_without_buddies(size, ranks)
+        result.update(reshard_anchor.run(width, layers, ranks, ranks - 2, not args.full_init))
     for key, value in result.items():
-        print(f"{key:>34}: {value:.3f}" if isinstance(value, float) else f"{key:>34}: {value}")
+        print(f"{key:>40}: {value:.3f}" if isinstance(value, float) else f"{key:>40}: {value}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")

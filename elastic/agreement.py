@@ -51,6 +51,18 @@ class MembershipAgreement:
         if self._flags is None:
             self._flags = self._cluster.channel.finish()
 
+    def is_change_without_leavers(self) -> bool:
+        """Waits for the agreement; whether the job re-forms now with no rank leaving by
+        request (a join, or a member lost, which the re-formation treats as a failure). False
+        when a peer failed during the agreement (``finish`` raises that)."""
+        try:
+            self.wait()
+        except PeerFailureError:
+            return False
+        assert self._flags is not None
+        pending, leaving = self._flags
+        return pending and not leaving
+
     def finish(self) -> None:
         """Waits for the agreement and raises what the job must do now, if anything.
 

@@ -72,7 +72,10 @@ class CollectiveCommit:
         agreement = self._start_agreement()
         version = self._train.commit()
         if self._sharded is not None:
-            self._sharded.commit(self._train)
+            # a commit that agrees on a join: every holder of its shards takes part in the
+            # next round, and sending the buddy copies first would only delay it
+            self._sharded.commit(self._train, send_copies=lambda: agreement is None
+                                 or not agreement.is_change_without_leavers())
         if durable:
             self._commit_durably(version)
         self._committed(version, agreement)

@@ -236,6 +236,8 @@ class ElasticState(CollectiveCommit):
         # Before registering: a SIGTERM that lands as this worker joins asks it to leave.
         restore_signals = self._install_signal_handlers()
         try:
+            if self._sharded is not None:
+                self._sharded.prepare()  # a joiner's one-time imports, while it asks to join
             if not self._train.has_commit:
                 self._train.commit()  # the initial state is the first rollback point
             # Its version known, the registration carries the first join request.

@@ -14,8 +14,11 @@ hooks' business (``checkpoint/``).
 from __future__ import annotations
 
 import gc
+import importlib
 import logging
 import os
+import threading
+import time
 import zlib
 from collections.abc import Callable
 from datetime import timedelta
@@ -95,11 +98,23 @@ class ShardedRuntime:
         self._warned_no_writer = False
         self._specs: dict[str, TensorSpec] = {}  # this formation's tensors
         self._live: dict[str, torch.Tensor] = {}  # their live local parts on this rank
+        self._phases: dict[str, float] = {}  # this formation's seconds, for the rebuilt event
         self.objects: dict[str, Any] = {}
         self.durable_loader: DurableLoader | None = None
         self.durable_writer: DurableWriter | None = None
 
     # -- the run loop's side --------------------------------------------------------------
+    @staticmethod
+    def prepare() -> None:
+        """As this worker asks to join: imports, on a thread, what FSDP2's first
+        ``fully_shard`` in a process would (``torch._dynamo``, ~0.8 s of CPU), so that a
+        joiner pays it while the running ranks train on until their next commit, not inside
+        its ``parallelize`` while they wait. On a thread: registering is not delayed (workers
+        that start together still form one first round); ``parallelize`` waits for the
+        import if it is still under way (Python's import lock)."""
+        threading.Thread(target=importlib.import_module, args=("torch._dynamo",),
+                         name="elastic-fsdp-imports", daemon=True).start()
+
     def settle(self) -> None:
         """Before leaving a round: waits for the buddy copies in flight (a failed one leaves
         its commit incomplete, which ``choose`` sees) and drops the round's objects."""
@@ -121,6 +136,7 @@ class ShardedRuntime:
         Raises:
             ShardedStateLostError: some shard has no live holder and no durable loader is set.
         """
+        started = time.monotonic()
         before = group.sockets_now()
         self._group = dist.new_group(backend="gloo", timeout=self._timeout)
         dist.barrier(group=self._group)  # gloo connects lazily: connected before adopting
@@ -131,6 +147,7 @@ class ShardedRuntime:
         rows = [torch.empty_like(row) for _ in range(topology.world_size)]
         dist.all_gather(rows, row, group=self._group)
         self._nodes = [int(r[0]) for r in rows]
+        self._phases = {"choose_s": time.monotonic() - started}
         try:
             self._choice = choose([read_report(r[1:].tolist(), 1 + self._buddies)
                                    for r in rows])
@@ -162,8 +179,45 @@ class ShardedRuntime:
                 group: ProcessGroup) -> None:
         """Builds this round's objects with ``parallelize``, fills them with the chosen commit
         (resharded) and commits them as this layout's copy of it. The mesh's subgroups join
-        ``group``'s release and failure detection."""
+        ``group``'s release and failure detection. The ``rebuilt`` event says where the time
+        went (choosing the commit, the mesh, ``parallelize``, the reshard, the commit)."""
+        phases, mark = self._phases, time.monotonic()
+
+        def lap(name: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            phases[name] = phases.get(name, 0.0) + now - mark
+            mark = now
+
         shape = mesh_layout(topology.world_size, self._shard_degree)
+        mesh = self._mesh(shape, group)
+        self._exchange = BuddyExchange(self._group, topology.rank, topology.world_size,
+                                       self._buddies if len(shape) == 1 else 0, self._nodes)
+        self._layout = (topology.world_size, shape[-1], topology.rank % shape[-1])
+        lap("mesh_s")
+        self.objects = self._built(self._parallelize(mesh))
+        lap("parallelize_s")
+        resharded = None  # the reshard's new shard: this layout's copy of the commit already
+        if self._choice is not None:
+            resharded = self._reshard(topology, events, lap)
+        elif self.durable_loader is not None and (self._fallback or train.version > 0):
+            # nobody holds a commit of the shards, yet the state is at one: a resume from
+            # the durable checkpoint whose small state was just synced, or the fallback
+            self._fallback = False
+            small = self.durable_loader(self.objects)
+            if small is not None:
+                train.load_committed(small)
+                train.restore()
+            lap("durable_load_s")
+        # after a reshard the old layout still holds the commit: its copies in the new one
+        # travel while training goes on; a first formation or a durable load waits for them
+        self._commit(train, wait=resharded is None, copy=resharded)
+        lap("commit_s")
+        events.emit("rebuilt", to_world=topology.world_size, **phases)
+        self._phases = {}
+
+    def _mesh(self, shape: tuple[int, ...], group: ProcessGroup) -> DeviceMesh:
+        """The round's mesh, its subgroups connected and adopted by ``group``."""
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         before = group.sockets_now()
@@ -173,37 +227,34 @@ class ShardedRuntime:
             for dim in names:  # gloo connects lazily: a collective on each subgroup
                 dist.barrier(group=mesh.get_group(dim))
         group.adopt(before)
-        self._exchange = BuddyExchange(self._group, topology.rank, topology.world_size,
-                                       self._buddies if len(shape) == 1 else 0, self._nodes)
-        self._layout = (topology.world_size, shape[-1], topology.rank % shape[-1])
-        self.objects = self._built(self._parallelize(mesh))
-        model, optimizer = self._model_and_optimizer()
-        model_sd, optim_sd = sharded_state_dict(model, optimizer)
-        flat = flat_tensors(model_sd, optim_sd)
-        shards, rank = shape[-1], topology.rank
+        return mesh
+
+    def _reshard(self, topology: Topology, events: EventLog,
+                 lap: Callable[[str], None]) -> dict[str, torch.Tensor]:
+        """Moves the chosen commit's missing rows to this rank and loads its new shard; returns
+        that shard (host tensors by flat name, not shared with the live objects)."""
         choice = self._choice
-        if choice is not None:
-            with Stopwatch() as moving:
-                specs = {name: spec_of(value) for name, value in flat.items()}
-                plan = plan_moves(specs, choice.shards, [set(h) for h in choice.holders],
-                                  [r % shards for r in range(topology.world_size)], shards,
-                                  owners_alive=choice.owners_alive)
-                held = self._commits.find((choice.version, choice.world, choice.shards))
-                local = assemble(plan, rank, held, specs, shards, rank % shards,
-                                 {n: local_part(v) for n, v in flat.items()}, self._group)
-                load_local(model, optimizer, model_sd, optim_sd, local)
-            events.emit("resharded", version=choice.version, from_world=choice.world,
-                        to_world=topology.world_size, bytes_moved=plan.moved,
-                        bytes_minimum=plan.minimum, bytes_lost=plan.lost, reshard_s=moving.seconds)
-        elif self.durable_loader is not None and (self._fallback or train.version > 0):
-            # nobody holds a commit of the shards, yet the state is at one: a resume from
-            # the durable checkpoint whose small state was just synced, or the fallback
-            self._fallback = False
-            small = self.durable_loader(self.objects)
-            if small is not None:
-                train.load_committed(small)
-                train.restore()
-        self._commit(train, wait=True)
+        assert choice is not None
+        model, optimizer = self._model_and_optimizer()
+        world, shards, rank = topology.world_size, self._layout[1], topology.rank
+        with Stopwatch() as moving:
+            model_sd, optim_sd = sharded_state_dict(model, optimizer)
+            flat = flat_tensors(model_sd, optim_sd)
+            lap("state_dict_s")
+            specs = {name: spec_of(value) for name, value in flat.items()}
+            plan = plan_moves(specs, choice.shards, [set(h) for h in choice.holders],
+                              [r % shards for r in range(world)], shards,
+                              owners_alive=choice.owners_alive)
+            held = self._commits.find((choice.version, choice.world, choice.shards))
+            local = assemble(plan, rank, held, specs, shards, rank % shards,
+                             {n: local_part(v) for n, v in flat.items()}, self._group)
+            lap("moves_s")
+            load_local(model, optimizer, model_sd, optim_sd, local)
+            lap("load_s")
+        events.emit("resharded", version=choice.version, from_world=choice.world,
+                    to_world=world, bytes_moved=plan.moved, bytes_minimum=plan.minimum,
+                    bytes_lost=plan.lost, reshard_s=moving.seconds)
+        return local
 
     # -- commits ----------------------------------------------------------------------------
     def before_commit(self) -> None:
@@ -221,10 +272,11 @@ class ShardedRuntime:
         except BuddyCopyError as exc:
             raise PeerFailureError(str(exc)) from exc
 
-    def commit(self, train: TrainState) -> None:
+    def commit(self, train: TrainState, send_copies: Callable[[], bool] = lambda: True) -> None:
         """Copies this rank's shards of the live objects to host memory as the commit of
-        ``train.version`` and starts sending them to the buddies."""
-        self._commit(train, wait=False)
+        ``train.version`` and, when ``send_copies()`` says so once the copy is taken, starts
+        sending them to the buddies (without: only their owners hold them)."""
+        self._commit(train, wait=False, send=send_copies)
 
     def commit_live(self, train: TrainState) -> None:
         """The copy-free commit of ``train.version``: this rank's live shards are the commit
@@ -234,7 +286,10 @@ class ShardedRuntime:
                                       snapshot(train.committed()), {own: self._live},
                                       live=True))
 
-    def _commit(self, train: TrainState, wait: bool) -> None:
+    def _commit(self, train: TrainState, wait: bool, copy: dict[str, torch.Tensor] | None = None,
+                send: Callable[[], bool] = lambda: True) -> None:
+        """Commits this rank's shards of the live objects and sends them to the buddies;
+        ``copy``: a host copy of those shards made already (a formation's reshard)."""
         model, optimizer = self._model_and_optimizer()
         flat = flat_tensors(*sharded_state_dict(model, optimizer))
         world, shards, own = self._layout
@@ -242,7 +297,8 @@ class ShardedRuntime:
         # the live local tensors: optimizer.step() updates them in place
         self._live = {name: local_part(value).detach() for name, value in flat.items()}
         commit = ShardCommit(train.version, world, shards, own, self._specs,
-                             snapshot(train.committed()), {own: host_copy(flat)})
+                             snapshot(train.committed()),
+                             {own: host_copy(flat) if copy is None else copy})
         self._commits.add(commit)
         assert self._exchange is not None
         if wait:
@@ -250,7 +306,7 @@ class ShardedRuntime:
                 self._exchange.exchange(commit, self._commits)
             except RuntimeError as exc:
                 raise PeerFailureError(f"buddy copies at formation failed: {exc}") from exc
-        else:
+        elif send():
             self._exchange.start(commit, self._commits)
 
     def write_durable(self, train: TrainState) -> None:

@@ -88,11 +88,15 @@ class ShardCommits:
         self._commits: list[ShardCommit] = []
 
     def add(self, commit: ShardCommit) -> None:
-        """Keeps ``commit`` as the newest; commits of its version or newer (an abandoned
-        future, rolled back), any live commit (valid only while it is the newest: its tensors
-        move on with the next step) and all but the newest ``KEEP`` go."""
+        """Keeps ``commit`` as the newest; commits newer than it or of its version and layout
+        (an abandoned future, rolled back), any live commit (valid only while it is the newest:
+        its tensors move on with the next step) and all but the newest ``KEEP`` go. The same
+        version in another layout stays: a formation commits the version it resharded in the
+        new layout, whose buddy copies then travel while the old layout still holds it."""
         with self._lock:
-            kept = [c for c in self._commits if c.version < commit.version and not c.live]
+            kept = [c for c in self._commits if not c.live and (
+                c.version < commit.version or (c.version == commit.version
+                                               and c.key != commit.key))]
             self._commits = (kept + [commit])[-KEEP:]
 
     def add_copy(self, commit: ShardCommit, shard: int, tensors: dict[str, torch.Tensor]) -> None:

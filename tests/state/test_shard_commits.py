@@ -64,6 +64,21 @@ def test_a_new_commit_drops_the_oldest_and_any_rolled_back_future():
 
 
 @pytest.mark.unit
+def test_a_formation_commit_in_a_new_layout_keeps_the_old_layout_of_its_version_until_the_next():
+    # version 3 at 4 ranks, resharded to 3 ranks: its copies at 3 travel after the formation,
+    # and until they land the layout at 4 is what a second failure can rebuild from
+    commits = ShardCommits(max_held=2)
+    commits.add(_commit(2, 4, 1, (0,)))
+    commits.add(_commit(3, 4, 1, (0,)))
+    commits.add(_commit(3, 3, 1))
+    assert [(h.version, h.world, h.held) for h in read_report(commits.report().tolist(), 2)] == [
+        (3, 4, frozenset({0, 1})), (3, 3, frozenset({1}))]
+    commits.add(_commit(4, 3, 1))  # the next commit: the old layout goes
+    assert [(h.version, h.world) for h in read_report(commits.report().tolist(), 2)] == [
+        (3, 3), (4, 3)]
+
+
+@pytest.mark.unit
 def test_a_live_commit_is_kept_only_while_it_is_the_newest():
     commits = ShardCommits(max_held=2)
     commits.add(_commit(1, 2, 0))
