@@ -51,13 +51,20 @@ class MembershipAgreement:
         if self._flags is None:
             self._flags = self._cluster.channel.finish()
 
+    def is_reached(self) -> bool:
+        """Waits for the agreement; whether every rank took part (False: a peer failed, which
+        ``finish`` raises)."""
+        try:
+            self.wait()
+        except PeerFailureError:
+            return False
+        return True
+
     def is_change_without_leavers(self) -> bool:
         """Waits for the agreement; whether the job re-forms now with no rank leaving by
         request (a join, or a member lost, which the re-formation treats as a failure). False
         when a peer failed during the agreement (``finish`` raises that)."""
-        try:
-            self.wait()
-        except PeerFailureError:
+        if not self.is_reached():
             return False
         assert self._flags is not None
         pending, leaving = self._flags

@@ -72,10 +72,7 @@ class CollectiveCommit:
         agreement = self._start_agreement()
         version = self._train.commit()
         if self._sharded is not None:
-            # a commit that agrees on a join: every holder of its shards takes part in the
-            # next round, and sending the buddy copies first would only delay it
-            self._sharded.commit(self._train, send_copies=lambda: agreement is None
-                                 or not agreement.is_change_without_leavers())
+            self._sharded.commit(self._train, send_copies=lambda: self._copies_wanted(agreement))
         if durable:
             self._commit_durably(version)
         self._committed(version, agreement)
@@ -124,6 +121,8 @@ class CollectiveCommit:
         agreement = self._start_agreement()
         if agreement is not None:
             agreement.wait()  # a failed peer ends the step here, on every rank
+            if self._sharded is not None:
+                self._sharded.confirm_copies()  # every rank waited for them before voting
         yield
         if self._sharded is None:
             self._committed(self._train.commit_live(), agreement)
@@ -131,6 +130,18 @@ class CollectiveCommit:
         version = self._train.commit()  # the small state; the shards are live
         self._sharded.commit_live(self._train)
         self._committed(version, agreement)
+
+    def _copies_wanted(self, agreement: MembershipAgreement | None) -> bool:
+        """Once this commit's agreement is reached: the last commit's buddy copies are whole
+        (every rank waited for them before voting), and whether this one's go out. Not when it
+        agrees on a join: every holder of its shards takes part in the next round, and sending
+        them first would only delay it; the last whole commit is kept meanwhile."""
+        if agreement is None:
+            return True
+        if agreement.is_reached():
+            assert self._sharded is not None
+            self._sharded.confirm_copies()
+        return not agreement.is_change_without_leavers()
 
     def check_membership(self) -> None:
         """The membership agreement of ``commit()`` without a snapshot.

@@ -90,6 +90,7 @@ class ShardedRuntime:
         self._timeout = timeout
         self._commits = ShardCommits(max_held=1 + buddies)
         self._exchange: BuddyExchange | None = None
+        self._copied: ShardCommit | None = None  # the commit whose copies went out last
         self._choice: Choice | None = None
         self._layout = (1, 1, 0)  # world, shards, own shard
         self._nodes: list[int] = []  # one node id per rank of the round
@@ -118,7 +119,7 @@ class ShardedRuntime:
     def settle(self) -> None:
         """Before leaving a round: waits for the buddy copies in flight (a failed one leaves
         its commit incomplete, which ``choose`` sees) and drops the round's objects."""
-        exchange, self._exchange = self._exchange, None
+        exchange, self._exchange, self._copied = self._exchange, None, None
         if exchange is not None:
             try:
                 exchange.wait(self._timeout)
@@ -272,6 +273,13 @@ class ShardedRuntime:
         except BuddyCopyError as exc:
             raise PeerFailureError(str(exc)) from exc
 
+    def confirm_copies(self) -> None:
+        """An agreement that followed ``before_commit`` on every rank was reached: the copies
+        each rank waited for there are held everywhere, so their commit is whole."""
+        copied, self._copied = self._copied, None
+        if copied is not None:
+            self._commits.confirm(copied)
+
     def commit(self, train: TrainState, send_copies: Callable[[], bool] = lambda: True) -> None:
         """Copies this rank's shards of the live objects to host memory as the commit of
         ``train.version`` and, when ``send_copies()`` says so once the copy is taken, starts
@@ -306,8 +314,10 @@ class ShardedRuntime:
                 self._exchange.exchange(commit, self._commits)
             except RuntimeError as exc:
                 raise PeerFailureError(f"buddy copies at formation failed: {exc}") from exc
+            self._copied = commit
         elif send():
             self._exchange.start(commit, self._commits)
+            self._copied = commit
 
     def write_durable(self, train: TrainState) -> None:
         """Hands this rank's shards of the commit just taken to the durable writer hook; without

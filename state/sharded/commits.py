@@ -2,10 +2,11 @@
 
 A ``ShardCommit`` is one version of the sharded state in one layout: this rank's own shard
 (copied at the commit) and the shards of the ranks it is a buddy of (received afterwards, in the
-background). ``ShardCommits`` keeps the newest two, so that the previous rollback point survives
-until the new one is wholly held. At a formation every rank reports what it holds as a row of
-ints (``report``; no pickling) and all rows choose the same commit: the newest version whose
-every shard has a live holder (``choose``). Torch only.
+background). ``ShardCommits`` keeps the newest two and, besides them, the newest commit known to
+be whole (its buddy copies held by every rank: a single loss takes no shard of it), so that the
+last such rollback point survives until a newer one is whole. At a formation every rank
+reports what it holds as a row of ints (``report``; no pickling) and all rows choose the same
+commit: the newest version whose every shard has a live holder (``choose``). Torch only.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 
 from elastic.state.sharded.layout import ShardLostError, TensorSpec
 
-KEEP = 2  # the newest commit and the one before it, until the newest is wholly held
+KEEP = 2  # the newest commit and the one before it
+SLOTS = KEEP + 1  # and the newest whole commit, when older than both
 _HEAD = 5  # version, world, shards, own shard, count of held shards
 
 
@@ -31,7 +33,8 @@ class ShardCommit:
     ``small`` is the rest of the commit (``TrainState.committed()`` copied), so that a
     rollback to this version restores the sampler and plain values with it. A ``live`` commit
     (the copy-free commit) holds the live local tensors themselves, valid until the next step
-    is applied, when the next live commit replaces it.
+    is applied, when the next live commit replaces it. ``whole``: every rank of its layout is
+    known to hold its buddies' copies of it (``ShardCommits.confirm``).
     """
 
     version: int
@@ -42,6 +45,7 @@ class ShardCommit:
     small: Mapping[str, Any]
     held: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     live: bool = False
+    whole: bool = False
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -76,7 +80,8 @@ class Choice:
 
 
 class ShardCommits:
-    """The newest ``KEEP`` sharded commits of this rank; safe to add copies from a thread.
+    """The newest ``KEEP`` sharded commits of this rank and its newest whole one; safe to add
+    copies from a thread.
 
     Args:
         max_held: the most shards one rank holds of a commit (its own and its buddies').
@@ -90,14 +95,22 @@ class ShardCommits:
     def add(self, commit: ShardCommit) -> None:
         """Keeps ``commit`` as the newest; commits newer than it or of its version and layout
         (an abandoned future, rolled back), any live commit (valid only while it is the newest:
-        its tensors move on with the next step) and all but the newest ``KEEP`` go. The same
-        version in another layout stays: a formation commits the version it resharded in the
-        new layout, whose buddy copies then travel while the old layout still holds it."""
+        its tensors move on with the next step) and all but the newest ``KEEP`` go, except the
+        newest whole commit: it stays until a newer one is whole. The same version in another
+        layout stays: a formation commits the version it resharded in the new layout, whose
+        buddy copies then travel while the old layout still holds it."""
         with self._lock:
             kept = [c for c in self._commits if not c.live and (
                 c.version < commit.version or (c.version == commit.version
                                                and c.key != commit.key))]
-            self._commits = (kept + [commit])[-KEEP:]
+            self._commits = _trimmed(kept + [commit])
+
+    def confirm(self, commit: ShardCommit) -> None:
+        """Marks ``commit`` whole (every rank waited for its buddy copies before an agreement
+        that every rank reached); the whole commit before it may go now."""
+        with self._lock:
+            commit.whole = True
+            self._commits = _trimmed(self._commits)
 
     def add_copy(self, commit: ShardCommit, shard: int, tensors: dict[str, torch.Tensor]) -> None:
         """Records a buddy's shard of ``commit`` once all of it arrived."""
@@ -115,7 +128,7 @@ class ShardCommits:
     @property
     def width(self) -> int:
         """Length of a report row."""
-        return KEEP * (_HEAD + self._max_held)
+        return SLOTS * (_HEAD + self._max_held)
 
     def report(self) -> torch.Tensor:
         """This rank's holdings as one int64 row (``-1`` pads)."""
@@ -127,6 +140,14 @@ class ShardCommits:
                 values = [commit.version, commit.world, commit.shards, commit.own, len(held)]
                 row[at: at + _HEAD + len(held)] = torch.tensor(values + held, dtype=torch.int64)
         return row
+
+
+def _trimmed(commits: list[ShardCommit]) -> list[ShardCommit]:
+    """The newest ``KEEP`` of ``commits`` (oldest first), preceded by the newest whole one when
+    it is older than those: a rank never drops its last whole commit before a newer one is."""
+    newest = commits[-KEEP:]
+    whole = next((c for c in reversed(commits) if c.whole), None)
+    return newest if whole is None or any(c is whole for c in newest) else [whole, *newest]
 
 
 def read_report(row: Sequence[int], max_held: int) -> list[Holding]:

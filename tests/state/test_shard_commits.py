@@ -79,6 +79,44 @@ def test_a_formation_commit_in_a_new_layout_keeps_the_old_layout_of_its_version_
 
 
 @pytest.mark.unit
+def test_a_kill_while_a_join_formation_commit_travels_rebuilds_the_last_whole_commit():
+    # three ranks (buddy: the next rank); version 5 was copied to every buddy, and the agreement
+    # of version 6 (which every rank reaches only once it waited for those copies) made it whole
+    ranks = [ShardCommits(max_held=2) for _ in range(3)]
+    for rank, commits in enumerate(ranks):
+        five = _commit(5, 3, rank, ((rank - 1) % 3,))
+        commits.add(five)
+        commits.add(_commit(6, 3, rank))  # version 6 agreed on a join: its copies never went
+        five.whole = True  # what that agreement confirms (ShardedRuntime.confirm_copies)
+    # the formation at 4 rebuilds version 6 from its owners and commits it in the new layout,
+    # its copies travelling while training goes on; a joiner (new rank 3) holds only that
+    for rank, commits in enumerate(ranks):
+        commits.drop_newer(6)
+        commits.add(_commit(6, 4, rank))
+    joiner = ShardCommits(max_held=2)
+    joiner.add(_commit(6, 4, 3))
+    # old rank 1 dies before its copies of version 6 at 4 landed: one kill, version 5 is whole
+    alive = [ranks[0], ranks[2], joiner]
+    choice = choose([read_report(c.report().tolist(), 2) for c in alive])
+    assert (choice.version, choice.world) == (5, 3)
+    assert choice.holders == (frozenset({0}), frozenset({1}), frozenset({0, 1}))
+
+
+@pytest.mark.unit
+def test_a_whole_commit_stays_until_a_newer_one_is_confirmed_whole_then_goes():
+    commits = ShardCommits(max_held=2)
+    three = _commit(3, 2, 0, (1,))
+    commits.add(three)
+    commits.confirm(three)
+    four, five = _commit(4, 2, 0, (1,)), _commit(5, 2, 0)
+    commits.add(four)
+    commits.add(five)  # four's copies landed here, but not yet known to have landed everywhere
+    assert [h.version for h in read_report(commits.report().tolist(), 2)] == [3, 4, 5]
+    commits.confirm(four)
+    assert [h.version for h in read_report(commits.report().tolist(), 2)] == [4, 5]
+
+
+@pytest.mark.unit
 def test_a_live_commit_is_kept_only_while_it_is_the_newest():
     commits = ShardCommits(max_held=2)
     commits.add(_commit(1, 2, 0))
