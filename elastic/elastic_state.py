@@ -79,8 +79,9 @@ class ElasticState(CollectiveCommit):
         self._progress_at: float | None = None
         self._progress_every_s = self._settings.timeouts.progress.total_seconds()
         self._step_collectives = StepCollectives()
-        self._sharded = ShardedRuntime(parallelize, shard_degree, buddies,
-                                       self._settings.timeouts.collective) if parallelize else None
+        timeouts = self._settings.timeouts
+        self._sharded = ShardedRuntime(parallelize, shard_degree, buddies, timeouts.collective,
+                                       timeouts.peer) if parallelize else None
         if self._sharded is not None and self._durable is not None:
             durable = self._durable
             durable.sharded = True  # every rank writes its shards; formation loads them

@@ -74,10 +74,12 @@ class ShardedRuntime:
         shard_degree: None for FSDP over all ranks; S for HSDP with S-way shards.
         buddies: extra host copies of each rank's shards under FSDP (0 to keep none).
         timeout: bound on waiting for the buddy copies in flight.
+        released_wait: bound on that wait once the round was released (a peer failed): the
+            copies then fail at once, or never end when the release did not wake them.
     """
 
     def __init__(self, parallelize: Parallelize, shard_degree: int | None, buddies: int,
-                 timeout: timedelta) -> None:
+                 timeout: timedelta, released_wait: timedelta) -> None:
         if not callable(parallelize):
             raise TypeError(f"parallelize must be callable, got {type(parallelize).__name__}.")
         if shard_degree is not None and shard_degree < 1:
@@ -88,9 +90,11 @@ class ShardedRuntime:
         self._shard_degree = shard_degree
         self._buddies = buddies
         self._timeout = timeout
+        self._released_wait = released_wait
         self._commits = ShardCommits(max_held=1 + buddies)
         self._exchange: BuddyExchange | None = None
         self._copied: ShardCommit | None = None  # the commit whose copies went out last
+        self._released: Callable[[], bool] = lambda: False  # whether the round was released
         self._choice: Choice | None = None
         self._layout = (1, 1, 0)  # world, shards, own shard
         self._nodes: list[int] = []  # one node id per rank of the round
@@ -118,11 +122,14 @@ class ShardedRuntime:
 
     def settle(self) -> None:
         """Before leaving a round: waits for the buddy copies in flight (a failed one leaves
-        its commit incomplete, which ``choose`` sees) and drops the round's objects."""
+        its commit incomplete, which ``choose`` sees) and drops the round's objects. Once the
+        round is released it waits ``released_wait`` more at most and leaves a copy that did
+        not end to its thread (it ends with its group's timeout): the release watchdog would
+        otherwise restart this worker in place, and its shards would go with it."""
         exchange, self._exchange, self._copied = self._exchange, None, None
         if exchange is not None:
             try:
-                exchange.wait(self._timeout)
+                exchange.settle(self._timeout, self._released, self._released_wait)
             except BuddyCopyError as exc:
                 log.info("buddy copies of the last commit incomplete: %s", exc)
         self.objects = {}
@@ -138,6 +145,7 @@ class ShardedRuntime:
             ShardedStateLostError: some shard has no live holder and no durable loader is set.
         """
         started = time.monotonic()
+        self._released = lambda: group.is_released
         before = group.sockets_now()
         self._group = dist.new_group(backend="gloo", timeout=self._timeout)
         dist.barrier(group=self._group)  # gloo connects lazily: connected before adopting

@@ -11,8 +11,9 @@ never interleaves with (or blocks) the step's collectives. Torch only.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -76,12 +77,28 @@ class BuddyExchange:
         Raises:
             BuddyCopyError: it failed, or did not end within ``timeout``.
         """
+        self.settle(timeout, lambda: False, timeout)
+
+    def settle(self, timeout: timedelta, released: Callable[[], bool],
+               grace: timedelta) -> None:
+        """Like ``wait``, but once ``released()`` (asked every ``grace``) says that the round
+        was released, for one more ``grace`` at most: a copy that the release did not wake is
+        left to its thread, which ends with its group's timeout.
+
+        Raises:
+            BuddyCopyError: it failed, or did not end in time.
+        """
         thread, self._thread = self._thread, None
         if thread is None:
             return
-        thread.join(timeout.total_seconds())
+        deadline = time.monotonic() + timeout.total_seconds()
+        last = False  # the round was released: this is the last grace
+        while thread.is_alive() and not last and time.monotonic() < deadline:
+            last = released()
+            thread.join(max(0.0, min(grace.total_seconds(), deadline - time.monotonic())))
         if thread.is_alive():
-            raise BuddyCopyError(f"the buddy copies did not complete within {timeout}.")
+            raise BuddyCopyError("the buddy copies did not complete "
+                                 f"{'after the release' if last else f'within {timeout}'}.")
         if self._error is not None:
             raise BuddyCopyError(f"a buddy copy failed: {self._error}") from self._error
 

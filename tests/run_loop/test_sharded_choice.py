@@ -1,21 +1,28 @@
 """Which sharded commit a formation rebuilds, agreed over a real gloo group of two ranks: the
-newest one held whole (the small state rolled back with it), or a typed error that names what to
-do when some shard has no live holder."""
+newest one held whole (the small state rolled back with it), or a typed error that names what
+to do when some shard has no live holder; and leaving a released round while a
+buddy copy that the release did not wake is still in flight."""
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from elastic.cluster.links.process_group import ProcessGroup
 from elastic.cluster.rounds.topology import Topology
 from elastic.sharded import ShardedRuntime, ShardedStateLostError
 from elastic.state import TrainState
 from elastic.state.sharded.commits import ShardCommit
+from elastic.state.sharded.copies import BuddyExchange
 from elastic.state.sharded.layout import TensorSpec
 from tests.support.gloo_group import run_in_group
 
+TIMEOUT = timedelta(seconds=30)
+RELEASED_WAIT = timedelta(seconds=2)
 
 
 def _parallelize(mesh):
@@ -31,7 +38,7 @@ def _commit(train: TrainState, world: int, own: int, held: tuple[int, ...]) -> S
 
 
 def _choose(rank: int, world: int, missing: bool) -> dict:
-    runtime = ShardedRuntime(_parallelize, None, 1, timedelta(seconds=30))
+    runtime = ShardedRuntime(_parallelize, None, 1, TIMEOUT, RELEASED_WAIT)
     train = TrainState(step=0)
     # two commits of a 3-rank FSDP round whose rank 2 died: it had sent its shard of the first
     # to its buddy, rank 0, but not its shard of the second
@@ -40,15 +47,41 @@ def _choose(rank: int, world: int, missing: bool) -> dict:
         train.commit()
         held = (0, 2) if rank == 0 and step == 4 and not missing else (rank,)
         runtime._commits.add(_commit(train, 3, rank, held))
-    topology = Topology(round=2, rank=rank, world_size=world, member_id=f"m{rank}", rank0="m0",
-                        master_addr="127.0.0.1", master_port=0, store_prefix="", lineage=2)
-    group = ProcessGroup("gloo", timedelta(seconds=30), frozenset(), timedelta(seconds=10))
+    topology, group = _round(rank, world)
     try:
         runtime.choose(topology, train, group)
     except ShardedStateLostError as exc:
         return {"error": str(exc)}
     train.restore()
     return {"version": train.version, "step": train.step}
+
+
+def _round(rank: int, world: int) -> tuple[Topology, ProcessGroup]:
+    topology = Topology(round=2, rank=rank, world_size=world, member_id=f"m{rank}", rank0="m0",
+                        master_addr="127.0.0.1", master_port=0, store_prefix="", lineage=2)
+    return topology, ProcessGroup("gloo", TIMEOUT, frozenset(), timedelta(seconds=10))
+
+
+def _settle_with_a_copy_in_flight(rank: int, world: int) -> float:
+    runtime = ShardedRuntime(_parallelize, None, 1, TIMEOUT, RELEASED_WAIT)
+    train = TrainState(step=0)
+    train.commit()
+    topology, group = _round(rank, world)
+    runtime.choose(topology, train, group)
+    # a group the release does not shut down: what gloo's race leaves (a send queued when its
+    # connection closed stays in waitSend); rank 1 never posts its side of the exchange
+    stuck = dist.new_group(backend="gloo", timeout=TIMEOUT)
+    releasing = threading.Timer(1.0, group.release, ("a peer failed",))
+    releasing.daemon = True
+    if rank == 0:
+        runtime._exchange = BuddyExchange(stuck, 0, world, 1, [])
+        runtime._exchange.start(_commit(train, world, 0, (0,)), runtime._commits)
+        releasing.start()  # the watch releases the round while the copies are waited for
+    started = time.monotonic()
+    runtime.settle()
+    settled_s = time.monotonic() - started
+    dist.barrier()  # rank 1 keeps the stuck group open until rank 0 settled
+    return settled_s
 
 
 def test_a_formation_rebuilds_the_newest_commit_held_whole_and_rolls_the_step_back_with_it(
@@ -62,3 +95,9 @@ def test_a_shard_with_no_live_holder_stops_with_a_line_that_names_the_missing_lo
     for result in results.values():
         assert "no live rank holds every shard" in result["error"]
         assert "durable sharded checkpoint" in result["error"]
+
+
+def test_leaving_a_released_round_waits_for_an_unwoken_buddy_copy_only_briefly(tmp_path):
+    # past the release grace the watchdog restarts a worker in place, and its shards go with it
+    results = run_in_group(_settle_with_a_copy_in_flight, 2, tmp_path)
+    assert results[0] < 1 + 2 * RELEASED_WAIT.total_seconds() + 5 < TIMEOUT.total_seconds()
