@@ -173,6 +173,10 @@ class ShardedRuntime:
             log.warning("rolling back to version %d, the newest commit held whole",
                         self._choice.version)
             train.load_committed(held.small)
+        elif held is None and train.version > self._choice.version:
+            # a joiner synced to a newer version than the one rebuilt: its small state must
+            # come from a holder of the chosen commit, so its own no longer counts as newest
+            train.load_committed({"version": 0, "objects": train.committed()["objects"]})
 
     def _lost(self, exc: ShardLostError) -> None:
         if self.durable_loader is None:

@@ -1,6 +1,6 @@
 """Which sharded commit a formation rebuilds, agreed over a real gloo group of two ranks: the
-newest one held whole (the small state rolled back with it), or a typed error that names what
-to do when some shard has no live holder; and leaving a released round while a
+newest one held whole (the small state rolled back with it, on a joiner too), or a typed error
+that names what to do when some shard has no live holder; and leaving a released round while a
 buddy copy that the release did not wake is still in flight."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from elastic.state import TrainState
 from elastic.state.sharded.commits import ShardCommit
 from elastic.state.sharded.copies import BuddyExchange
 from elastic.state.sharded.layout import TensorSpec
+from elastic.state.sync import newest_source
 from tests.support.gloo_group import run_in_group
 
 TIMEOUT = timedelta(seconds=30)
@@ -62,6 +63,22 @@ def _round(rank: int, world: int) -> tuple[Topology, ProcessGroup]:
     return topology, ProcessGroup("gloo", TIMEOUT, frozenset(), timedelta(seconds=10))
 
 
+def _choose_with_a_joiner(rank: int, world: int) -> dict:
+    runtime = ShardedRuntime(_parallelize, None, 1, TIMEOUT, RELEASED_WAIT)
+    train = TrainState(step=4)
+    train.commit()
+    if rank == 0:  # held whole: the last commit whose copies every rank had
+        runtime._commits.add(_commit(train, 1, 0, (0,)))
+    else:  # a joiner, synced to a newer version whose shards a kill took before they were copied
+        train.step = 5
+        train.commit()
+    topology, group = _round(rank, world)
+    runtime.choose(topology, train, group)
+    source = newest_source(train.version, lineage=topology.lineage)
+    train.sync(source.rank, receivers=source.receivers)
+    return {"source": source.rank, "version": train.version, "step": train.step}
+
+
 def _settle_with_a_copy_in_flight(rank: int, world: int) -> float:
     runtime = ShardedRuntime(_parallelize, None, 1, TIMEOUT, RELEASED_WAIT)
     train = TrainState(step=0)
@@ -95,6 +112,12 @@ def test_a_shard_with_no_live_holder_stops_with_a_line_that_names_the_missing_lo
     for result in results.values():
         assert "no live rank holds every shard" in result["error"]
         assert "durable sharded checkpoint" in result["error"]
+
+
+def test_a_joiner_newer_than_the_commit_rebuilt_takes_the_small_state_of_a_holder(tmp_path):
+    results = run_in_group(_choose_with_a_joiner, 2, tmp_path)
+    assert results == {0: {"source": 0, "version": 1, "step": 4},
+                       1: {"source": 0, "version": 1, "step": 4}}
 
 
 def test_leaving_a_released_round_waits_for_an_unwoken_buddy_copy_only_briefly(tmp_path):
