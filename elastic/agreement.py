@@ -49,7 +49,11 @@ class MembershipAgreement:
         if self._error is not None:
             raise self._error
         if self._flags is None:
-            self._flags = self._cluster.channel.finish()
+            try:
+                self._flags = self._cluster.channel.finish()
+            except PeerFailureError as exc:
+                self._error = exc  # a later wait raises it again, without the channel
+                raise
 
     def is_reached(self) -> bool:
         """Waits for the agreement; whether every rank took part (False: a peer failed, which

@@ -136,11 +136,10 @@ class CollectiveCommit:
         (every rank waited for them before voting), and whether this one's go out. Not when it
         agrees on a join: every holder of its shards takes part in the next round, and sending
         them first would only delay it; the last whole commit is kept meanwhile."""
-        if agreement is None:
+        if agreement is None or not agreement.is_reached():
             return True
-        if agreement.is_reached():
-            assert self._sharded is not None
-            self._sharded.confirm_copies()
+        assert self._sharded is not None
+        self._sharded.confirm_copies()
         return not agreement.is_change_without_leavers()
 
     def check_membership(self) -> None:

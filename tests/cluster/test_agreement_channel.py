@@ -9,10 +9,12 @@ import socket
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from elastic.agreement import MembershipAgreement
 from elastic.cluster.links.agreement_channel import AgreementChannel
 from elastic.foundation.errors import AdvertiseAddressError, PeerFailureError
 from tests.support.address_book import StoreBook
@@ -102,6 +104,25 @@ def test_a_dead_peer_fails_the_agreement_on_every_rank_at_once():
         assert all(isinstance(r, PeerFailureError) for r in results), results
         assert [str(r.__cause__) for r in results] == ["the connection was closed",
                                                        "the peer released the round"], results
+    finally:
+        _close(channels)
+
+
+def test_a_failed_agreement_raises_the_same_failure_again_without_asking_the_channel():
+    """Asked twice (a sharded commit asks whether to send its copies, then acts on it), a
+    failed agreement answers from what it learnt, not by reading a broken channel again."""
+    channels = _connected(2)
+    try:
+        channels[1].close()  # rank 1's process is gone
+        channels[0].start(False, False)
+        agreement = MembershipAgreement(SimpleNamespace(channel=channels[0]), threading.Event(),
+                                        None)
+        with pytest.raises(PeerFailureError) as first:
+            agreement.wait()
+        assert not agreement.is_reached()
+        with pytest.raises(PeerFailureError) as again:
+            agreement.finish()
+        assert again.value is first.value
     finally:
         _close(channels)
 
