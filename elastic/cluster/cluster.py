@@ -28,7 +28,7 @@ from elastic.cluster.worker_lease_file import (append_committed, append_lease, a
                                                heartbeat)
 from elastic.cluster.rounds.membership import EtcdMembership, NodeLease
 from elastic.cluster.links.device import claim_device, default_lock_dir
-from elastic.cluster.rounds.news import NewsReader
+from elastic.cluster.rounds.news import NewsReader, job_is_over
 from elastic.cluster.links.process_group import ProcessGroup, cuda_device_count, resolve_backend
 from elastic.cluster.rounds.records import SkippedRecords
 from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig
@@ -91,6 +91,7 @@ class Cluster:
         self.pulse = PulseProcess(timeouts.heartbeat.total_seconds())
         self.pulse.start()  # up and beating long before the first round forms
         self._verdict = StuckVerdict(events, timeouts, newest, self._other_holder,
+                                     lambda: job_is_over(self.client, self.keys, self.skipped),
                                      self._leave_to_restart)
         self.stuck = ReleaseWatchdog(timeouts.release, self._verdict)
         self.skipped = SkippedRecords()  # malformed records read from etcd, warned once each

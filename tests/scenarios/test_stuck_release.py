@@ -59,3 +59,24 @@ def test_every_survivor_in_a_long_step_at_a_death_waits_and_the_job_goes_on_from
     assert any(e["event"] == "stuck_holding" for e in job.events()), \
         "the long step never outlasted the grace: the scenario tested nothing"
     check_outcome(job, [0, 2])
+
+
+def test_a_worker_blocked_in_a_released_step_after_the_job_finished_restarts_and_ends_too(
+        make_job):
+    # The blocked worker is frozen past its lease, so the others go on without it and finish;
+    # it wakes to a finished job, where no live member can hold its commit. Before its fix it
+    # stayed for the collective timeout (30 minutes), "holding" a commit nobody needs.
+    job = make_job(ARGS + ["--step-ms", "40"],
+                   {"FAULTS": "stuck:1:8", "ELASTIC_LEASE_TTL": "2",
+                    "ELASTIC_RELEASE_GRACE": str(GRACE_S)})
+    job.start_together(range(3))
+    job.wait_until(lambda: (job.out / "fired-stuck-1").exists(), 60, "worker 1 to block")
+    job.signal(1, signal.SIGSTOP)
+    try:
+        assert job.wait_exit(0) == 0 and job.wait_exit(2) == 0
+    finally:
+        job.signal(1, signal.SIGCONT)
+    assert job.wait_exit(1, timeout=60) == 0
+    restart = [e for e in job.events() if e["event"] == "restarting_in_place"]
+    assert restart and restart[0]["holder"] == "", restart
+    check_outcome(job, [0, 2])

@@ -3,7 +3,8 @@ step: restart in place, or wait.
 
 A restart in place (``restart_in_place``) brings the worker back as a new member with none of
 its state, so it may replace the process only when another live member holds the worker's
-newest commit (``commit_holders``); otherwise the worker stays, says so once per release
+newest commit (``commit_holders``), or when the job is over (a member returned from training:
+no commit is needed any more, and the fresh run is told the job finished); otherwise the worker stays, says so once per release
 (``stuck_holding``), and is asked again after every further grace (``ReleaseWatchdog``): the
 step may yet end, and leaving would lose the commit.
 """
@@ -31,16 +32,20 @@ class StuckVerdict:
         newest: the version of the worker's newest commit.
         holder: a live member other than this one that holds the given commit version or a
             newer one (None: none); may raise the etcd errors.
+        over: whether the job is over (a member returned from training); may raise the etcd
+            errors.
         leave: leaves the job, so that nobody waits for this member; may raise the etcd
             errors and ``FencedError``.
     """
 
     def __init__(self, events: EventLog, timeouts: Timeouts, newest: Callable[[], int],
-                 holder: Callable[[int], str | None], leave: Callable[[], None]) -> None:
+                 holder: Callable[[int], str | None], over: Callable[[], bool],
+                 leave: Callable[[], None]) -> None:
         self._events = events
         self._timeouts = timeouts
         self._newest = newest
         self._holder = holder
+        self._over = over
         self._leave = leave
         self._told = False  # said once per release that it waits as the holder
 
@@ -52,12 +57,13 @@ class StuckVerdict:
         version = self._newest()
         try:
             holder = self._holder(version)
+            over = holder is None and self._over()
         except (EtcdUnavailableError, EtcdAccessError, EtcdRecordError) as exc:
             log.warning("could not learn whether another member holds commit %d (%s)", version,
                         exc)
-            holder = None
-        if holder is not None:
-            self._restart(reason, holder)
+            holder, over = None, False
+        if holder is not None or over:
+            self._restart(reason, holder or "")
         if not self._told:
             self._told = True
             log.warning("the training thread is still inside its step %s after the round was "
@@ -70,13 +76,13 @@ class StuckVerdict:
 
     def _restart(self, reason: str, holder: str) -> None:
         """Leaves the job and replaces the process with a fresh run of its command, which gets
-        the commit back from ``holder``."""
+        the commit back from ``holder`` (or, when it is "", is told that the job is over)."""
         grace = self._timeouts.release
+        why = f"{holder} holds its commit" if holder else "the job is over"
         log.error("the training thread is still inside its step %s after the round was "
                   "released (%s): a collective that the release did not wake, or a step with "
                   "no collective longer than ELASTIC_RELEASE_GRACE; leaving the job and "
-                  "restarting this worker in place (%s holds its commit)", grace, reason,
-                  holder)
+                  "restarting this worker in place (%s)", grace, reason, why)
         self._events.emit("restarting_in_place", reason=reason, holder=holder,
                           grace_s=grace.total_seconds())
         try:

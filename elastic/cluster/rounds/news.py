@@ -75,6 +75,19 @@ def read_news(keys: JobKeys, events: list[WatchEvent],
     return None
 
 
+def job_is_over(client: EtcdClient, keys: JobKeys, skipped: SkippedRecords) -> bool:
+    """Whether the news, read from etcd now, says a member returned from the training function
+    (False: no news, or malformed).
+
+    Raises:
+        EtcdUnavailableError: etcd could not be reached.
+    """
+    kv = client.get(keys.news)
+    news = None if kv is None else skipped.read(kv.key, kv.mod_revision,
+                                                lambda: RoundNews.from_json(kv.value))
+    return news is not None and news.done
+
+
 class NewsReader:
     """A member's reading of its round, from the news record only, for a ``RoundTracker``.
 
