@@ -56,8 +56,32 @@ def _watch_all(channels: list[AgreementChannel], ranks: list[int]) -> list[tuple
     return seen
 
 
-def test_a_peer_never_heard_from_is_not_judged():
+def test_a_peer_never_heard_from_is_judged_one_more_limit_after_the_watch_began():
+    pulse = PeerPulse(last_heard=None, since=10.0)  # its beats may not have started yet
+    assert not pulse.is_frozen(10.9, FROZEN_S, last_ack_s=0.05)
+    assert pulse.is_frozen(11.0, FROZEN_S, last_ack_s=0.05)
+    assert not pulse.is_frozen(30.0, FROZEN_S, last_ack_s=1.0)  # a silent link, not a freeze
     assert not PeerPulse(last_heard=None).is_frozen(30.0, FROZEN_S, last_ack_s=0.05)
+
+
+def test_a_rank_0_that_begins_to_beat_late_is_not_judged_by_peers_that_never_heard_it():
+    channels = _connected(3)
+    try:
+        seen = _watch_all(channels, [1, 2])  # rank 0 still admitting others: it beats later
+        threading.Event().wait(4 * FROZEN_S)  # nothing to wait on: a report would come now
+        assert seen == [], seen
+    finally:
+        _close(channels)
+
+
+def test_a_rank_frozen_before_its_first_beat_is_reported_frozen_by_rank_0():
+    channels = _connected(3)
+    try:
+        seen = _watch_all(channels, [0, 1])  # rank 2 stops right as the round forms
+        assert poll_until(lambda: seen, 10), "nobody reported rank 2 (waits for its lease)"
+        assert seen == [(0, 2, "frozen")]
+    finally:
+        _close(channels)
 
 
 def test_a_rank_whose_process_stops_beating_is_reported_frozen_by_rank_0():

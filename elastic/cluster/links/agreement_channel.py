@@ -215,7 +215,7 @@ class AgreementChannel(ChannelForming):
                 self._heartbeat = Heartbeat.over(
                     peers, pulse, lambda sock, message: self._send(sock, message,
                                                                    socket.MSG_DONTWAIT),
-                    self._read_locks, frozen.total_seconds())
+                    self._read_locks, frozen.total_seconds(), judge_unheard=self.rank == 0)
         self._watcher = threading.Thread(target=self._watch, name="elastic-channel-watch",
                                          args=(peers, on_gone, wake.total_seconds()),
                                          daemon=True)

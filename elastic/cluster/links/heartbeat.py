@@ -51,10 +51,14 @@ def is_pulse(message: bytes) -> bool:
 
 @dataclass
 class PeerPulse:
-    """What one end heard from one peer: when last (None: never yet, so not judged: its
-    heartbeats may not have started), and whether it announced a collection."""
+    """What one end heard from one peer: when last (None: never yet), since when this end
+    judges it before it was ever heard (None: not until it is), and whether it announced a
+    collection. A peer never heard from is judged one more limit late (its heartbeats start a
+    moment after its connection, once its heartbeat process took it over), so that one frozen
+    as its round forms is seen long before its lease ends."""
 
     last_heard: float | None
+    since: float | None = None
     pausing: bool = False
     released: bool = False  # it let go of the round: it beats no more, and is not judged
     queued: int = 0  # bytes waiting behind the agreement's flags, last time they were counted
@@ -67,10 +71,17 @@ class PeerPulse:
         self.released = self.released or message == ABANDON
 
     def is_frozen(self, now: float, frozen_s: float, last_ack_s: float) -> bool:
-        """Whether the peer's process said nothing for ``frozen_s`` while its kernel answered
-        within ``frozen_s`` (``last_ack_s``: seconds since its last acknowledgement)."""
-        return (self.last_heard is not None and not self.pausing and not self.released
-                and now - self.last_heard >= frozen_s and last_ack_s < frozen_s)
+        """Whether the peer's process said nothing for ``frozen_s`` (twice that from ``since``
+        when never heard) while its kernel answered within ``frozen_s`` (``last_ack_s``:
+        seconds since its last acknowledgement)."""
+        if self.last_heard is not None:
+            silent_s = now - self.last_heard
+        elif self.since is not None:
+            silent_s = now - self.since - frozen_s
+        else:
+            return False
+        return (not self.pausing and not self.released and silent_s >= frozen_s
+                and last_ack_s < frozen_s)
 
 
 class Heartbeat:
@@ -83,31 +94,36 @@ class Heartbeat:
             None when another process beats for this one (``pulse_process``).
         read_locks: per rank, the lock a reader of that connection holds while it reads.
         frozen: seconds of silence after which a peer that still acknowledges is frozen.
+        judge_unheard: whether peers never heard from are judged, from now on (rank 0: every
+            peer connected before it began to watch, and beats right after; a peer of rank 0
+            may connect long before rank 0 has admitted the others and begins to beat).
         clock: the monotonic clock (injected by tests).
     """
 
     def __init__(self, peers: dict[int, socket.socket],
                  send: Callable[[socket.socket, bytes], None] | None,
                  read_locks: dict[int, threading.Lock], frozen_s: float,
+                 judge_unheard: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._peers = dict(peers)
         self._send = send
         self._read_locks = read_locks
         self._frozen_s = frozen_s
         self._clock = clock
-        self._pulses = {rank: PeerPulse(None) for rank in peers}
+        since = clock() if judge_unheard else None
+        self._pulses = {rank: PeerPulse(None, since=since) for rank in peers}
         self._pid = os.getpid()
         self._let_go: Callable[[], None] = lambda: None
 
     @classmethod
     def over(cls, peers: dict[int, socket.socket], pulse: PulseProcess | None,
              send: Callable[[socket.socket, bytes], None], read_locks: dict[int, threading.Lock],
-             frozen_s: float) -> Heartbeat:
+             frozen_s: float, judge_unheard: bool = False) -> Heartbeat:
         """The heartbeats of ``peers``, beaten by ``pulse`` when it takes them, else by
         ``send`` from the watch thread."""
         key = f"{id(peers)}"
         beats = pulse is not None and pulse.start() and pulse.hold(key, list(peers.values()))
-        heartbeat = cls(peers, None if beats else send, read_locks, frozen_s)
+        heartbeat = cls(peers, None if beats else send, read_locks, frozen_s, judge_unheard)
         if beats:
             assert pulse is not None
             heartbeat._let_go = lambda: pulse.drop(key)
