@@ -140,7 +140,8 @@ class ElasticState(CollectiveCommit):
         self._train.restore()
 
     def sync(self, src_rank: int, timeout: timedelta | None = None) -> None:
-        """Makes every rank's commit the one of ``src_rank`` (see ``TrainState.sync``)."""
+        """Makes every rank's commit the one of ``src_rank`` (see ``TrainState.sync``); when it
+        raises, call ``restore()`` before using the model again (``unsettled``)."""
         self._train.sync(src_rank, timeout=timeout)
 
     def committed(self) -> dict[str, Any]:
@@ -276,6 +277,8 @@ class ElasticState(CollectiveCommit):
             unfinished = self._durable.finish(final_write) if self._durable else None
             self._cluster.close()
             self._cluster = None
+            if self._train.unsettled:  # a transfer cut off half-way, its group now gone
+                self._train.restore()
         if unfinished is not None:
             raise unfinished
         if returned:

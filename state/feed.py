@@ -7,8 +7,10 @@ memory, the small ones packed in dtype-homogeneous buckets. The receivers form a
 the source (source -> first receiver -> second ...), each forwarding every piece to the next
 as it arrives, so the source's link carries the state once however many receive it, and a
 rank outside the chain (one that holds that very commit already) takes no part at all.
-Receivers rebuild the payload from the skeleton alone. Knows collectives, never etcd; must not
-import ``elastic`` or ``checkpoint``.
+Receivers rebuild the payload from the skeleton alone; on a CPU transport a large tensor lands
+straight in the receiver's own tensor at its path when it names one (memory touched already,
+where a new page costs a fault), the rest in new memory. Knows collectives, never etcd; must
+not import ``elastic`` or ``checkpoint``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from elastic.state.errors import PayloadFormatError, SyncError
-from elastic.state.sync import collect_slots, fill_tensors, plan_buckets, transport_device
+from elastic.state.sync import (collect_slots, fill_tensors, landing_tensors, plan_buckets,
+                                transport_device)
 from elastic.state.wire import TensorSlot, decode, encode
 
 __all__ = ["Packing", "Fed", "feed_payload", "MAX_SKELETON_BYTES", "LENGTH_TAG", "SKELETON_TAG"]
@@ -79,6 +82,7 @@ class _Piece:
     """One message of the tensors: a single tensor, or a bucket of packed small ones."""
 
     slots: list[TensorSlot]
+    landing: torch.Tensor | None = None  # the receiver's own tensor that takes it in place
     wire: torch.Tensor | None = None
     work: Any = None
     forwards: list[Any] = field(default_factory=list)
@@ -86,7 +90,8 @@ class _Piece:
 
 def feed_payload(payload: Any, src: int, receivers: list[int] | tuple[int, ...] | None = None,
                  group: dist.ProcessGroup | None = None, *,
-                 timeout: datetime.timedelta | None = None, packing: Packing = Packing()) -> Fed:
+                 timeout: datetime.timedelta | None = None, packing: Packing = Packing(),
+                 into: Any = None) -> Fed:
     """Sends ``payload`` from group rank ``src`` to the group ranks ``receivers``.
 
     The source and every receiver must call it with the same ``src`` and ``receivers``; a rank
@@ -102,6 +107,10 @@ def feed_payload(payload: Any, src: int, receivers: list[int] | tuple[int, ...] 
         group: the process group; None means the default group.
         timeout: bound on each message; None waits for the group's own timeout.
         packing: which tensors travel alone and how the others are packed.
+        into: on a receiver, a tree shaped like the payload holding its own tensors: a tensor
+            that travels alone is received straight into the one at its path when that fits
+            (``landing_tensors``; CPU transports only), and the returned payload holds it;
+            written even when the transfer then fails. Ignored on the source.
 
     Returns:
         The payload and the bytes this rank moved.
@@ -140,7 +149,8 @@ def feed_payload(payload: Any, src: int, receivers: list[int] | tuple[int, ...] 
     except PayloadFormatError as exc:
         raise PayloadFormatError(f"rank {src} sent a state skeleton that is not one: "
                                  f"{exc}") from None
-    got, nbytes = _pass_tensors(skeleton, tensors if me == src else None, link, packing)
+    got, nbytes = _pass_tensors(skeleton, tensors if me == src else None, link, packing,
+                                None if me == src else into)
     return Fed(payload if me == src else got, 8 + len(data) + nbytes)
 
 
@@ -217,7 +227,7 @@ def plan_pieces(slots: list[TensorSlot], packing: Packing) -> list[list[TensorSl
 
 
 def _pass_tensors(skeleton: Any, sources: list[torch.Tensor] | None, link: _Link,
-                  packing: Packing) -> tuple[Any, int]:
+                  packing: Packing, into: Any) -> tuple[Any, int]:
     """Sends (source) or receives and forwards the skeleton's tensors; returns the received
     payload (None on the source) and the bytes of tensors moved."""
     slots: list[TensorSlot] = []
@@ -227,6 +237,11 @@ def _pass_tensors(skeleton: Any, sources: list[torch.Tensor] | None, link: _Link
         if not slot.nbytes:
             received[slot.index] = torch.empty(slot.shape, dtype=slot.dtype)
     pieces = [_Piece(s) for s in plan_pieces(slots, packing)]
+    if into is not None and link.device.type == "cpu":
+        landing = landing_tensors(skeleton, into, link.device)
+        for piece in pieces:
+            if len(piece.slots) == 1:
+                piece.landing = landing.get(piece.slots[0].index)
     window = DEVICE_WINDOW_BYTES if link.device.type != "cpu" else None
     posted = done = staged = 0
     while done < len(pieces):
@@ -258,12 +273,15 @@ def _start(piece: _Piece, number: int, sources: list[torch.Tensor] | None, link:
         piece.forwards.append(_post(dist.isend, piece.wire, link.downstream, link,
                                     _FIRST_PIECE_TAG + number, what))
         return nbytes
-    try:
-        piece.wire = torch.empty(nbytes, dtype=torch.uint8, device=link.device)
-    except (RuntimeError, MemoryError) as exc:
-        raise PayloadFormatError(f"global rank {link.upstream} announced a state piece of "
-                                 f"{nbytes} bytes, which this worker cannot allocate: "
-                                 f"{exc}") from exc
+    if piece.landing is not None:
+        piece.wire = piece.landing.reshape(-1).view(torch.uint8)
+    else:
+        try:
+            piece.wire = torch.empty(nbytes, dtype=torch.uint8, device=link.device)
+        except (RuntimeError, MemoryError) as exc:
+            raise PayloadFormatError(f"global rank {link.upstream} announced a state piece of "
+                                     f"{nbytes} bytes, which this worker cannot allocate: "
+                                     f"{exc}") from exc
     piece.work = _post(dist.irecv, piece.wire, link.upstream, link, _FIRST_PIECE_TAG + number,
                        what)
     return nbytes
@@ -283,6 +301,9 @@ def _finish(piece: _Piece, number: int, received: list[torch.Tensor | None],
                                     _FIRST_PIECE_TAG + number, f"a state piece of {nbytes} bytes"))
         if link.device.type != "cpu":
             _drain(piece, link, nbytes)
+    if piece.landing is not None:  # received in place (CPU only): nothing to unpack
+        received[piece.slots[0].index] = piece.landing
+        return nbytes
     values = piece.wire.cpu().view(piece.slots[0].dtype)
     sizes = [slot.nbytes // slot.dtype.itemsize for slot in piece.slots]
     for slot, part in zip(piece.slots, torch.split(values, sizes)):

@@ -1,8 +1,9 @@
 """Choosing the source of the newest state after a group forms, and who must receive it.
 
 Owns ``newest_source`` (the holder of the newest commit, and the ranks that lack that very
-commit) and the plan of a payload's tensors (slots, dtype buckets) that ``state.feed`` sends
-point to point. Knows collectives, never etcd; must not import ``elastic`` or ``checkpoint``.
+commit) and the plan of a payload's tensors (slots, dtype buckets, and a receiver's own tensors
+that take slots in place) that ``state.feed`` sends point to point. Knows collectives, never
+etcd; must not import ``elastic`` or ``checkpoint``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from elastic.state.stateful import rebuild_mapping, rebuild_sequence
 from elastic.state.wire import TensorSlot
 
 __all__ = ["TensorSlot", "BUCKET_BYTES", "DURABLE_UNREADABLE", "Source", "fill_tensors",
-           "collect_slots", "plan_buckets", "newest_source", "transport_device"]
+           "collect_slots", "landing_tensors", "plan_buckets", "newest_source",
+           "transport_device"]
 
 BUCKET_BYTES = 64 * 1024 * 1024
 #: rank 0's ``durable_version`` when its checkpoint storage could not be read.
@@ -113,6 +115,53 @@ def collect_slots(skeleton: Any, slots: list[TensorSlot]) -> None:
     elif isinstance(skeleton, (list, tuple)):
         for value in skeleton:
             collect_slots(value, slots)
+
+
+def landing_tensors(skeleton: Any, into: Any, device: torch.device) -> dict[int, torch.Tensor]:
+    """The tensors of ``into`` that can take the skeleton's slots in place.
+
+    A slot lands in the tensor at its own path in ``into`` (the same keys and positions) when
+    that tensor is a plain, contiguous tensor on ``device`` of the slot's shape and dtype, and
+    its memory overlaps no other landing tensor (tied weights land once; the others are
+    received apart).
+
+    Args:
+        skeleton: a decoded skeleton (tensors as ``TensorSlot``).
+        into: a tree shaped like the payload, holding the receiver's own tensors.
+        device: where the tensors are received.
+
+    Returns:
+        ``{slot index: tensor}`` (detached) for every slot that lands in place.
+    """
+    found: list[tuple[int, torch.Tensor]] = []
+    _pair_slots(skeleton, into, device, found)
+    chosen: dict[int, torch.Tensor] = {}
+    reach = -1
+    for index, tensor in sorted(found, key=lambda item: item[1].data_ptr()):
+        start = tensor.data_ptr()
+        if start >= reach:
+            chosen[index] = tensor
+            reach = start + tensor.numel() * tensor.element_size()
+    return chosen
+
+
+def _pair_slots(skeleton: Any, into: Any, device: torch.device,
+                found: list[tuple[int, torch.Tensor]]) -> None:
+    if isinstance(skeleton, TensorSlot):
+        if isinstance(into, torch.Tensor):
+            tensor = into.detach()
+            if (type(tensor) is torch.Tensor and tensor.layout == torch.strided
+                    and tensor.device == device and tensor.dtype == skeleton.dtype
+                    and tuple(tensor.shape) == skeleton.shape and skeleton.nbytes
+                    and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()):
+                found.append((skeleton.index, tensor))
+    elif isinstance(skeleton, Mapping) and isinstance(into, Mapping):
+        for key, value in skeleton.items():
+            if key in into:
+                _pair_slots(value, into[key], device, found)
+    elif isinstance(skeleton, (list, tuple)) and isinstance(into, (list, tuple)):
+        for value, own in zip(skeleton, into):
+            _pair_slots(value, own, device, found)
 
 
 def plan_buckets(slots: list[TensorSlot], cap_bytes: int = BUCKET_BYTES) -> list[list[TensorSlot]]:

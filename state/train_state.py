@@ -18,6 +18,8 @@ import torch.distributed as dist
 from elastic.state.errors import NoCommitError, StateError, StateKeyError
 from elastic.state.feed import feed_payload
 from elastic.state.half_step import reset_half_step
+from elastic.state.landing import landing_tree, load_fed
+from elastic.state.payload import payload_parts
 from elastic.state.live_commit import (fill_live, holds_live, is_optimizer,
                                        live_tensor_addresses, mark_live, require_optimizers)
 from elastic.state.plain_values import check_plain, restore_value
@@ -51,11 +53,11 @@ class TrainState:
         self._commit: dict[str, Any] | None = None
         self._live: frozenset[str] = frozenset()  # names whose commit holds LIVE markers
         self._version = 0
+        self._unsettled = False  # a sync into the live objects failed: restore() them
         for name, obj in objects.items():
             self.register(name, obj)
 
     # -- the attribute routing: the one place plain values become attributes ---------------
-    #
     # Every registered object lives in the instance ``__dict__`` under its name (or in the
     # ``__dict__`` of the object it is ``stored_in``), so reading it is a plain attribute read
     # (a training loop reads ``state.step`` several times a step; going through ``__getattr__``
@@ -167,6 +169,11 @@ class TrainState:
         """Whether a commit exists to restore, save or broadcast."""
         return self._commit is not None
 
+    @property
+    def unsettled(self) -> bool:
+        """Whether a failed sync left the live objects half-written (until ``restore()``)."""
+        return self._unsettled
+
     def commit(self) -> int:
         """Snapshots every registered object to CPU host memory as the new rollback point.
 
@@ -222,10 +229,9 @@ class TrainState:
         """Loads the current commit back into the live objects (rollback).
 
         Stateful objects get ``load_state_dict`` of a fresh copy (so the commit stays
-        untouched by later training); plain-value tensors go back to the device of the
-        live tensor they replace. What the state dicts do not carry is reset too
-        (``state.half_step``): every GradScaler's per-optimizer stage, and the ``.grad`` of
-        every parameter of every registered module and optimizer.
+        untouched by later training); plain-value tensors go back to the device of the live
+        tensor they replace. What the state dicts do not carry is reset too (``half_step``):
+        every GradScaler's per-optimizer stage, and every registered parameter's ``.grad``.
 
         Raises:
             NoCommitError: There is no commit.
@@ -234,6 +240,7 @@ class TrainState:
         if self._commit is None:
             raise NoCommitError("restore() needs a commit; call commit() first.")
         self._check_names(self._commit)
+        self._unsettled = False
         for name, obj in self._stateful.items():
             saved = self._commit[name]
             if name in self._live:  # its live tensors are the commit: loaded onto themselves
@@ -274,22 +281,15 @@ class TrainState:
         Raises:
             StateKeyError: The payload's keys or object names do not match.
         """
-        self._install(payload, copy=True)
-
-    def _install(self, payload: Mapping[str, Any], copy: bool) -> None:
-        """Validates and installs a payload, copying it to CPU when ``copy``."""
-        if not isinstance(payload, Mapping) or set(payload) != {"version", "objects"}:
-            keys = sorted(payload) if isinstance(payload, Mapping) else type(payload).__name__
-            raise StateKeyError(f"a committed payload has exactly the keys ['objects', 'version'], got {keys}.")
-        version, objects = payload["version"], payload["objects"]
-        if type(version) is not int or version < 0 or not isinstance(objects, Mapping):
-            raise StateKeyError(f"a committed payload has a non-negative int version and a "
-                                f"mapping of objects, got {type(version).__name__} "
-                                f"{version!r:.40} and {type(objects).__name__}.")
-        self._check_names(objects)
-        self._commit = {name: (snapshot(state) if copy else state) for name, state in objects.items()}
-        self._live = frozenset()
+        version, objects = self._validated(payload)
+        self._commit, self._live = {name: snapshot(s) for name, s in objects.items()}, frozenset()
         self._version = version
+
+    def _validated(self, payload: Mapping[str, Any]) -> tuple[int, Mapping[str, Any]]:
+        """The version and objects of a payload, or StateKeyError."""
+        version, objects = payload_parts(payload)
+        self._check_names(objects)
+        return version, objects
 
     def _check_names(self, objects: Mapping[str, Any]) -> None:
         """Raises StateKeyError unless ``objects`` names exactly the registered objects."""
@@ -314,8 +314,9 @@ class TrainState:
         the same arguments, and a rank that is neither only restores its own commit (it must
         hold the source's very commit already: ``newest_source`` names who does not). The source
         sends a small skeleton, then its tensors point to point along a chain of the receivers
-        (see ``state.feed``). Receivers build the payload from the skeleton, so their own
-        structure (say, an optimizer with empty state on a newly joined worker) does not matter.
+        (``state.feed``), which build the payload from it (their own structure does not matter).
+        A receiver holding a commit takes large tensors into its modules' and optimizers' own
+        (``state.landing``); a failed transfer leaves them half-written (``unsettled``).
 
         Args:
             src_rank: Rank within ``group`` whose commit wins.
@@ -336,13 +337,30 @@ class TrainState:
             self.restore()
             return 0
         payload = self.committed() if is_src and self.has_commit else None
-        fed = feed_payload(payload, src_rank, receivers, group, timeout=timeout)
+        into = landing_tree(self._stateful, self._live) if self.has_commit and not is_src else None
+        self._unsettled = into is not None  # until the transfer ended well
+        fed = feed_payload(payload, src_rank, receivers, group, timeout=timeout, into=into)
+        self._unsettled = False
         if fed.payload is None and fed.nbytes:
             raise NoCommitError(f"sync() from rank {src_rank}: that rank has no commit.")
         if fed.nbytes and not is_src:
-            self._install(fed.payload, copy=False)
-        self.restore()
+            self._take(fed.payload)
+        else:
+            self.restore()
         return fed.nbytes
+
+    def _take(self, payload: Mapping[str, Any]) -> None:
+        """Commits a copy of a fed payload, then loads the payload into the live objects."""
+        version, objects = self._validated(payload)
+        previous, self._commit, self._live = self._commit, None, frozenset()
+        try:
+            self._commit, self._version = snapshot(dict(objects), previous), version
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise StateError(f"committing synced state (version {version}) failed: {exc}") from exc
+        load_fed(self._stateful, objects)  # they may keep or change it: nothing else holds it
+        live = self._objects()
+        for name in self._value_names:
+            live[name] = restore_value(objects[name], live[name])
 
     def save(self, store: Any, step: int | None = None, metadata: dict[str, Any] | None = None) -> Any:
         """Writes the current commit to a durable store.

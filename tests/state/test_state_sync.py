@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,10 +11,12 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic.state import ElasticSampler, NoCommitError, TrainState
+from elastic.state.errors import SyncError
 from elastic.state.feed import Packing, feed_payload, plan_pieces
 from elastic.state.sync import TensorSlot, newest_source, plan_buckets
 from elastic.state.wire import encode
 from tests.support.gloo_group import run_in_group
+from tests.support.polling import poll_until
 from tests.support.trees import assert_same_tree
 
 WORLD = 3
@@ -190,3 +193,134 @@ def test_the_commit_reaches_every_receiver_along_the_chain_and_a_holder_moves_no
     assert got[BYSTANDER][3] == "took no part"
     for rank in (0, 3):  # rank 3 heard it from rank 0, which forwarded before it judged
         assert "sent a state skeleton that is not one" in got[rank][3], got[rank][3]
+
+
+def test_a_slot_lands_only_in_a_contiguous_tensor_of_its_path_shape_and_dtype_once():
+    from elastic.state.sync import landing_tensors
+    from elastic.state.wire import decode
+    tied = torch.zeros(4, 5)
+    payload = {"w": torch.ones(4, 5), "t": torch.ones(4, 5), "shape": torch.ones(4, 5),
+               "dtype": torch.ones(4, 5), "strided": torch.ones(4, 5), "z": torch.ones(0),
+               "s": [torch.ones(3)], "absent": torch.ones(2)}
+    into = {"w": tied, "t": tied, "shape": torch.zeros(5, 4), "dtype": torch.zeros(4, 5).double(),
+            "strided": torch.zeros(5, 4).t(), "z": torch.zeros(0),
+            "s": [nn.Parameter(torch.zeros(3))]}
+    skeleton = decode(encode(payload, []))
+    landed = landing_tensors(skeleton, into, torch.device("cpu"))
+    names = list(payload)
+    assert {names[i] for i in landed} == {"w", "s"}, "tied weights land once; misfits never"
+    assert landed[0].data_ptr() == tied.data_ptr()
+    assert landed[6].data_ptr() == into["s"][0].data_ptr()
+    assert not landed[6].requires_grad
+
+
+def _land_in_own_tensors(rank: int, world: int) -> tuple[dict, dict, bool]:
+    """Rank 0 trains; rank 1 joined (a commit, empty Adam state); rank 2 trained apart."""
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(600, 500), nn.Linear(500, 2))  # a 1.2 MB weight: alone
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    state = TrainState(model=model, optimizer=opt, epoch=rank)
+    for _ in range(2 if rank != 1 else 0):
+        opt.zero_grad()
+        model(torch.randn(8, 600)).sum().backward()
+        opt.step()
+    state.commit()
+    weight = model[0].weight.data_ptr()
+    moment = opt.state[model[0].weight]["exp_avg"].data_ptr() if rank == 2 else None
+    state.sync(0, timeout=datetime.timedelta(seconds=30), receivers=[1, 2])
+    landed = (model[0].weight.data_ptr() == weight and
+              (rank != 2 or opt.state[model[0].weight]["exp_avg"].data_ptr() == moment))
+    synced = _fingerprint_of(state)
+    opt.zero_grad()  # a step after the sync, then a rollback to the synced commit
+    model(torch.randn(8, 600)).sum().backward()
+    opt.step()
+    state.restore()
+    return synced, _fingerprint_of(state), landed
+
+
+def _fingerprint_of(state: TrainState) -> dict:
+    from elastic.state.stateful import snapshot
+    return snapshot({"model": state.model.state_dict(), "epoch": state.epoch,
+                     "optimizer": state.optimizer.state_dict(), "version": state.version})
+
+
+@pytest.mark.timeout(150)
+def test_receivers_take_the_state_into_their_own_tensors_and_commit_a_copy_apart(tmp_path):
+    got = run_in_group(_land_in_own_tensors, 3, tmp_path)
+    source = got[0][0]
+    assert source["optimizer"]["state"] and source["epoch"] == 0
+    for rank in range(3):
+        assert_same_tree(source, got[rank][0], f"rank {rank} synced")
+        assert_same_tree(source, got[rank][1], f"rank {rank} rolled back after a step")
+        assert got[rank][2], f"rank {rank}: the state did not land in its own tensors"
+
+
+class _Consuming:
+    """A Stateful whose ``load_state_dict`` takes its entries out of the dict it is given."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.n = state_dict.pop("n")
+
+
+def _sync_into_a_stateful_that_consumes_its_dict(rank: int, world: int) -> tuple[int, int]:
+    state = TrainState(model=nn.Linear(64, 64), counter=_Consuming(10 + rank))
+    state.commit()
+    if rank == 0:
+        state.commit()  # the newer commit: rank 1 receives it
+    state.sync(0, timeout=datetime.timedelta(seconds=30))
+    state.counter.n = -1
+    state.restore()  # the commit holds what came, whatever load_state_dict did to its dict
+    return state.counter.n, state.version
+
+
+def test_a_received_commit_stays_whole_when_a_stateful_consumes_the_dict_it_loads(tmp_path):
+    assert run_in_group(_sync_into_a_stateful_that_consumes_its_dict, 2, tmp_path) \
+        == {0: (10, 2), 1: (10, 2)}
+
+
+def _sync_cut_off_after_the_first_piece(rank: int, world: int, marker: str) -> dict:
+    import elastic.state.feed as feed  # noqa: PLC0415 (the source's own fault, below)
+    torch.manual_seed(rank)
+    state = TrainState(model=nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024)))
+    state.commit()
+    if rank == 0:  # the newer commit; its source stops sending after the first piece
+        state.commit()
+        real_start, sent = feed._start, []
+
+        def start(piece, number, sources, link):
+            if number:  # once the first piece is out
+                for work in sent[0].forwards:
+                    work.wait()
+                raise RuntimeError("the source is gone")
+            sent.append(piece)
+            return real_start(piece, number, sources, link)
+        feed._start = start
+        with pytest.raises(RuntimeError, match="the source is gone"):
+            state.sync(0)
+        assert poll_until(lambda: Path(marker).exists(), 60), "the receiver never gave up"
+        return {"unsettled": state.unsettled}
+    own = {k: v.clone() for k, v in state.model.state_dict().items()}
+    with pytest.raises(SyncError):
+        state.sync(0, timeout=datetime.timedelta(seconds=3))
+    Path(marker).touch()
+    changed = [k for k, v in state.model.state_dict().items() if not torch.equal(v, own[k])]
+    unsettled = state.unsettled
+    state.restore()
+    kept = all(torch.equal(v, own[k]) for k, v in state.model.state_dict().items())
+    return {"changed": changed, "unsettled": unsettled, "kept": kept,
+            "after": state.unsettled}
+
+
+def test_a_transfer_cut_off_half_way_leaves_the_receiver_unsettled_until_it_restores(tmp_path):
+    got = run_in_group(_sync_cut_off_after_the_first_piece, 2, tmp_path,
+                       str(tmp_path / "receiver-gave-up"))
+    assert got[0] == {"unsettled": False}
+    receiver = got[1]
+    assert receiver["changed"] and receiver["unsettled"], receiver  # part of rank 0's landed
+    assert receiver["kept"] and not receiver["after"], receiver
