@@ -1,7 +1,8 @@
 """How fast a joiner is fed the job's state, against the loopback link measured in the same run.
 
 Usage: ``.venv/bin/python benchmarks/bench_joiner_feed.py [--params 100m] [--small] [--reps 2]
-[--direct 1,0] [--caps 64] [--out PATH]`` (``python -m benchmarks joiner-feed``).
+[--direct 1,0] [--caps 64] [--landing own,fresh] [--out PATH]`` (``python -m benchmarks
+joiner-feed``).
 
 Per rep, in this order: (1) the state transfer, once per packing: three processes in a gloo
 group on loopback (rank 0 the source and rank 1 a running worker, both holding the same commit
@@ -12,11 +13,16 @@ made in the same round; rank 2 a joiner holding nothing) run what a re-formation
 1.2 GB at 100M); (2) the link: a plain TCP socket pair on 127.0.0.1, one process sending the
 payload's size in 64 MiB writes to another that receives into a preallocated buffer. Packings:
 ``--direct`` MiB (a tensor at least this large travels from its own memory; 0: every tensor is
-packed, as before) and ``--caps`` MiB (the buckets of the rest). Reported: the joiner's bytes/s
-in the transfer and its ratio to the link's; the bytes the running worker moved (none); each
-rank's pause (from the start to the end of the first collective) against one piece's transfer
-time. Targets (issue 45): ratio >= 0.5; pause <= one bucket. ``--small`` (10M parameters) runs
-under load; the claim is the 100M run on an idle machine.
+packed, as before) and ``--caps`` MiB (the buckets of the rest). Landings (``--landing``): the
+joiner holds its own model and an Adam that has not stepped yet, as a joiner does, and receives
+into them where they fit (``own``: what ``TrainState.sync`` does; the moments still land in new
+memory), into new memory only (``fresh``: before), or into them after one Adam step, so that the
+moments land in place too (``stepped``). Reported: the joiner's bytes/s in the transfer and its
+ratio to the link's; the bytes the running worker moved (none); each rank's pause (from the
+start to the end of the first collective) against one piece's transfer time; the joiner's CPU
+seconds and minor page faults in the transfer (load does not change them: a fault a 4 KiB page
+of new memory). Targets (issue 45): ratio >= 0.5; pause <= one bucket. ``--small`` (10M
+parameters) runs under load; the claim is the 100M run on an idle machine.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import datetime
 import json
 import multiprocessing as mp
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -68,21 +75,24 @@ def link_bytes_per_s(nbytes: int) -> float:
     return nbytes / took
 
 
-def _payload(params: int) -> dict:
-    """A model of ``params`` parameters (square Linear layers) with Adam's state after a step."""
+def _state(params: int, stepped: bool) -> dict:
+    """A model of ``params`` parameters (square Linear layers) and its Adam, built as a user's
+    script builds them, stepped once (zero gradients) for ``stepped``: the source's state
+    (Adam's moments exist) or the tensors a joiner's state may land in."""
     import torch  # noqa: PLC0415 (in the ranks only)
     width = 2048
     layers = max(1, round(params / (width * width)))
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False)
                                   for _ in range(layers)))
     opt = torch.optim.Adam(model.parameters())
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()
+    if stepped:
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
     return {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
 
-def _rank(rank: int, port: int, params: int, variants: list[tuple[int, int]],
+def _rank(rank: int, port: int, params: int, variants: list[tuple[int, int, str]],
           results: mp.Queue) -> None:
     import torch.distributed as dist  # noqa: PLC0415
     sys.path.insert(0, str(REPO))
@@ -90,19 +100,27 @@ def _rank(rank: int, port: int, params: int, variants: list[tuple[int, int]],
     from elastic.state.sync import newest_source  # noqa: PLC0415
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=3, timeout=datetime.timedelta(minutes=10))
-    payload = _payload(params) if rank == 0 else None
+    payload = _state(params, stepped=True) if rank == 0 else None
     version, lineage = (2, 7) if rank < 2 else (1, 0)  # the joiner: no round behind it
-    for direct, cap in variants:
+    owns = {landing: _state(params, landing == "stepped") for landing in {v[2] for v in variants}
+            if rank == 2 and landing != "fresh"}
+    for direct, cap, landing in variants:
         dist.barrier()
+        faults, cpu = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time()
         started = time.perf_counter()
         source = newest_source(version, lineage=lineage)
         fed = feed_payload(payload, source.rank, source.receivers,
-                           packing=Packing(direct_bytes=direct, cap_bytes=cap))
+                           packing=Packing(direct_bytes=direct, cap_bytes=cap),
+                           into=owns.get(landing))
         transferred = time.perf_counter()
+        cpu, faults = (time.process_time() - cpu,
+                       resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
         dist.barrier()  # the first collective of the next step
         first = time.perf_counter()
-        results.put({"rank": rank, "variant": _name(direct, cap), "s": transferred - started,
-                     "pause_s": first - started, "moved": fed.nbytes,
+        results.put({"rank": rank, "variant": _name(direct, cap, landing),
+                     "s": transferred - started,
+                     "pause_s": first - started, "moved": fed.nbytes, "cpu_s": cpu,
+                     "faults": faults,
                      "bytes": sum(t.numel() * t.element_size() for t in _tensors(fed.payload))})
         del fed
     dist.destroy_process_group()
@@ -119,12 +137,12 @@ def _tensors(value: object) -> list:
     return []
 
 
-def _name(direct: int, cap: int) -> str:
-    return (f"direct >= {direct >> 20} MiB, buckets {cap >> 20} MiB" if direct < 2**62
-            else f"all packed, buckets {cap >> 20} MiB")
+def _name(direct: int, cap: int, landing: str) -> str:
+    return (f"{landing}, direct >= {direct >> 20} MiB, buckets {cap >> 20} MiB" if direct < 2**62
+            else f"{landing}, all packed, buckets {cap >> 20} MiB")
 
 
-def transfer(params: int, variants: list[tuple[int, int]]) -> list[dict]:
+def transfer(params: int, variants: list[tuple[int, int, str]]) -> list[dict]:
     """One transfer per variant (packing) among three ranks; every rank's figures."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -155,10 +173,17 @@ def main() -> None:
     p.add_argument("--direct", default="1,0",
                    help="tensors at least this large (MiB) travel alone, from their own "
                         "memory (0: all packed)")
+    p.add_argument("--landing", default="own,fresh",
+                   help="where the joiner receives: own (its model and unstepped Adam, where "
+                        "they fit), fresh (new memory), stepped (its model and stepped Adam)")
     p.add_argument("--out", default=str(REPO / "runs" / "joiner-feed.json"))
     args = p.parse_args()
     params = 10**7 if args.small else _parse_count(args.params)
-    variants = [(int(d) << 20 if int(d) else 2**62, int(c) << 20)
+    unknown = set(args.landing.split(",")) - {"own", "fresh", "stepped"}
+    if unknown:
+        p.error(f"--landing takes own, fresh and stepped, not {sorted(unknown)}")
+    variants = [(int(d) << 20 if int(d) else 2**62, int(c) << 20, landing)
+                for landing in args.landing.split(",")
                 for d in args.direct.split(",") for c in args.caps.split(",")]
     reps = []
     for rep in range(args.reps):
@@ -166,8 +191,8 @@ def main() -> None:
         nbytes = next(f["bytes"] for f in figures if f["rank"] == 2)
         link = link_bytes_per_s(nbytes)
         row = {"bytes": nbytes, "link_bytes_per_s": link, "variants": {}}
-        for direct, cap in variants:
-            name = _name(direct, cap)
+        for direct, cap, landing in variants:
+            name = _name(direct, cap, landing)
             joiner, running, source = (next(f for f in figures
                                             if f["rank"] == r and f["variant"] == name)
                                        for r in (2, 1, 0))
@@ -177,10 +202,11 @@ def main() -> None:
                 "transfer_s": joiner["s"], "running_moved_bytes": running["moved"],
                 "running_pause_s": running["pause_s"], "source_pause_s": source["pause_s"],
                 "joiner_pause_s": joiner["pause_s"], "one_piece_s": joiner["s"] / pieces,
+                "joiner_cpu_s": joiner["cpu_s"], "joiner_page_faults": joiner["faults"],
                 "pieces": pieces}
         reps.append(row)
         print(json.dumps(row), flush=True)
-    _table(reps, [_name(d, c) for d, c in variants])
+    _table(reps, [_name(*v) for v in variants])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"cores": os.cpu_count(), "params": params,
                                           "reps": reps}, indent=1))
@@ -197,18 +223,20 @@ def _pieces(params: int, direct: int, cap: int) -> int:
 
 
 def _table(reps: list[dict], names: list[str]) -> None:
-    print(f"\n{'variant':>34}{'joiner GB/s':>12}{'link GB/s':>10}{'ratio':>6}"
-          f"{'running moved':>14}{'pause s: running':>17}{'source':>7}{'1 piece s':>10}")
+    print(f"\n{'variant':>42}{'joiner GB/s':>12}{'link GB/s':>10}{'ratio':>6}"
+          f"{'running moved':>14}{'pause s: running':>17}{'source':>7}{'1 piece s':>10}"
+          f"{'joiner cpu s':>13}{'faults':>8}")
     link = statistics.median(r["link_bytes_per_s"] for r in reps) / 1e9
     for key in names:
         rows = [r["variants"][key] for r in reps]
 
         def med(field: str, rows: list[dict] = rows) -> float:
             return statistics.median(r[field] for r in rows)
-        print(f"{key:>34}{med('joiner_bytes_per_s') / 1e9:>12.2f}{link:>10.2f}"
+        print(f"{key:>42}{med('joiner_bytes_per_s') / 1e9:>12.2f}{link:>10.2f}"
               f"{med('ratio'):>6.2f}{int(med('running_moved_bytes')):>14}"
               f"{med('running_pause_s'):>17.2f}{med('source_pause_s'):>7.2f}"
-              f"{med('one_piece_s'):>10.3f}")
+              f"{med('one_piece_s'):>10.3f}{med('joiner_cpu_s'):>13.2f}"
+              f"{int(med('joiner_page_faults')):>8}")
 
 
 if __name__ == "__main__":
