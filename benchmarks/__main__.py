@@ -123,6 +123,11 @@ REGISTRY: dict[str, Benchmark] = {
         "the rollback matrix's torch.compile case (CPU inductor): kills and joiners, bitwise end"),
     "gpu-check": Benchmark(
         "gpu_check.py", (), "dir", "the NCCL and CUDA paths on a real GPU (exits 1 on a failed check)"),
+    "gpu-fsdp": Benchmark(
+        "gpu_fsdp.py", (), "dir",
+        "FSDP2 on a real GPU: the example (NCCL world of one, bf16), the sharded commit's host "
+        "copy and buddy send from device memory (exits 1 on a failed check; --device cpu: dry "
+        "run)"),
     "gpu-commits": Benchmark(
         "bench_gpu_commits.py", ("--sizes", "1m,10m,100m", "--reps", "2"), "dir",
         "a commit every step on a GPU, against plain DDP"),

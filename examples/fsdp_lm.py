@@ -88,12 +88,14 @@ def main():
     args = p.parse_args()
     layers, width, heads, context = SIZES[args.size]
     dataset = Bytes(context, args.text_bytes)
+    compute = {}  # the dtype parallelize chose, printed once
 
     def parallelize(mesh):  # called by the library at every formation
         torch.manual_seed(0)  # the same initial weights whatever the world
         device = mesh.device_type
         bf16 = device == "cuda" and torch.cuda.is_bf16_supported()
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
+        compute["dtype"] = "bfloat16" if bf16 else "float32"
         model = LM(layers, width, heads, context).to(device)
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)
@@ -105,6 +107,9 @@ def main():
 
     def train(state):
         loader = DataLoader(dataset, batch_sampler=state.sampler)
+        parameters = sum(p.numel() for p in state.model.parameters())
+        state.print(f"{parameters / 1e6:.1f}M parameters, compute in {compute['dtype']}",
+                    flush=True)
         while state.epoch < args.epochs:
             state.sampler.set_epoch(state.epoch)
             for x, y in loader:

@@ -163,3 +163,37 @@ def test_the_gpu_check_script_runs_its_cycles_on_the_cpu_and_refuses_an_unknown_
     refused = subprocess.run(script + ["--parts", "cycles,nonsense"], capture_output=True,
                              text=True, timeout=50, check=False)
     assert refused.returncode == 2 and "unknown parts ['nonsense']" in refused.stderr
+
+
+def _gpu_fsdp(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    repo = Path(__file__).resolve().parents[2]
+    script = [sys.executable, str(repo / "benchmarks" / "gpu_fsdp.py"), "--device", "cpu",
+              "--out", str(tmp_path), *args]
+    return subprocess.run(script, capture_output=True, text=True, timeout=110, check=False)
+
+
+@pytest.mark.timeout(120)  # seconds when idle; a loaded machine starts its processes slowly
+def test_the_gpu_fsdp_script_times_the_sharded_commit_and_its_buddy_send_on_the_cpu(tmp_path):
+    """``benchmarks/gpu_fsdp.py`` runs on a lent GPU only; its dry run on the CPU (tiny sizes)
+    keeps the refresh and buddy parts from rotting between those runs."""
+    ran = _gpu_fsdp(tmp_path, "--parts", "versions,refresh,buddy", "--width", "32",
+                    "--buddy-width", "32", "--layers", "2", "--batch", "8", "--rounds", "1",
+                    "--buddy-rounds", "1", "--steps", "4", "--commit-every", "2", "--copies", "1")
+    assert ran.returncode == 0 and "every check passed" in ran.stdout, ran.stdout + ran.stderr
+    refresh = json.loads((tmp_path / "gpu-fsdp-refresh.json").read_text())
+    assert refresh["host_copy_equals_device"] is True and len(refresh["pairs"]) == 1
+    # the parameters, two moments each, and AdamW's step count of each (a float32)
+    assert refresh["commit_mib"] * 2**20 == 2 * (32 * 32 + 32) * 4 * 3 + 4 * 4
+    buddy = json.loads((tmp_path / "gpu-fsdp-buddy.json").read_text())
+    assert buddy["rank0"]["holds_buddys_shard_bit_for_bit"] is True
+    assert buddy["rank1"]["bytes_sent"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_the_gpu_fsdp_script_runs_the_example_under_elastic_run_on_the_cpu(tmp_path):
+    ran = _gpu_fsdp(tmp_path, "--parts", "example", "--example-size", "tiny",
+                    "--example-epochs", "1", "--example-text-bytes", "4000")
+    assert ran.returncode == 0 and "every check passed" in ran.stdout, ran.stdout + ran.stderr
+    found = json.loads((tmp_path / "gpu-fsdp-example.json").read_text())
+    assert found["compute_dtype"] == "float32" and found["durable_checkpoint_written"] is True
+    assert found["loss_last"] < found["loss_first"] and found["steps_per_s"] > 0
