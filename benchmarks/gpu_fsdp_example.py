@@ -115,13 +115,20 @@ def _read_example_log(lines: list[tuple[float, str]]) -> dict:
 
 def _durable_found(ckpt: Path) -> dict:
     """The newest durable sharded checkpoint under ``ckpt``: a version folder with our manifest,
-    DCP's ``.metadata`` and at least one shard file."""
+    DCP's ``.metadata`` (read with DCP's own reader: the model's and optimizer's entries) and at
+    least one shard file."""
     whole = [d for d in sorted(ckpt.glob("*")) if (d / "manifest.json").exists()
              and (d / ".metadata").exists() and list(d.glob("*.distcp"))]
     if not whole:
         return {"durable_checkpoint_written": False}
     newest = whole[-1]
+    from torch.distributed.checkpoint import FileSystemReader  # noqa: PLC0415  (torch: slow)
+
+    entries = FileSystemReader(str(newest)).read_metadata().state_dict_metadata
     return {"durable_checkpoint_written": True, "durable_checkpoints": len(whole),
+            "durable_dcp_entries": len(entries),
+            "durable_dcp_has_model_and_optimizer": any(k.startswith("model") for k in entries)
+            and any(k.startswith("optim") for k in entries),
             "durable_newest": newest.name,
             "durable_newest_files": sorted(p.name for p in newest.iterdir()),
             "durable_newest_mib": sum(p.stat().st_size for p in newest.iterdir()) / 2**20}
