@@ -17,7 +17,7 @@ Measured (wall clock, from the workers' per-step progress lines):
 
 ``--recovery-only`` runs the failure cases only, per rep: SIGKILL with no launcher, the same
 under torchrun, SIGKILL under ``elastic run`` (whose launcher revokes the dead worker's lease),
-and SIGSTOP (at the defaults: its heartbeats tell, not its lease). With ``--torchft`` (an
+the same with 2 DataLoader worker processes per worker, and SIGSTOP (at the defaults: its heartbeats tell, not its lease). With ``--torchft`` (an
 optional extra) torchft joins them as an anchor, at its defaults and at its lowest documented
 timeouts (``torchft_anchor.py``).
 
@@ -75,14 +75,17 @@ def ours_fault(out: Path, sig: signal.Signals, lease_ttl: str | None = "2") -> f
         etcd.stop()
 
 
-def ours_launcher_kill(out: Path) -> float:
+def ours_launcher_kill(out: Path, loader_workers: int = 0) -> float:
     """SIGKILL of rank 1 of 4 workers under ``elastic run`` (embedded etcd): its launcher sees
-    the worker die and revokes its lease -> the first step in world 3."""
+    the worker die and revokes its lease -> the first step in world 3. ``loader_workers``: each
+    worker's DataLoader processes (the survivors' are ended and started again by the rollback's
+    new epoch iterator)."""
     procs = Procs(out)
     try:
         launcher = Path(sys.executable).with_name("elastic")
         procs.start([str(launcher), "run", "-n", "4", "--log-dir", str(out / "events"),
-                     "elastic_worker.py", "--out", str(out)], env_for())
+                     "elastic_worker.py", "--out", str(out),
+                     "--loader-workers", str(loader_workers)], env_for())
         wait_for(lambda: steps_of(out, 30, 4), 120, "4 workers under elastic run at step 30")
         victim = next(p["pid"] for p in reversed(read_progress(out)) if p["rank"] == 1)
         killed_at = time.time()
@@ -269,7 +272,8 @@ def recovery_only(reps: int, json_path: Path, torchft: bool = False) -> None:
     """The failure cases only, each rep in the same order; medians and the ratio to torchrun."""
     root = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
     results: dict[str, list[float]] = {k: [] for k in (
-        "ours_kill_s", "torchrun_kill_s", "ours_launcher_kill_s", "ours_node_loss_s")}
+        "ours_kill_s", "torchrun_kill_s", "ours_launcher_kill_s", "ours_launcher_loader_kill_s",
+        "ours_node_loss_s")}
     if torchft:
         import torchft_anchor  # optional: pip install -e '.[bench-torchft]'
         results |= {k: [] for k in torchft_anchor.KEYS}
@@ -279,6 +283,8 @@ def recovery_only(reps: int, json_path: Path, torchft: bool = False) -> None:
             results["ours_kill_s"].append(ours_fault(mk(d / "kill"), signal.SIGKILL))
             results["torchrun_kill_s"].append(torchrun_kill(mk(d / "torchrun")))
             results["ours_launcher_kill_s"].append(ours_launcher_kill(mk(d / "launcher")))
+            results["ours_launcher_loader_kill_s"].append(
+                ours_launcher_kill(mk(d / "loader"), loader_workers=2))
             results["ours_node_loss_s"].append(ours_fault(mk(d / "stop"), signal.SIGSTOP, None))
             if torchft:
                 for key, value in torchft_anchor.measure(mk(d / "torchft")).items():

@@ -33,6 +33,8 @@ def main() -> None:
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: the model on this worker's GPU (NCCL, by the backend's auto)")
+    p.add_argument("--loader-workers", type=int, default=0,
+                   help="DataLoader worker processes (num_workers) of each worker")
     args = p.parse_args()
     if args.commit_part == "copy-free" and args.commit_every != 1:
         p.error(f"--commit-part copy-free commits every step; --commit-every "
@@ -55,7 +57,8 @@ def main() -> None:
 
     def train(s: ElasticState) -> None:
         ddp = s.ddp(s.model)
-        loader = DataLoader(data, batch_size=args.batch, sampler=s.sampler)
+        loader = DataLoader(data, batch_size=args.batch, sampler=s.sampler,
+                            num_workers=args.loader_workers)
         while s.step < args.steps:
             s.sampler.set_epoch(s.epoch)
             for x, y in loader:
