@@ -75,17 +75,18 @@ def ours_fault(out: Path, sig: signal.Signals, lease_ttl: str | None = "2") -> f
         etcd.stop()
 
 
-def ours_launcher_kill(out: Path, loader_workers: int = 0) -> float:
+def ours_launcher_kill(out: Path, loader_workers: int = 0, persistent: bool = False) -> float:
     """SIGKILL of rank 1 of 4 workers under ``elastic run`` (embedded etcd): its launcher sees
     the worker die and revokes its lease -> the first step in world 3. ``loader_workers``: each
-    worker's DataLoader processes (the survivors' are ended and started again by the rollback's
-    new epoch iterator)."""
+    worker's DataLoader processes, made anew by every call of the training function, or with
+    ``persistent`` made once before ``ElasticState.run`` with ``persistent_workers=True``."""
     procs = Procs(out)
     try:
         launcher = Path(sys.executable).with_name("elastic")
         procs.start([str(launcher), "run", "-n", "4", "--log-dir", str(out / "events"),
                      "elastic_worker.py", "--out", str(out),
-                     "--loader-workers", str(loader_workers)], env_for())
+                     "--loader-workers", str(loader_workers),
+                     *(["--persistent-loader"] if persistent else [])], env_for())
         wait_for(lambda: steps_of(out, 30, 4), 120, "4 workers under elastic run at step 30")
         victim = next(p["pid"] for p in reversed(read_progress(out)) if p["rank"] == 1)
         killed_at = time.time()

@@ -35,6 +35,9 @@ def main() -> None:
                    help="cuda: the model on this worker's GPU (NCCL, by the backend's auto)")
     p.add_argument("--loader-workers", type=int, default=0,
                    help="DataLoader worker processes (num_workers) of each worker")
+    p.add_argument("--persistent-loader", action="store_true",
+                   help="one DataLoader for the whole run, made before ElasticState.run with "
+                        "persistent_workers=True: its worker processes outlive re-formations")
     args = p.parse_args()
     if args.commit_part == "copy-free" and args.commit_every != 1:
         p.error(f"--commit-part copy-free commits every step; --commit-every "
@@ -55,10 +58,16 @@ def main() -> None:
         else:
             state.commit()
 
+    def make_loader() -> DataLoader:
+        return DataLoader(data, batch_size=args.batch, sampler=state.sampler,
+                          num_workers=args.loader_workers,
+                          persistent_workers=args.persistent_loader and args.loader_workers > 0)
+
+    kept = make_loader() if args.persistent_loader else None
+
     def train(s: ElasticState) -> None:
         ddp = s.ddp(s.model)
-        loader = DataLoader(data, batch_size=args.batch, sampler=s.sampler,
-                            num_workers=args.loader_workers)
+        loader = kept or make_loader()
         while s.step < args.steps:
             s.sampler.set_epoch(s.epoch)
             for x, y in loader:
