@@ -70,6 +70,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--commit-every", type=int, default=4)
     p.add_argument("--step-ms", type=float, default=20.0)
     p.add_argument("--loader-workers", type=int, default=0)
+    p.add_argument("--persistent-loader", action="store_true",
+                   help="one DataLoader made before run(), persistent_workers=True")
     p.add_argument("--hold-at", type=int, default=-1,
                    help="commit step from which every commit waits for world --hold-world")
     p.add_argument("--hold-world", type=int, default=3)
@@ -149,10 +151,16 @@ def main() -> None:
 
     state.on_reset(after_reset)
 
+    def make_loader() -> DataLoader:
+        return DataLoader(dataset, batch_size=args.batch, sampler=state.sampler,
+                          num_workers=args.loader_workers,
+                          persistent_workers=args.persistent_loader and args.loader_workers > 0)
+
+    kept = make_loader() if args.persistent_loader else None
+
     def train(s: ElasticState) -> dict:
         ddp = DDP(s.model)
-        loader = DataLoader(dataset, batch_size=args.batch, sampler=s.sampler,
-                            num_workers=args.loader_workers)
+        loader = kept or make_loader()
         pending: list[int] = []
         while s.epoch < args.epochs:
             s.sampler.set_epoch(s.epoch)
