@@ -17,9 +17,9 @@ Measured (wall clock, from the workers' per-step progress lines):
 
 ``--recovery-only`` runs the failure cases only, per rep: SIGKILL with no launcher, the same
 under torchrun, SIGKILL under ``elastic run`` (whose launcher revokes the dead worker's lease),
-the same with 2 DataLoader worker processes per worker, and SIGSTOP (at the defaults: its heartbeats tell, not its lease). With ``--torchft`` (an
-optional extra) torchft joins them as an anchor, at its defaults and at its lowest documented
-timeouts (``torchft_anchor.py``).
+the same with 2 DataLoader worker processes per worker, and SIGSTOP (at the defaults: its
+heartbeats tell, not its lease). With ``--torchft`` (an optional extra) torchft joins them as
+an anchor, at its defaults and at its lowest documented timeouts (``torchft_anchor.py``).
 
 ``--throughput-only`` runs the steady-state pair only (order alternating per rep; ``--batch``,
 ``--steps``, ``--pin`` to bind worker i to core i) and adds what one commit costs rank 0: the

@@ -90,11 +90,11 @@ class Cluster:
         self.links = RoundLinks(self.group, AgreementChannel(0, 1, self.group.timeout))
         self.pulse = PulseProcess(timeouts.heartbeat.total_seconds())
         self.pulse.start()  # up and beating long before the first round forms
+        self.skipped = SkippedRecords()  # malformed records read from etcd, warned once each
         self._verdict = StuckVerdict(events, timeouts, newest, self._other_holder,
                                      lambda: job_is_over(self.client, self.keys, self.skipped),
                                      self._leave_to_restart)
         self.stuck = ReleaseWatchdog(timeouts.release, self._verdict)
-        self.skipped = SkippedRecords()  # malformed records read from etcd, warned once each
         self._said_committed = False
         self._used_node_lease = False
         self.membership: EtcdMembership

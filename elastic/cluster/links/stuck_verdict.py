@@ -4,9 +4,9 @@ step: restart in place, or wait.
 A restart in place (``restart_in_place``) brings the worker back as a new member with none of
 its state, so it may replace the process only when another live member holds the worker's
 newest commit (``commit_holders``), or when the job is over (a member returned from training:
-no commit is needed any more, and the fresh run is told the job finished); otherwise the worker stays, says so once per release
-(``stuck_holding``), and is asked again after every further grace (``ReleaseWatchdog``): the
-step may yet end, and leaving would lose the commit.
+no commit is needed any more, and the fresh run is told the job finished); otherwise the
+worker stays, says so once per release (``stuck_holding``), and is asked again after every
+further grace (``ReleaseWatchdog``): the step may yet end, and leaving would lose the commit.
 """
 
 from __future__ import annotations

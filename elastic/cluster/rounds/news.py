@@ -75,6 +75,17 @@ def read_news(keys: JobKeys, events: list[WatchEvent],
     return None
 
 
+def fetch_news(client: EtcdClient, keys: JobKeys, skipped: SkippedRecords) -> RoundNews | None:
+    """The news record as etcd holds it now (None: none yet, or malformed).
+
+    Raises:
+        EtcdUnavailableError: etcd could not be reached.
+    """
+    kv = client.get(keys.news)
+    return None if kv is None else skipped.read(kv.key, kv.mod_revision,
+                                                lambda: RoundNews.from_json(kv.value))
+
+
 def job_is_over(client: EtcdClient, keys: JobKeys, skipped: SkippedRecords) -> bool:
     """Whether the news, read from etcd now, says a member returned from the training function
     (False: no news, or malformed).
@@ -82,9 +93,7 @@ def job_is_over(client: EtcdClient, keys: JobKeys, skipped: SkippedRecords) -> b
     Raises:
         EtcdUnavailableError: etcd could not be reached.
     """
-    kv = client.get(keys.news)
-    news = None if kv is None else skipped.read(kv.key, kv.mod_revision,
-                                                lambda: RoundNews.from_json(kv.value))
+    news = fetch_news(client, keys, skipped)
     return news is not None and news.done
 
 

@@ -35,7 +35,7 @@ from elastic.cluster.rounds.gone_reports import GoneReports
 from elastic.cluster.rounds.join_requests import JoinRequests
 from elastic.cluster.rounds.verdict import CloseVerdict
 from elastic.cluster.rounds.coordinator import Coordinator
-from elastic.cluster.rounds.news import RoundNews, read_news
+from elastic.cluster.rounds.news import RoundNews, fetch_news, read_news
 from elastic.cluster.rounds.records import RecordError, SkippedRecords
 from elastic.cluster.rounds.round_finish import RoundFinish
 from elastic.cluster.rounds.seat import UNSEATED, Seat, seat_in
@@ -116,9 +116,7 @@ class Rendezvous(RoundFinish):
                 self._news = RoundNews(0)  # the registration found no news
             if self._news is not None:
                 return self._news
-        kv = self._client.get(self._keys.news)
-        news = None if kv is None else self._skipped.read(
-            kv.key, kv.mod_revision, lambda: RoundNews.from_json(kv.value))
+        news = fetch_news(self._client, self._keys, self._skipped)
         with self._changed:
             if self._news is None:
                 self._news = news or RoundNews(0)
