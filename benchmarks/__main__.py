@@ -75,9 +75,9 @@ REGISTRY: dict[str, Benchmark] = {
         "FSDP2, 8 ranks, ~100M parameters: kill 2, reshard in memory to 6, 2 join back to 8, "
         "against DCP save at 8 + a restart + load at 6 (--small on a loaded machine)"),
     "reshard-steady": Benchmark(
-        "bench_reshard.py", ("--steady", "--rounds", "5"), "file",
+        "bench_reshard.py", ("--steady", "--rounds", "5", "--split"), "file",
         "FSDP2 steady state: the plain loop against ours (a commit every 10 steps with buddy "
-        "copies), taking turns; 4 ranks, 8.4M parameters"),
+        "copies) and ours without commits, taking turns; 4 ranks, 8.4M parameters"),
     "spares": Benchmark(
         "bench_spares.py", ("--reps", "4"), "file",
         "a warm spare against a cold restart under elastic run"),

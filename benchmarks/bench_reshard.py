@@ -192,9 +192,11 @@ def rss_without_buddies(size: list[str], ranks: int) -> float:
         job.stop()
 
 
-def elastic_stamps(size: list[str], ranks: int, steps: int) -> list[float]:
-    """Rank 0's step end times in a job of ``ranks`` workers, ``buddies=1``, commits every 10."""
-    job = run_plain_job(size, 1, ranks, steps)
+def elastic_stamps(size: list[str], ranks: int, steps: int, commit_every: int = 10
+                   ) -> list[float]:
+    """Rank 0's step end times in a job of ``ranks`` workers, ``buddies=1``, a commit every
+    ``commit_every`` steps (0: only the formation's)."""
+    job = run_plain_job(size + ["--commit-every", str(commit_every)], 1, ranks, steps)
     try:
         harness.wait_for(lambda: harness.steps_of(job.out, steps, ranks), WAIT_S,
                          f"{ranks} workers at step {steps}")
@@ -203,26 +205,29 @@ def elastic_stamps(size: list[str], ranks: int, steps: int) -> list[float]:
         job.stop()
 
 
-def steady(size: list[str], ranks: int, rounds: int, steps: int) -> dict:
+def steady(size: list[str], ranks: int, rounds: int, steps: int, split: bool = False) -> dict:
     """The plain FSDP2 loop and the same loop under ElasticState, taking turns, ``rounds``
-    times each; the ratio of the median throughputs (target >= 0.97)."""
+    times each; the ratio of the median throughputs (target >= 0.97). ``split`` adds ours
+    without commits in the loop, to tell the commits' cost from the rest of ours."""
     width, layers = int(size[1]), int(size[3])
-    plain: list[float] = []
-    ours: list[float] = []
+    sides = ["plain", "ours"] + ["ours_no_commits"] * split
+    rates: dict[str, list[float]] = {side: [] for side in sides}
     for turn in range(rounds):
-        order = ("plain", "ours") if turn % 2 == 0 else ("ours", "plain")
-        for side in order:
+        for side in sides[turn % len(sides):] + sides[:turn % len(sides)]:
             if side == "plain":
                 stamps = reshard_steady.plain_run(width, layers, ranks, steps, 16,
                                                   meta="--full-init" not in size)
-                plain.append(reshard_steady.throughput(stamps, 10))
             else:
-                ours.append(reshard_steady.throughput(elastic_stamps(size, ranks, steps), 10))
-            print(f"turn {turn} {side}: {(plain if side == 'plain' else ours)[-1]:.3f} steps/s",
-                  flush=True)
-    return {"steady_ranks": ranks, "steady_steps": steps, "steady_rounds": rounds,
-            "plain_steps_per_s": plain, "ours_steps_per_s": ours,
-            "steady_ratio_of_medians": statistics.median(ours) / statistics.median(plain)}
+                stamps = elastic_stamps(size, ranks, steps, 10 if side == "ours" else 0)
+            rates[side].append(reshard_steady.throughput(stamps, 10))
+            print(f"turn {turn} {side}: {rates[side][-1]:.3f} steps/s", flush=True)
+    result = {"steady_ranks": ranks, "steady_steps": steps, "steady_rounds": rounds,
+              **{f"{side}_steps_per_s": rates[side] for side in sides}}
+    for side in sides[1:]:
+        tag = "" if side == "ours" else f"_{side}"
+        result[f"steady_ratio_of_medians{tag}"] = (statistics.median(rates[side])
+                                                  / statistics.median(rates["plain"]))
+    return result
 
 
 def main() -> None:
@@ -236,6 +241,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, help="ranks (default 8; --steady 4)")
     parser.add_argument("--rounds", type=int, default=3, help="--steady: turns of each side")
     parser.add_argument("--steps", type=int, default=40, help="--steady: steps of each run")
+    parser.add_argument("--split", action="store_true",
+                        help="--steady: also ours without commits in the loop")
     parser.add_argument("--full-init", action="store_true",
                         help="every rank builds and initialises the whole model (not on meta)")
     parser.add_argument("--out", type=Path, default=HERE / "runs" / "reshard.json")
@@ -253,7 +260,7 @@ def main() -> None:
                     "full_init": args.full_init}
     size = ["--width", str(width), "--layers", str(layers)] + ["--full-init"] * args.full_init
     if args.steady:
-        result.update(steady(size, ranks, args.rounds, args.steps))
+        result.update(steady(size, ranks, args.rounds, args.steps, args.split))
     else:
         result.update(run_ours(size, ranks))
         print(json.dumps(result), flush=True)

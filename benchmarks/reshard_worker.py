@@ -76,7 +76,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=2900)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--commit-every", type=int, default=10)
+    p.add_argument("--commit-every", type=int, default=10, help="0: no commit in the loop")
     p.add_argument("--buddies", type=int, default=1)
     p.add_argument("--steps", type=int, default=10**9)
     p.add_argument("--full-init", action="store_true",
@@ -108,7 +108,7 @@ def main() -> None:
                 progress.write(json.dumps({"pid": os.getpid(), "rank": s.rank,
                                            "world": s.world_size, "step": s.step,
                                            "t": time.time(), "rss_mb": rss_mb()}) + "\n")
-                if s.step % args.commit_every == 0:
+                if args.commit_every and s.step % args.commit_every == 0:
                     s.commit()
                 if s.step >= args.steps:
                     return
