@@ -18,14 +18,15 @@ the CPU with gloo (a dry run of the script; the suite runs it with small sizes).
   the tensor cores) built on the meta device, ``fully_shard``
   on each layer and the root (bf16 ``MixedPrecisionPolicy`` on CUDA), AdamW on the GPU. The
   commit is the project's own path: ``host_copy(flat_tensors(sharded_state_dict(...)))``
-  (``state/sharded/shards.py``: pinned host buffers, non-blocking copies on a side stream,
-  ``state/device_copy.py``), the last two kept alive as ``ShardCommits`` keeps them. Timed
+  (``state/sharded/shards.py``: one pinned slab per shard, non-blocking copies on a side
+  stream, ``state/device_copy.py``), the last two kept alive and the slab of the one dropped
+  reused as ``ShardCommits`` does (``state/sharded/buffers.py``). Timed
   with ``synchronize``, taking turns: ``--rounds`` pairs of ``--steps`` plain FSDP2 steps and
   ``--steps`` steps with that commit every ``--commit-every``; the steady ratio is ours over
   plain in steps/s, per pair (item 7's target on the CPU: >= 0.97). Then the commit alone
-  (``--copies`` times): the state dict's seconds, the host copy's seconds, bytes and GB/s (it
-  takes fresh pinned buffers from torch's caching host allocator each time), the same copies
-  into pinned buffers taken already (what allocating them costs), and the anchor: the same
+  (``--copies`` times): the state dict's seconds, the host copy's seconds, bytes and GB/s
+  (into the recycled slab), the same copies into the oldest held commit's buffers (the copies
+  alone), and the anchor: the same
   local tensors copied blocking into fresh pageable memory (``.to("cpu")``).
   Checks: the host copy equals the device tensors bit for bit and is pinned (on CUDA).
 - ``buddy``: the buddy SEND (``BuddyExchange``, ``state/sharded/copies.py``) of a commit taken
@@ -73,6 +74,7 @@ from gpu_check import versions as gpu_versions  # noqa: E402
 from gpu_fsdp_example import example  # noqa: E402
 from elastic.cluster.links.process_group import ProcessGroup  # noqa: E402
 from elastic.state.device_copy import copy_to_host  # noqa: E402
+from elastic.state.sharded.buffers import ShardBuffers  # noqa: E402
 from elastic.state.sharded.shards import (flat_tensors, host_copy, local_part,  # noqa: E402
                                           sharded_state_dict)
 
@@ -135,6 +137,13 @@ class Trainer:
         self.x = torch.randn(batch, width, device=device,
                              generator=torch.Generator(device=device).manual_seed(0))
         self.held: deque = deque(maxlen=KEEP)
+        self.buffers = ShardBuffers(limit=1)  # what ShardCommits recycles of dropped commits
+
+    def keep(self, copy: dict[str, torch.Tensor]) -> None:
+        """Keeps ``copy`` as the newest commit; the one that goes is reused."""
+        if len(self.held) == KEEP:
+            self.buffers.give(self.held[0])
+        self.held.append(copy)
 
     def step(self) -> None:
         self.model(self.x).float().pow(2).mean().backward()
@@ -143,8 +152,9 @@ class Trainer:
 
     def commit(self) -> dict[str, torch.Tensor]:
         """The project's sharded commit of this rank's shards: returns the host copy."""
-        copy = host_copy(flat_tensors(*sharded_state_dict(self.model, self.optimizer)))
-        self.held.append(copy)
+        copy = host_copy(flat_tensors(*sharded_state_dict(self.model, self.optimizer)),
+                         self.buffers)
+        self.keep(copy)
         return copy
 
     def segment(self, steps: int, commit_every: int) -> float:
@@ -212,11 +222,11 @@ def _commit_alone(trainer: Trainer, copies: int) -> dict:
         t0 = synced(device)
         flat = flat_tensors(*sharded_state_dict(trainer.model, trainer.optimizer))
         t1 = synced(device)
-        copy = host_copy(flat)
+        copy = host_copy(flat, trainer.buffers)
         t2 = synced(device)
         copy_to_host([(trainer.held[0][n], local_part(v).detach()) for n, v in flat.items()])
         t3 = synced(device)
-        trainer.held.append(copy)
+        trainer.keep(copy)
         held.append({n: local_part(v).detach().to("cpu") for n, v in flat.items()})
         t4 = synced(device)
         state_dict_s.append(t1 - t0)
@@ -234,9 +244,11 @@ def _commit_alone(trainer: Trainer, copies: int) -> dict:
             "pageable_s_median": statistics.median(pageable_s),
             "pageable_gb_per_s": size / statistics.median(pageable_s) / 1e9,
             "host_copy_equals_device": all(torch.equal(copy[n], local[n].cpu()) for n in local),
-            # pinned where the source is on the GPU (Adam's step counts stay on the CPU)
+            # one slab for the shard, pinned when a source is on the GPU (Adam's step counts,
+            # on the CPU, share it)
             "host_copy_pinned_as_expected": all(
-                copy[n].is_pinned() == (local[n].device.type == "cuda") for n in local)}
+                copy[n].is_pinned() == any(t.device.type == "cuda" for t in local.values())
+                for n in local)}
 
 
 def _buddy():

@@ -260,7 +260,8 @@ class ShardedRuntime:
                               owners_alive=choice.owners_alive)
             held = self._commits.find((choice.version, choice.world, choice.shards))
             local = assemble(plan, rank, held, specs, shards, rank % shards,
-                             {n: local_part(v) for n, v in flat.items()}, self._group)
+                             {n: local_part(v) for n, v in flat.items()}, self._group,
+                             self._commits.buffers)
             lap("moves_s")
             load_local(model, optimizer, model_sd, optim_sd, local)
             lap("load_s")
@@ -318,7 +319,8 @@ class ShardedRuntime:
         self._live = {name: local_part(value).detach() for name, value in flat.items()}
         commit = ShardCommit(train.version, world, shards, own, self._specs,
                              snapshot(train.committed()),
-                             {own: host_copy(flat) if copy is None else copy})
+                             {own: host_copy(flat, self._commits.buffers) if copy is None
+                                   else copy})
         self._commits.add(commit)
         assert self._exchange is not None
         if wait:

@@ -6,7 +6,8 @@ background). ``ShardCommits`` keeps the newest two and, besides them, the newest
 be whole (its buddy copies held by every rank: a single loss takes no shard of it), so that the
 last such rollback point survives until a newer one is whole. At a formation every rank
 reports what it holds as a row of ints (``report``; no pickling) and all rows choose the same
-commit: the newest version whose every shard has a live holder (``choose``). Torch only.
+commit: the newest version whose every shard has a live holder (``choose``). The shards of
+the commits it drops go back to ``buffers`` for the next commits (see ``buffers``). Torch only.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from elastic.state.sharded.buffers import ShardBuffers
 from elastic.state.sharded.layout import ShardLostError, TensorSpec
 
 KEEP = 2  # the newest commit and the one before it
@@ -34,7 +36,9 @@ class ShardCommit:
     rollback to this version restores the sampler and plain values with it. A ``live`` commit
     (the copy-free commit) holds the live local tensors themselves, valid until the next step
     is applied, when the next live commit replaces it. ``whole``: every rank of its layout is
-    known to hold its buddies' copies of it (``ShardCommits.confirm``).
+    known to hold its buddies' copies of it (``ShardCommits.confirm``). ``in_flight``: its
+    buddy exchange started and has not ended well (a failed one never does), so its shards
+    may still be read or written by a send or receive and are never reused.
     """
 
     version: int
@@ -46,6 +50,7 @@ class ShardCommit:
     held: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     live: bool = False
     whole: bool = False
+    in_flight: bool = False
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -91,6 +96,7 @@ class ShardCommits:
         self._max_held = max_held
         self._lock = threading.Lock()
         self._commits: list[ShardCommit] = []
+        self.buffers = ShardBuffers(limit=max_held)
 
     def add(self, commit: ShardCommit) -> None:
         """Keeps ``commit`` as the newest; commits newer than it or of its version and layout
@@ -103,23 +109,42 @@ class ShardCommits:
             kept = [c for c in self._commits if not c.live and (
                 c.version < commit.version or (c.version == commit.version
                                                and c.key != commit.key))]
-            self._commits = _trimmed(kept + [commit])
+            self._keep(_trimmed(kept + [commit]))
 
     def confirm(self, commit: ShardCommit) -> None:
         """Marks ``commit`` whole (every rank waited for its buddy copies before an agreement
         that every rank reached); the whole commit before it may go now."""
         with self._lock:
             commit.whole = True
-            self._commits = _trimmed(self._commits)
+            self._keep(_trimmed(self._commits))
 
-    def add_copy(self, commit: ShardCommit, shard: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Records a buddy's shard of ``commit`` once all of it arrived."""
+    def sending(self, commit: ShardCommit) -> None:
+        """``commit``'s buddy exchange starts: its shards are not reused until it ends well."""
         with self._lock:
-            commit.held[shard] = tensors
+            commit.in_flight = True
+
+    def add_copies(self, commit: ShardCommit, copies: dict[int, dict[str, torch.Tensor]]
+                   ) -> None:
+        """Records the buddies' shards of ``commit`` once all of them arrived: its exchange
+        ended well."""
+        with self._lock:
+            commit.held.update(copies)
+            commit.in_flight = False
 
     def drop_newer(self, version: int) -> None:
         with self._lock:
-            self._commits = [c for c in self._commits if c.version <= version]
+            self._keep([c for c in self._commits if c.version <= version])
+
+    def _keep(self, commits: list[ShardCommit]) -> None:
+        """Keeps ``commits``; the shards of those that go are reused unless their exchange is
+        in flight (or failed). A live commit's tensors are the model's: never reused."""
+        kept = {id(tensors) for c in commits for tensors in c.held.values()}
+        for dropped in self._commits:
+            if not (dropped.live or dropped.in_flight or any(c is dropped for c in commits)):
+                for tensors in dropped.held.values():
+                    if id(tensors) not in kept:
+                        self.buffers.give(tensors)
+        self._commits = commits
 
     def find(self, key: tuple[int, int, int]) -> ShardCommit | None:
         with self._lock:

@@ -3,9 +3,10 @@ shards of the ranks it is a buddy of, point to point on a group of their own.
 
 The exchange runs on a thread (``BuddyExchange.start``), so training goes on while it travels;
 every rank posts its sends and receives tensor by tensor in the same order, and waits for the
-oldest ones whenever more than ``max_in_flight`` bytes are under way. A received shard is
-recorded only once all of its tensors arrived. The group is not the training group, so a copy
-never interleaves with (or blocks) the step's collectives. Torch only.
+oldest ones whenever more than ``max_in_flight`` bytes are under way. The received shards
+land in memory recycled from dropped commits (``ShardCommits.buffers``) and are recorded only
+once all of them arrived. The group is not the training group, so a copy never interleaves
+with (or blocks) the step's collectives. Torch only.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from elastic.state.errors import SyncError
@@ -67,6 +67,7 @@ class BuddyExchange:
         """Starts sending ``commit``'s own shard (the previous exchange must be waited for)."""
         assert self._thread is None, "wait() for the previous exchange first"
         self._error = None
+        commits.sending(commit)  # before the thread: its shards are not reused from now on
         self._thread = threading.Thread(target=self._run, args=(commit, commits),
                                         name="elastic-buddy-copies", daemon=True)
         self._thread.start()
@@ -110,11 +111,15 @@ class BuddyExchange:
 
     def exchange(self, commit: ShardCommit, commits: ShardCommits) -> int:
         """Sends and receives every tensor of the commit; returns the bytes sent."""
+        commits.sending(commit)
         own = commit.held[commit.own]
-        received = {src: {} for src in self._senders}
+        names = sorted(commit.specs)
+        received = {src: commits.buffers.take({
+            name: (shard_shape(commit, name, src % commit.shards), own[name].dtype)
+            for name in names}) for src in self._senders}
         in_flight: deque[tuple[Any, int]] = deque()
         pending = sent = 0
-        for tag, name in enumerate(sorted(commit.specs)):
+        for tag, name in enumerate(names):
             tensor = own[name]
             for dst in self._buddies:
                 if tensor.numel():
@@ -123,9 +128,7 @@ class BuddyExchange:
                     pending += tensor.nbytes
                     sent += tensor.nbytes
             for src in self._senders:
-                shard = src % commit.shards
-                buffer = torch.empty(shard_shape(commit, name, shard), dtype=tensor.dtype)
-                received[src][name] = buffer
+                buffer = received[src][name]
                 if buffer.numel():
                     in_flight.append((dist.irecv(buffer, src, group=self._group, tag=tag),
                                       buffer.nbytes))
@@ -136,6 +139,6 @@ class BuddyExchange:
                 pending -= size
         for work, _ in in_flight:
             work.wait()
-        for src, tensors in received.items():
-            commits.add_copy(commit, src % commit.shards, tensors)
+        commits.add_copies(commit, {src % commit.shards: tensors
+                                    for src, tensors in received.items()})
         return sent

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic.state.sharded.buffers import ShardBuffers, shapes_of
 from elastic.state.sharded.commits import ShardCommit
 from elastic.state.sharded.layout import Piece, Plan, TensorSpec, shard_range
 
@@ -21,7 +22,7 @@ def _rows(spec: TensorSpec, shards: int, shard: int) -> tuple[int, int]:
 
 def assemble(plan: Plan, rank: int, commit: ShardCommit | None, specs: Mapping[str, TensorSpec],
              new_shards: int, new_shard: int, templates: Mapping[str, torch.Tensor],
-             group: Any = None) -> dict[str, torch.Tensor]:
+             group: Any = None, buffers: ShardBuffers | None = None) -> dict[str, torch.Tensor]:
     """This rank's new shard of every tensor, on host.
 
     Args:
@@ -32,8 +33,9 @@ def assemble(plan: Plan, rank: int, commit: ShardCommit | None, specs: Mapping[s
         new_shards, new_shard: the new layout and this rank's shard in it.
         templates: this rank's new local parts (shape and dtype), by flat name.
         group: a gloo group of the new round's ranks (its timeout bounds every wait).
+        buffers: where the new shard's host memory comes from (default: new memory).
     """
-    out = {name: torch.empty_like(t, device="cpu") for name, t in templates.items()}
+    out = (buffers or ShardBuffers(0)).take(shapes_of(templates))
     works = []
     for tag, piece in enumerate(plan.pieces):
         spec = specs[piece.name]

@@ -3,8 +3,8 @@
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives the model's parameters and
 the optimizer's state as DTensors (FSDP2 ``Shard(0)`` on the shard dimension of the mesh) and
 plain tensors (Adam's ``step``: the same on every rank). Owns naming them flat
-(``model/<fqn>``, ``optim/<fqn>/<key>``), copying this rank's local parts to host memory
-(pinned when they live on a GPU) with each tensor's ``TensorSpec``, and writing local parts
+(``model/<fqn>``, ``optim/<fqn>/<key>``), copying this rank's local parts to recycled host
+memory (pinned when they live on a GPU) with each tensor's ``TensorSpec``, and writing local parts
 back into the objects of a new formation (``load_local``). Torch only.
 """
 
@@ -17,8 +17,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Shard
 
-from elastic.state.device_copy import copy_to_host, host_buffer
+from elastic.state.device_copy import copy_to_host
 from elastic.state.errors import StateError
+from elastic.state.sharded.buffers import HostShard, ShardBuffers, shapes_of
 from elastic.state.sharded.layout import TensorSpec
 
 MODEL, OPTIM = "model/", "optim/"
@@ -91,10 +92,14 @@ def local_part(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def host_copy(flat: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This rank's local part of every tensor, copied to host memory (pinned from a GPU)."""
-    copies = {name: host_buffer(local_part(value)) for name, value in flat.items()}
-    copy_to_host([(copies[name], local_part(value).detach()) for name, value in flat.items()])
+def host_copy(flat: Mapping[str, torch.Tensor], buffers: ShardBuffers | None = None
+              ) -> HostShard:
+    """This rank's local part of every tensor, copied to host memory taken from ``buffers``
+    (default: new memory), pinned when a part lives on a GPU."""
+    parts = {name: local_part(value).detach() for name, value in flat.items()}
+    pinned = any(part.device.type == "cuda" for part in parts.values())
+    copies = (buffers or ShardBuffers(0)).take(shapes_of(parts), pinned)
+    copy_to_host([(copies[name], part) for name, part in parts.items()])
     return copies
 
 

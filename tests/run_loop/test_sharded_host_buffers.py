@@ -1,0 +1,130 @@
+"""The host memory of sharded commits, over real FSDP2 on a gloo group of two ranks: a commit's
+own copy and its received buddy copy land in memory that commits dropped earlier, never in
+memory a kept commit still holds, and a rollback restores a commit made in recycled memory
+exactly."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elastic.cluster.links.process_group import ProcessGroup
+from elastic.cluster.rounds.topology import Topology
+from elastic.foundation.events import EventLog
+from elastic.sharded import ShardedRuntime
+from elastic.state import TrainState
+from tests.support.gloo_group import run_in_group
+
+TIMEOUT = timedelta(seconds=30)
+COMMITS = 6
+
+
+def _parallelize(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Linear(10, 3)).double()
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=0.05)}
+
+
+def _round(rank: int, world: int, number: int) -> tuple[Topology, ProcessGroup]:
+    topology = Topology(round=number, rank=rank, world_size=world, member_id=f"m{rank}",
+                        rank0="m0", master_addr="127.0.0.1", master_port=0, store_prefix="",
+                        lineage=number)
+    return topology, ProcessGroup("gloo", TIMEOUT, frozenset(), timedelta(seconds=10))
+
+
+def _form(runtime: ShardedRuntime, train: TrainState, rank: int, world: int, number: int) -> None:
+    topology, group = _round(rank, world, number)
+    runtime.choose(topology, train, group)
+    runtime.rebuild(topology, train, EventLog(None, f"rank{rank}"), group)
+
+
+def _train_step(runtime: ShardedRuntime, seed: int) -> None:
+    model, optimizer = runtime.objects["model"], runtime.objects["optimizer"]
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    model(x).square().sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _commit(runtime: ShardedRuntime, train: TrainState) -> None:
+    """What ``commit()`` does: wait for the last copies, agree (a barrier: every rank waited
+    for its copies before it), confirm them, take this one and send it."""
+    runtime.before_commit()
+    train.step += 1
+    train.commit()
+
+    def agreed() -> bool:
+        dist.barrier()
+        runtime.confirm_copies()
+        return True
+
+    runtime.commit(train, send_copies=agreed)
+
+
+def _storages(tensors: dict[str, torch.Tensor]) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors.values() if t.numel()}
+
+
+def _kept(runtime: ShardedRuntime) -> list:
+    return list(runtime._commits._commits)
+
+
+def _commits_in_recycled_memory(rank: int, world: int) -> dict:
+    runtime = ShardedRuntime(_parallelize, None, 1, TIMEOUT, timedelta(seconds=2))
+    train = TrainState(step=0)
+    train.commit()
+    _form(runtime, train, rank, world, 1)
+    seen = []  # (own copy, received copy) of every commit; held so that no address repeats
+    bytes_of = {}  # (version, shard) -> a clone of what the commit held there
+    changed = []  # kept commits whose bytes changed after a later commit
+    shared = []  # received copies that landed in a kept commit's memory
+    for number in range(COMMITS):
+        _train_step(runtime, number)
+        _commit(runtime, train)
+        runtime.before_commit()  # this commit's buddy copy has landed
+        kept = _kept(runtime)
+        newest = kept[-1]
+        seen.append((newest.held[newest.own], newest.held[1 - newest.own]))
+        others = set().union(*(_storages(s) for c in kept[:-1] for s in c.held.values()))
+        if _storages(newest.held[1 - newest.own]) & others:
+            shared.append(newest.version)
+        for commit in kept:
+            for shard, tensors in commit.held.items():
+                clone = {n: t.clone() for n, t in tensors.items()}
+                before = bytes_of.setdefault((commit.version, shard), clone)
+                if not all(torch.equal(before[n], clone[n]) for n in clone):
+                    changed.append((commit.version, shard))
+    newest = _kept(runtime)[-1]
+    _train_step(runtime, 99)  # a step that the rollback undoes
+    runtime.settle()
+    _form(runtime, train, rank, world, 2)
+    model, optimizer = runtime.objects["model"], runtime.objects["optimizer"]
+    from elastic.state.sharded.shards import flat_tensors, local_part, sharded_state_dict
+
+    live = flat_tensors(*sharded_state_dict(model, optimizer))
+    restored = all(torch.equal(local_part(v), bytes_of[(newest.version, newest.own)][n])
+                   for n, v in live.items())
+    own, received = zip(*seen)
+    return {"changed": changed, "shared": shared, "restored": restored,
+            "rolled_back_to": train.version == newest.version,
+            "own_new": [bool(_storages(s) - set().union(*map(_storages, own[:i])))
+                        for i, s in enumerate(own)],
+            "received_new": [bool(_storages(s) - set().union(*map(_storages, received[:i])))
+                             for i, s in enumerate(received)]}
+
+
+def test_sharded_commits_reuse_dropped_memory_and_never_touch_a_kept_commit(tmp_path):
+    results = run_in_group(_commits_in_recycled_memory, 2, tmp_path)
+    for result in results.values():
+        assert result["changed"] == [] and result["shared"] == []
+        assert result["restored"] and result["rolled_back_to"]
+        # the first commits need new memory; from the fourth on, the memory of dropped ones
+        assert result["own_new"][3:] == [False] * (COMMITS - 3), result["own_new"]
+        assert result["received_new"][3:] == [False] * (COMMITS - 3), result["received_new"]
