@@ -204,6 +204,7 @@ class ShardedRuntime:
 
         shape = mesh_layout(topology.world_size, self._shard_degree)
         mesh = self._mesh(shape, group)
+        self._specs = {}
         self._exchange = BuddyExchange(self._group, topology.rank, topology.world_size,
                                        self._buddies if len(shape) == 1 else 0, self._nodes)
         self._layout = (topology.world_size, shape[-1], topology.rank % shape[-1])
@@ -314,12 +315,13 @@ class ShardedRuntime:
         model, optimizer = self._model_and_optimizer()
         flat = flat_tensors(*sharded_state_dict(model, optimizer))
         world, shards, own = self._layout
-        self._specs = {name: spec_of(value) for name, value in flat.items()}
+        if flat.keys() != self._specs.keys():  # a formation's shapes stay until the next
+            self._specs = {name: spec_of(value) for name, value in flat.items()}
         # the live local tensors: optimizer.step() updates them in place
         self._live = {name: local_part(value).detach() for name, value in flat.items()}
         commit = ShardCommit(train.version, world, shards, own, self._specs,
                              snapshot(train.committed()),
-                             {own: host_copy(flat, self._commits.buffers) if copy is None
+                             {own: host_copy(self._live, self._commits.buffers) if copy is None
                                    else copy})
         self._commits.add(commit)
         assert self._exchange is not None

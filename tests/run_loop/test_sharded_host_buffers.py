@@ -1,7 +1,7 @@
 """The host memory of sharded commits, over real FSDP2 on a gloo group of two ranks: a commit's
 own copy and its received buddy copy land in memory that commits dropped earlier, never in
 memory a kept commit still holds, and a rollback restores a commit made in recycled memory
-exactly."""
+exactly; a formation's tensor specs are read once, not at every commit."""
 
 from __future__ import annotations
 
@@ -82,6 +82,7 @@ def _commits_in_recycled_memory(rank: int, world: int) -> dict:
     train.commit()
     _form(runtime, train, rank, world, 1)
     seen = []  # (own copy, received copy) of every commit; held so that no address repeats
+    specs = []  # every commit's tensor specs, held alike
     bytes_of = {}  # (version, shard) -> a clone of what the commit held there
     changed = []  # kept commits whose bytes changed after a later commit
     shared = []  # received copies that landed in a kept commit's memory
@@ -92,6 +93,7 @@ def _commits_in_recycled_memory(rank: int, world: int) -> dict:
         kept = _kept(runtime)
         newest = kept[-1]
         seen.append((newest.held[newest.own], newest.held[1 - newest.own]))
+        specs.append(newest.specs)
         others = set().union(*(_storages(s) for c in kept[:-1] for s in c.held.values()))
         if _storages(newest.held[1 - newest.own]) & others:
             shared.append(newest.version)
@@ -113,6 +115,7 @@ def _commits_in_recycled_memory(rank: int, world: int) -> dict:
                    for n, v in live.items())
     own, received = zip(*seen)
     return {"changed": changed, "shared": shared, "restored": restored,
+            "specs_read": len({id(s) for s in specs}),
             "rolled_back_to": train.version == newest.version,
             "own_new": [bool(_storages(s) - set().union(*map(_storages, own[:i])))
                         for i, s in enumerate(own)],
@@ -124,7 +127,7 @@ def test_sharded_commits_reuse_dropped_memory_and_never_touch_a_kept_commit(tmp_
     results = run_in_group(_commits_in_recycled_memory, 2, tmp_path)
     for result in results.values():
         assert result["changed"] == [] and result["shared"] == []
-        assert result["restored"] and result["rolled_back_to"]
+        assert result["restored"] and result["rolled_back_to"] and result["specs_read"] == 1
         # the first commits need new memory; from the fourth on, the memory of dropped ones
         assert result["own_new"][3:] == [False] * (COMMITS - 3), result["own_new"]
         assert result["received_new"][3:] == [False] * (COMMITS - 3), result["received_new"]
