@@ -4,7 +4,10 @@ A ``ShardCommit`` is one version of the sharded state in one layout: this rank's
 (copied at the commit) and the shards of the ranks it is a buddy of (received afterwards, in the
 background). ``ShardCommits`` keeps the newest two and, besides them, the newest commit known to
 be whole (its buddy copies held by every rank: a single loss takes no shard of it), so that the
-last such rollback point survives until a newer one is whole. At a formation every rank
+last such rollback point survives until a newer one is whole. A formation that rebuilds a commit
+in its own layout (N -> N) commits it under the same key: the new commit borrows the shards the
+old one held (shard ``s`` of one key is the same bytes whoever holds it) until it is whole
+itself. At a formation every rank
 reports what it holds as a row of ints (``report``; no pickling) and all rows choose the same
 commit: the newest version whose every shard has a live holder (``choose``). The shards of
 the commits it drops go back to ``buffers`` for the next commits (see ``buffers``). Torch only.
@@ -38,7 +41,9 @@ class ShardCommit:
     is applied, when the next live commit replaces it. ``whole``: every rank of its layout is
     known to hold its buddies' copies of it (``ShardCommits.confirm``). ``in_flight``: its
     buddy exchange started and has not ended well (a failed one never does), so its shards
-    may still be read or written by a send or receive and are never reused.
+    may still be read or written by a send or receive and are never reused. ``borrowed``: the
+    shards of ``held`` taken from the commit of the same key that this one replaced, held
+    until this one is whole.
     """
 
     version: int
@@ -51,6 +56,7 @@ class ShardCommit:
     live: bool = False
     whole: bool = False
     in_flight: bool = False
+    borrowed: set[int] = field(default_factory=set)
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -89,7 +95,8 @@ class ShardCommits:
     copies from a thread.
 
     Args:
-        max_held: the most shards one rank holds of a commit (its own and its buddies').
+        max_held: the most shards one rank holds of a commit (its own and its buddies'); a
+            formation's commit in the same layout borrows as many more at most.
     """
 
     def __init__(self, max_held: int) -> None:
@@ -104,8 +111,14 @@ class ShardCommits:
         its tensors move on with the next step) and all but the newest ``KEEP`` go, except the
         newest whole commit: it stays until a newer one is whole. The same version in another
         layout stays: a formation commits the version it resharded in the new layout, whose
-        buddy copies then travel while the old layout still holds it."""
+        buddy copies then travel while the old layout still holds it. In the same layout (a
+        replacement took a dead rank's place) ``commit`` borrows the held shards of the one it
+        replaces, as many as a commit holds: its own copies travel still, and a second failure
+        meanwhile must find the first one's holders."""
         with self._lock:
+            same = next((c for c in self._commits if c.key == commit.key and not c.live), None)
+            if same is not None:
+                _borrow(commit, same, self._max_held)
             kept = [c for c in self._commits if not c.live and (
                 c.version < commit.version or (c.version == commit.version
                                                and c.key != commit.key))]
@@ -113,9 +126,13 @@ class ShardCommits:
 
     def confirm(self, commit: ShardCommit) -> None:
         """Marks ``commit`` whole (every rank waited for its buddy copies before an agreement
-        that every rank reached); the whole commit before it may go now."""
+        that every rank reached); the whole commit before it, and the shards it borrowed, may
+        go now."""
         with self._lock:
             commit.whole = True
+            for shard in commit.borrowed:
+                del commit.held[shard]
+            commit.borrowed.clear()
             self._keep(_trimmed(self._commits))
 
     def sending(self, commit: ShardCommit) -> None:
@@ -126,9 +143,10 @@ class ShardCommits:
     def add_copies(self, commit: ShardCommit, copies: dict[int, dict[str, torch.Tensor]]
                    ) -> None:
         """Records the buddies' shards of ``commit`` once all of them arrived: its exchange
-        ended well."""
+        ended well; a shard it had borrowed is its own now (kept once it is whole)."""
         with self._lock:
             commit.held.update(copies)
+            commit.borrowed.difference_update(copies)
             commit.in_flight = False
 
     def drop_newer(self, version: int) -> None:
@@ -153,18 +171,27 @@ class ShardCommits:
     @property
     def width(self) -> int:
         """Length of a report row."""
-        return SLOTS * (_HEAD + self._max_held)
+        return SLOTS * (_HEAD + 2 * self._max_held)
 
     def report(self) -> torch.Tensor:
         """This rank's holdings as one int64 row (``-1`` pads)."""
         row = torch.full((self.width,), -1, dtype=torch.int64)
         with self._lock:
             for slot, commit in enumerate(self._commits):
-                held = sorted(commit.held)[: self._max_held]
-                at = slot * (_HEAD + self._max_held)
+                held = sorted(commit.held)[: 2 * self._max_held]
+                at = slot * (_HEAD + 2 * self._max_held)
                 values = [commit.version, commit.world, commit.shards, commit.own, len(held)]
                 row[at: at + _HEAD + len(held)] = torch.tensor(values + held, dtype=torch.int64)
         return row
+
+
+def _borrow(commit: ShardCommit, same: ShardCommit, most: int) -> None:
+    """Lends ``commit`` the shards that ``same`` (of its key) holds and it does not, the ones
+    ``same`` did not borrow itself first, ``most`` at most."""
+    for shard in sorted(same.held, key=lambda s: (s in same.borrowed, s)):
+        if shard not in commit.held and len(commit.borrowed) < most:
+            commit.held[shard] = same.held[shard]
+            commit.borrowed.add(shard)
 
 
 def _trimmed(commits: list[ShardCommit]) -> list[ShardCommit]:
@@ -176,12 +203,13 @@ def _trimmed(commits: list[ShardCommit]) -> list[ShardCommit]:
 
 
 def read_report(row: Sequence[int], max_held: int) -> list[Holding]:
-    """Decodes one rank's report row (from ``ShardCommits.report``)."""
+    """Decodes one rank's report row (from ``ShardCommits.report``; ``max_held`` as given to
+    it)."""
     found = []
-    step = _HEAD + max_held
+    step = _HEAD + 2 * max_held
     for at in range(0, len(row) - step + 1, step):
         version, world, shards, own, count = (int(v) for v in row[at: at + _HEAD])
-        if version < 0 or not 0 <= count <= max_held or shards < 1:
+        if version < 0 or not 0 <= count <= 2 * max_held or shards < 1:
             continue
         found.append(Holding(version, world, shards, own,
                              frozenset(int(v) for v in row[at + _HEAD: at + _HEAD + count])))

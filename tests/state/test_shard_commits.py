@@ -79,6 +79,44 @@ def test_a_formation_commit_in_a_new_layout_keeps_the_old_layout_of_its_version_
 
 
 @pytest.mark.unit
+def test_a_formation_commit_in_the_same_layout_borrows_the_copies_held_until_it_is_whole():
+    # version 3 at 4 ranks rebuilt at 4 (a replacement took a dead rank's place): the same key,
+    # and shard s of one key is the same bytes whoever holds it, so the copies stay
+    commits = ShardCommits(max_held=2)
+    commits.add(_commit(2, 4, 1, (0,)))
+    commits.add(_commit(3, 4, 1, (0,)))  # old rank 1: its shard and its buddy's
+    commits.add(_commit(3, 4, 2))  # now rank 2: its new shard, its copies not yet landed
+    assert [(h.version, h.own, h.held) for h in read_report(commits.report().tolist(), 2)] == [
+        (2, 1, frozenset({0, 1})), (3, 2, frozenset({0, 1, 2}))]
+    three = commits.find((3, 4, 4))
+    assert all(torch.equal(three.held[s][n], _shard(n, 4, s)) for s in (0, 1, 2) for n in SPECS)
+    commits.add_copies(three, {1: {n: _shard(n, 4, 1) for n in SPECS}})  # its buddy's copy
+    commits.confirm(three)  # whole: the borrowed shard goes, memory is back to one commit's
+    assert sorted(three.held) == [1, 2]
+
+
+@pytest.mark.unit
+def test_a_second_kill_before_a_same_layout_formation_commit_travels_rebuilds_it_from_memory():
+    # four ranks (buddy: the next rank) hold version 5 and its copies; rank 2 dies, a spare
+    # takes its place (new rank 3; old rank 3 is now rank 2) and version 5 is rebuilt at 4
+    ranks = [ShardCommits(max_held=2) for _ in range(4)]
+    for rank, commits in enumerate(ranks):
+        commits.add(_commit(5, 4, rank, ((rank - 1) % 4,)))
+    survivors = {0: ranks[0], 1: ranks[1], 2: ranks[3]}  # new rank -> what it held before
+    spare = ShardCommits(max_held=2)
+    for rank, commits in {**survivors, 3: spare}.items():
+        commits.drop_newer(5)
+        commits.add(_commit(5, 4, rank))  # the formation's commit: its copies travel
+    # new rank 0 dies before the formation's copies landed: its new shard 0 is still held by
+    # new rank 1 (its old copy), and shard 3 by new rank 2 (its old own) besides the spare
+    alive = [survivors[1], survivors[2], spare]
+    choice = choose([read_report(c.report().tolist(), 2) for c in alive])
+    assert (choice.version, choice.world) == (5, 4)
+    assert choice.holders == (frozenset({0}), frozenset({0}), frozenset({1}),
+                              frozenset({1, 2}))
+
+
+@pytest.mark.unit
 def test_a_kill_while_a_join_formation_commit_travels_rebuilds_the_last_whole_commit():
     # three ranks (buddy: the next rank); version 5 was copied to every buddy, and the agreement
     # of version 6 (which every rank reaches only once it waited for those copies) made it whole
