@@ -212,16 +212,22 @@ class ShardedRuntime:
         self.objects = self._built(self._parallelize(mesh))
         lap("parallelize_s")
         resharded = None  # the reshard's new shard: this layout's copy of the commit already
-        if self._choice is not None:
+        if self._choice is not None and not self._is_durable_newer(train):
             resharded = self._reshard(topology, events, lap)
         elif self.durable_loader is not None and (self._fallback or train.version > 0):
             # nobody holds a commit of the shards, yet the state is at one: a resume from
-            # the durable checkpoint whose small state was just synced, or the fallback
+            # the durable checkpoint whose small state was just synced, the fallback, or a
+            # durable checkpoint newer than every commit held whole (restored entire)
             self._fallback = False
             small = self.durable_loader(self.objects)
             if small is not None:
                 train.load_committed(small)
                 train.restore()
+            elif self._choice is not None:
+                raise ShardedStateLostError(
+                    f"the durable sharded checkpoint of version {train.version} that the small "
+                    "state was synced from could not be loaded for its shards: check that "
+                    "the checkpoint URL is readable and was not pruned meanwhile.")
             lap("durable_load_s")
         # after a reshard the old layout still holds the commit: its copies in the new one
         # travel while training goes on; a first formation or a durable load waits for them
@@ -229,6 +235,18 @@ class ShardedRuntime:
         lap("commit_s")
         events.emit("rebuilt", to_world=topology.world_size, **phases)
         self._phases = {}
+
+    def _is_durable_newer(self, train: TrainState) -> bool:
+        """Whether the small state synced at this formation is a durable checkpoint's newer
+        than the chosen commit (rank 0 read it; every rank holds its version now): then that
+        checkpoint is the newest consistent state, and its shards are loaded with it."""
+        assert self._choice is not None
+        if train.version <= self._choice.version:
+            return False
+        log.warning("the durable checkpoint of version %d is newer than the newest commit held "
+                    "whole in memory (version %d): restoring it, shards and all",
+                    train.version, self._choice.version)
+        return True
 
     def _mesh(self, shape: tuple[int, ...], group: ProcessGroup) -> DeviceMesh:
         """The round's mesh, its subgroups connected and adopted by ``group``."""

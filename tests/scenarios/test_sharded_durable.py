@@ -2,7 +2,9 @@
 at another world size, with the math of an uninterrupted run.
 
 Real etcd, real worker processes (tests/workers/sharded.py, FSDP2, float64, AdamW, constant
-global batch), gloo on loopback; the checkpoint is every rank's shards in DCP format.
+global batch), gloo on loopback; the checkpoint is every rank's shards in DCP format. Also: a
+durable checkpoint newer than every commit held whole in memory is restored entire, never its
+small state over older shards.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections import Counter
 import pytest
 
 from elastic.checkpoint import CheckpointStore
-from tests.scenarios.test_sharded_reshard import ARGS, SCRIPT, STEPS, TOLERANCE
+from tests.scenarios.test_sharded_reshard import ARGS, SCRIPT, STEPS, TOLERANCE, _check, _fired
 from tests.support.equivalence_scenario import max_difference
 
 pytestmark = pytest.mark.timeout(300)
@@ -54,3 +56,26 @@ def test_a_sharded_job_killed_at_4_resumes_from_its_durable_checkpoint_at_3(
     assert loaded and loaded[0]["version"] == saved.step and loaded[0]["from_world"] == 4
     first_steps = [p for p in resumed.progress(0) if "loss" in p]
     assert first_steps[0]["step"] == STEPS // 2 + 1 and first_steps[0]["world"] == 3
+
+
+def test_a_durable_checkpoint_newer_than_the_commits_held_in_memory_is_restored_whole(
+        make_job, references, tmp_path):
+    # Step 14's commit is durable and agrees on a join, so its shards get no buddy copies; rank
+    # 1 dies inside parallelize at the join's formation (world 5). The newest commit held whole
+    # in memory is then step 12's: the job must restore step 14 from the checkpoint, shards and
+    # small state together, not step 12's shards under step 14's sampler, ledger and history.
+    reference = references.start(make_job, SCRIPT, ARGS)
+    env = {"ELASTIC_CHECKPOINT": str(tmp_path / "ckpt"), "FAULT": "kill:1:14:5:parallelize"}
+    job = make_job(ARGS + ["--durable-at-join", "14"], env, script=SCRIPT)
+    job.start_together(range(4))
+    job.wait_until(lambda: all((job.out / f"holding-{i}").exists() for i in range(4)), 150,
+                   "every worker holding after step 14")
+    (job.out / "join-started").touch()
+    job.start(4)
+    job.wait_until(lambda: any(_fired(job, i) for i in range(5)), 150, "the kill")
+    killed = next(i for i in range(5) if _fired(job, i))
+    assert job.wait_exit(killed) == -signal.SIGKILL
+    _check(job, reference, [i for i in range(5) if i != killed], resharded=False)
+    loaded = [e for e in job.events() if e["event"] == "checkpoint_loaded" and e.get("sharded")]
+    assert [e["from_world"] for e in loaded] == [4] * 4  # once, by each survivor
+    assert len({e["version"] for e in loaded}) == 1

@@ -18,7 +18,13 @@ absent), the points of issue 39 in order: ``forward`` (before the forward), ``ba
 ``agree`` (after the backward, before the step's last collectives and the agreement),
 ``block`` (right after ``optimizer.step()``: inside the ``commit_step()`` block, or before the
 snapshot commit), ``after`` (after the step is recorded), ``commit`` (right after a
-``commit()`` returns, its buddy copies perhaps still in flight; on a commit step).
+``commit()`` returns, its buddy copies perhaps still in flight; on a commit step), and
+``parallelize`` (inside ``parallelize`` at the formation of that world, the step being the one
+the formation restores: a death in the middle of a re-formation).
+
+``--durable-at-join STEP`` holds after step STEP until a joiner is seen (the test starts it once
+every worker holds), then takes ``commit(durable=True)``: a durable commit that agrees on a
+join, so its shards get no buddy copies.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
 from tests.workers.markers import write_marker
-from tests.workers.sync_points import hold_until_world, wait_for_peers
+from tests.workers.sync_points import hold_until_join_seen, hold_until_world, wait_for_peers
 from elastic import ElasticSampler, ElasticState
 
 
@@ -69,7 +75,9 @@ class Net(torch.nn.Module):
         return self.head(x).squeeze(1)
 
 
-def parallelize(mesh) -> dict[str, object]:
+def parallelize(mesh, fire=None) -> dict[str, object]:
+    if fire is not None:
+        fire(dist.get_rank(), mesh.size())
     torch.manual_seed(0)  # the same initial weights at any world size
     model = Net()
     for block in model.blocks:
@@ -78,19 +86,23 @@ def parallelize(mesh) -> dict[str, object]:
     return {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=0.01)}
 
 
-def fire_fault(state: ElasticState, out: Path, index: int, where: str, step: int) -> None:
+def fire_fault(state: ElasticState, out: Path, index: int, where: str, step: int,
+               rank: int | None = None, world: int | None = None) -> None:
     """SIGKILLs this process when ``FAULT`` names this rank, ``step`` (the step being trained)
-    and ``where`` in a world of its size, once job-wide per rank (marker ``fired-kill-INDEX``)."""
+    and ``where`` in a world of its size, once job-wide per rank (marker ``fired-kill-INDEX``);
+    ``rank`` and ``world`` of a round being formed, when ``state``'s are the last round's."""
     spec = os.environ.get("FAULT", "")
     if not spec:
         return
-    _, ranks, at, world, *point = spec.split(":")
+    _, ranks, at, want_world, *point = spec.split(":")
     marker = out / f"fired-kill-{index}"
-    if (step != int(at) or state.world_size != int(world) or marker.exists()
+    rank = state.rank if rank is None else rank
+    world = state.world_size if world is None else world
+    if (step != int(at) or world != int(want_world) or marker.exists()
             or where != (point[0] if point else "after")
-            or str(state.rank) not in ranks.split(",")):
+            or str(rank) not in ranks.split(",")):
         return
-    write_marker(marker, {"step": step, "rank": state.rank, "world": state.world_size,
+    write_marker(marker, {"step": step, "rank": rank, "world": world,
                           "where": where, "t": time.time()})
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -116,12 +128,19 @@ def main() -> None:
     p.add_argument("--copy-free", action="store_true", help="commit every step (commit_step)")
     p.add_argument("--with-commits", action="store_true",
                    help="with --copy-free, also commit() every --commit-every steps")
+    p.add_argument("--durable-at-join", type=int, default=0,
+                   help="after this step, wait for a joiner, then commit(durable=True)")
     args = p.parse_args()
     out = Path(args.out)
     index = int(os.environ["TEST_WORKER_INDEX"])
     data = Regression(args.samples)
     sampler = ElasticSampler(data, seed=7, global_batch_size=args.global_batch)
-    state = ElasticState(parallelize=parallelize, shard_degree=args.shard_degree,
+
+    def fire_in_parallelize(rank: int, world: int) -> None:
+        fire_fault(state, out, index, "parallelize", state.step, rank, world)
+
+    state = ElasticState(parallelize=functools.partial(parallelize, fire=fire_in_parallelize),
+                         shard_degree=args.shard_degree,
                          sampler=sampler, epoch=0, step=0, history=[],
                          ledger=[[] for _ in range(args.epochs)])
     progress = open(out / f"progress-{index}.jsonl", "a", buffering=1)
@@ -157,6 +176,9 @@ def main() -> None:
                 progress.write(json.dumps({"step": s.step, "world": s.world_size,
                                            "loss": s.history[-1]}) + "\n")
                 fire("after", s.step)
+                if s.step == args.durable_at_join:
+                    hold_until_join_seen(s, out, index)
+                    s.commit(durable=True)
                 if s.step % args.commit_every == 0:
                     if not args.copy_free or args.with_commits:
                         s.commit()

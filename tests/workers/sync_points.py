@@ -62,3 +62,16 @@ def hold_until_change(state, out: Path, index: int, timeout_s: float = 90.0) -> 
 
     if not poll_until(agreed, timeout_s):
         raise TimeoutError(f"no membership change was agreed within {timeout_s} s")
+
+
+def hold_until_join_seen(state, out: Path, index: int, timeout_s: float = 150.0) -> None:
+    """Writes ``holding-{index}``, then waits until this worker's membership watch saw a join
+    (the test writes ``join-started`` and starts a joiner once every worker holds), so that
+    the very next agreement, the commit that follows, agrees on it; once the joiner started,
+    returns at once. Reads the watch's own flag: the library has no public probe for a
+    pending join, and only a test needs one."""
+    if (out / "join-started").exists():
+        return
+    (out / f"holding-{index}").touch()
+    if not state._cluster.tracker.pending.wait(timeout_s):
+        raise TimeoutError(f"no join was seen within {timeout_s} s")
