@@ -244,7 +244,8 @@ class ElasticState(CollectiveCommit):
                 self._train.commit()  # the initial state is the first rollback point
             # Its version known, the registration carries the first join request.
             self._cluster = Cluster(self._settings, events, self._train.version,
-                                    lambda: self._train.version)
+                                    lambda: self._train.version,
+                                    replicated=self._sharded is None)
         except BaseException as exc:
             restore_signals()
             if isinstance(exc, ElasticError):  # every frame below is the package's

@@ -57,11 +57,12 @@ class Cluster:
             then carries its first join request (``Rendezvous.first_join``).
         newest: the version of the worker's newest commit, asked when its training thread
             stays inside a released step (a restart in place must not lose it).
+        replicated: False for sharded state: a stuck worker never restarts in place then.
     """
 
     def __init__(self, settings: WorkerSettings, events: EventLog,
                  version: int | None = None,
-                 newest: Callable[[], int] = lambda: 0) -> None:
+                 newest: Callable[[], int] = lambda: 0, replicated: bool = True) -> None:
         if not settings.etcd or not settings.job_id:
             raise ValueError(
                 "ElasticState.run() needs an etcd and a job id: launch with `elastic run`, or "
@@ -91,7 +92,8 @@ class Cluster:
         self.pulse = PulseProcess(timeouts.heartbeat.total_seconds())
         self.pulse.start()  # up and beating long before the first round forms
         self.skipped = SkippedRecords()  # malformed records read from etcd, warned once each
-        self._verdict = StuckVerdict(events, timeouts, newest, self._other_holder,
+        holder = self._other_holder if replicated else None  # sharded: see StuckVerdict
+        self._verdict = StuckVerdict(events, timeouts, newest, holder,
                                      lambda: job_is_over(self.client, self.keys, self.skipped),
                                      self._leave_to_restart)
         self.stuck = ReleaseWatchdog(timeouts.release, self._verdict)

@@ -148,3 +148,24 @@ def test_fsdp_losing_a_rank_at_any_point_of_a_step_trains_on_at_three_with_the_s
     assert _worlds(job, survivors[0]) == [4, 3]
     moves = {(e["from_world"], e["to_world"]) for e in job.events() if e["event"] == "resharded"}
     assert (4, 3) in moves, moves
+
+
+def test_a_slow_buddy_of_a_dead_rank_keeps_its_shards_rather_than_restart_in_place(
+        make_job, references):
+    # Rank 1 dies after step 6; rank 2, its buddy (the only other holder of shard 1), computes
+    # for 6 s then, with no collective: past the release grace (2 s), with the others asking
+    # to join at a version >= its own. A restart in place would take shard 1 with it.
+    reference = references.start(make_job, SCRIPT, KILL_ARGS)
+    env = {"FAULT": "kill:1:6:4;slow:2:6:4", "SLOW_STEP_MS": "6000",
+           "ELASTIC_RELEASE_GRACE": "2"}
+    job = make_job(KILL_ARGS, env, script=SCRIPT)
+    job.start_together(range(4))
+    job.wait_until(lambda: any(_fired(job, i) for i in range(4)), 150, "the kill")
+    killed = next(i for i in range(4) if _fired(job, i))
+    assert job.wait_exit(killed) == -signal.SIGKILL
+    _check(job, reference, [i for i in range(4) if i != killed], KILL_STEPS, 32)
+    slow = [i for i in range(4) if (job.out / f"fired-slow-{i}").exists()]
+    assert [job.fired("slow", i)["rank"] for i in slow] == [2]
+    events = job.events()
+    assert any(e["event"] == "stuck_holding" for e in events)
+    assert not any(e["event"] == "restarting_in_place" for e in events)

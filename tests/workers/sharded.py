@@ -5,7 +5,8 @@ Three Linear layers with uneven dim-0 sizes (7, 13 and 1 rows), built whole on C
 and sharded by ``fully_shard`` on the mesh of each round. Every step trains the same global batch
 of the ``ElasticSampler`` whatever the world; its global loss goes into a committed ``history``
 and its sample indices into a committed ``ledger``. ``FAULT="kill:1,3:10:4"`` makes the ranks 1
-and 3 of a world of 4 SIGKILL themselves after step 10 (once); ``--hold-at 16:4`` keeps agreeing
+and 3 of a world of 4 SIGKILL themselves after step 10 (once); ``kill:1:10:4;slow:2:10:4``
+also makes rank 2 compute for ``SLOW_STEP_MS`` then (a long step); ``--hold-at 16:4`` keeps agreeing
 on membership at step 16 until the world is 4. ``--copy-free`` commits every step with
 ``commit_step`` instead of ``commit()`` every ``--commit-every`` steps; ``--copy-free
 --with-commits`` also takes a ``commit()`` every ``--commit-every`` steps (docs/sharded.md's
@@ -44,6 +45,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
 from tests.workers.markers import write_marker
+from tests.workers.pacing import compute_for
 from tests.workers.sync_points import hold_until_join_seen, hold_until_world, wait_for_peers
 from elastic import ElasticSampler, ElasticState
 
@@ -88,23 +90,25 @@ def parallelize(mesh, fire=None) -> dict[str, object]:
 
 def fire_fault(state: ElasticState, out: Path, index: int, where: str, step: int,
                rank: int | None = None, world: int | None = None) -> None:
-    """SIGKILLs this process when ``FAULT`` names this rank, ``step`` (the step being trained)
-    and ``where`` in a world of its size, once job-wide per rank (marker ``fired-kill-INDEX``);
+    """SIGKILLs this process when a spec of ``FAULT`` names this rank, ``step`` (the step being
+    trained) and ``where`` in a world of its size, once job-wide per rank (marker
+    ``fired-kill-INDEX``); a ``slow`` spec computes ``SLOW_STEP_MS`` instead (``fired-slow-``);
     ``rank`` and ``world`` of a round being formed, when ``state``'s are the last round's."""
-    spec = os.environ.get("FAULT", "")
-    if not spec:
-        return
-    _, ranks, at, want_world, *point = spec.split(":")
-    marker = out / f"fired-kill-{index}"
     rank = state.rank if rank is None else rank
     world = state.world_size if world is None else world
-    if (step != int(at) or world != int(want_world) or marker.exists()
-            or where != (point[0] if point else "after")
-            or str(rank) not in ranks.split(",")):
-        return
-    write_marker(marker, {"step": step, "rank": rank, "world": world,
-                          "where": where, "t": time.time()})
-    os.kill(os.getpid(), signal.SIGKILL)
+    for spec in filter(None, os.environ.get("FAULT", "").split(";")):
+        kind, ranks, at, want_world, *point = spec.split(":")
+        marker = out / f"fired-{kind}-{index}"
+        if (step != int(at) or world != int(want_world) or marker.exists()
+                or where != (point[0] if point else "after")
+                or str(rank) not in ranks.split(",")):
+            continue
+        write_marker(marker, {"step": step, "rank": rank, "world": world,
+                              "where": where, "t": time.time()})
+        if kind == "slow":  # one long step with no collective in it: a live member, only slow
+            compute_for(float(os.environ.get("SLOW_STEP_MS", "3000")))
+            continue
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def hold(state: ElasticState, hold_at: str) -> None:

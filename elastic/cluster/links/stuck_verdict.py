@@ -3,9 +3,10 @@ step: restart in place, or wait.
 
 A restart in place (``restart_in_place``) brings the worker back as a new member with none of
 its state, so it may replace the process only when another live member holds the worker's
-newest commit (``commit_holders``), or when the job is over (a member returned from training:
-no commit is needed any more, and the fresh run is told the job finished); otherwise the
-worker stays, says so once per release (``stuck_holding``), and is asked again after every
+newest commit (``commit_holders``; never known for sharded state, whose members hold only
+their own shards and their buddies' copies), or when the job is over (a member returned from
+training: no commit is needed any more, and the fresh run is told the job finished); otherwise
+the worker stays, says so once per release (``stuck_holding``), and is asked again after every
 further grace (``ReleaseWatchdog``): the step may yet end, and leaving would lose the commit.
 """
 
@@ -31,7 +32,9 @@ class StuckVerdict:
         timeouts: the worker's table (the grace, the lease TTL, the shutdown bound).
         newest: the version of the worker's newest commit.
         holder: a live member other than this one that holds the given commit version or a
-            newer one (None: none); may raise the etcd errors.
+            newer one (None: none); may raise the etcd errors. None for sharded state: a
+            member at that version holds only its own shards and its buddies' copies, so it
+            may lack this worker's (a dead rank's buddy holds the only copy of its shard).
         over: whether the job is over (a member returned from training); may raise the etcd
             errors.
         leave: leaves the job, so that nobody waits for this member; may raise the etcd
@@ -39,7 +42,7 @@ class StuckVerdict:
     """
 
     def __init__(self, events: EventLog, timeouts: Timeouts, newest: Callable[[], int],
-                 holder: Callable[[int], str | None], over: Callable[[], bool],
+                 holder: Callable[[int], str | None] | None, over: Callable[[], bool],
                  leave: Callable[[], None]) -> None:
         self._events = events
         self._timeouts = timeouts
@@ -56,7 +59,7 @@ class StuckVerdict:
     def __call__(self, reason: str) -> bool:
         version = self._newest()
         try:
-            holder = self._holder(version)
+            holder = self._holder(version) if self._holder is not None else None
             over = holder is None and self._over()
         except (EtcdUnavailableError, EtcdAccessError, EtcdRecordError) as exc:
             log.warning("could not learn whether another member holds commit %d (%s)", version,
@@ -67,7 +70,7 @@ class StuckVerdict:
         if not self._told:
             self._told = True
             log.warning("the training thread is still inside its step %s after the round was "
-                        "released (%s), and no other live member asked to join with its commit "
+                        "released (%s), and no other live member is known to hold its commit "
                         "(version %d): it stays, as a restart in place would lose that commit; "
                         "the others wait for it (up to ELASTIC_REJOIN_TIMEOUT)",
                         self._timeouts.release, reason, version)
