@@ -150,6 +150,25 @@ def test_fsdp_losing_a_rank_at_any_point_of_a_step_trains_on_at_three_with_the_s
     assert (4, 3) in moves, moves
 
 
+def test_a_spare_in_a_dead_ranks_place_rebuilds_the_same_layout_and_keeps_the_math(
+        make_job, references):
+    # FSDP 4 with a waiting spare: rank 1 dies after step 6, the spare takes its place (the
+    # formation commits the rebuilt version in the same layout, borrowing the copies held),
+    # becomes rank 1 and dies after step 6 in turn; the job ends at 3 from memory.
+    reference = references.start(make_job, SCRIPT, KILL_ARGS)
+    job = make_job(KILL_ARGS, {"FAULT": "kill:1:6:4", "ELASTIC_MAX_WORKERS": "4"},
+                   script=SCRIPT)
+    job.start_together(range(5))
+    job.wait_until(lambda: sum(_fired(job, i) for i in range(5)) == 2, 150, "two kills")
+    killed = [i for i in range(5) if _fired(job, i)]
+    assert all(job.wait_exit(i) == -signal.SIGKILL for i in killed)
+    survivors = [i for i in range(5) if i not in killed]
+    _check(job, reference, survivors, KILL_STEPS, 32)
+    assert all(_worlds(job, i) == [4, 3] for i in survivors)
+    moves = [(e["from_world"], e["to_world"]) for e in job.events() if e["event"] == "resharded"]
+    assert sorted(set(moves)) == [(4, 3), (4, 4)], moves
+
+
 def test_a_slow_buddy_of_a_dead_rank_keeps_its_shards_rather_than_restart_in_place(
         make_job, references):
     # Rank 1 dies after step 6; rank 2, its buddy (the only other holder of shard 1), computes
