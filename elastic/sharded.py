@@ -37,6 +37,7 @@ from elastic.state.sharded.commits import Choice, ShardCommit, ShardCommits, cho
 from elastic.state.sharded.copies import BuddyCopyError, BuddyExchange
 from elastic.state.sharded.layout import ShardLostError, TensorSpec, plan_moves
 from elastic.state.sharded.moves import assemble
+from elastic.state.sharded.optimizer_state import make_state
 from elastic.state.sharded.shards import (flat_tensors, forget_meshes, host_copy, load_local,
                                           local_part, sharded_state_dict, spec_of)
 
@@ -270,6 +271,7 @@ class ShardedRuntime:
         model, optimizer = self._model_and_optimizer()
         world, shards, rank = topology.world_size, self._layout[1], topology.rank
         with Stopwatch() as moving:
+            make_state(optimizer)  # the commit overwrites it all: no zero-gradient step first
             model_sd, optim_sd = sharded_state_dict(model, optimizer)
             flat = flat_tensors(model_sd, optim_sd)
             lap("state_dict_s")

@@ -20,6 +20,7 @@ from elastic.checkpoint import CheckpointError, CheckpointNotFoundError, Sharded
 from elastic.durable import DurableCommits
 from elastic.foundation.errors import EtcdUnavailableError, FencingContestedError
 from elastic.foundation.events import EventLog
+from elastic.state.sharded.optimizer_state import make_state
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class ShardedDurable:
             The checkpoint's payload (the committed small state), or None when there is none.
         """
         model, optimizer = objects["model"], objects["optimizer"]
+        make_state(optimizer)  # as torch's zero-gradient step would leave it, without the step
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
         try:
