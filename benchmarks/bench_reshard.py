@@ -138,9 +138,13 @@ def run_ours(size: list[str], ranks: int) -> dict:
                                          for p in job.progress()) for pid in survivors),
                          WAIT_S, f"every survivor's first step at {ranks}")
         events = job.events()
+        # the pause of the formation that reached ``ranks``: joiners that asked apart reach
+        # it through a formation at ``small + 1`` and steps there, which are not a pause
         starts = {pid: timeline.last_step_before(
-            job.progress(), pid, small, timeline.resumed_at(events, pid, ranks, joined_at))
+            job.progress(), pid, None, timeline.resumed_at(events, pid, ranks, joined_at))
             for pid in survivors}
+        via = sorted({e["world_size"] for e in events if e["event"] == "resumed"
+                      and e["pid"] == min(survivors) and e["t"] > joined_at})
         join = _splits(job, survivors, starts, ranks, "membership_changed")
         grow = [e for e in events if e["event"] == "resharded" and e["t"] > joined_at
                 and e["to_world"] == ranks]
@@ -158,6 +162,7 @@ def run_ours(size: list[str], ranks: int) -> dict:
             f"bytes_moved_{ranks}_to_{small}": max(e["bytes_moved"] for e in shrink),
             f"bytes_minimum_{ranks}_to_{small}": max(e["bytes_minimum"] for e in shrink),
             "join_pause_s": join_last.get("ready_s"),
+            "join_formations_to_full": via,
             **_prefixed("join", join_last),
             "joiner_start_to_registered_s": (min(e["t"] for e in joiners) - joined_at
                                              if joiners else None),

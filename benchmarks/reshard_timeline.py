@@ -72,9 +72,11 @@ def split(events: list[dict], progress: list[dict], pid: int, start: float, worl
     return {**phases, "ready_s": resumed["t"] - start, "total_s": step["t"] - start}
 
 
-def last_step_before(progress: list[dict], pid: int, world: int, t: float) -> float | None:
-    """The time of ``pid``'s last step at ``world`` before ``t`` (None: none)."""
-    times = [p["t"] for p in progress if p["pid"] == pid and p["world"] == world and p["t"] < t]
+def last_step_before(progress: list[dict], pid: int, world: int | None, t: float
+                     ) -> float | None:
+    """The time of ``pid``'s last step at ``world`` (None: at any) before ``t`` (None: none)."""
+    times = [p["t"] for p in progress if p["pid"] == pid and p["t"] < t
+             and (world is None or p["world"] == world)]
     return times[-1] if times else None
 
 
