@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic.state.sharded.buffers import ShardBuffers, shapes_of
+from elastic.state.sharded.buffers import ShardBuffers, carve, shapes_of
 from elastic.state.sharded.commits import ShardCommit
 from elastic.state.sharded.layout import Piece, Plan, TensorSpec, shard_range
 
@@ -35,7 +35,8 @@ def assemble(plan: Plan, rank: int, commit: ShardCommit | None, specs: Mapping[s
         group: a gloo group of the new round's ranks (its timeout bounds every wait).
         buffers: where the new shard's host memory comes from (default: new memory).
     """
-    out = (buffers or ShardBuffers(0)).take(shapes_of(templates))
+    shapes = shapes_of(templates)
+    out = buffers.take(shapes) if buffers is not None else carve(shapes, pinned=False)
     works = []
     for tag, piece in enumerate(plan.pieces):
         spec = specs[piece.name]

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from elastic.state.sharded.shards import local_part
+
 STAND_INS = ((2,), (3,))  # a parameter-shaped entry follows their shapes; a count has ()
 
 
@@ -37,7 +39,7 @@ def make_state(optimizer: torch.optim.Optimizer) -> bool:
                 continue
             if param.grad is not None:
                 return False  # torch takes no step then either: the state is the optimizer's
-            local = param.to_local() if hasattr(param, "to_local") else param
+            local = local_part(param)
             key = (index, param.dtype, local.device)
             if key not in probes:
                 probes[key] = _probe(type(optimizer), group, param.dtype, local.device)

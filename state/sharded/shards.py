@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from elastic.state.device_copy import copy_to_host
 from elastic.state.errors import StateError
-from elastic.state.sharded.buffers import HostShard, ShardBuffers, shapes_of
+from elastic.state.sharded.buffers import HostShard, ShardBuffers, carve, shapes_of
 from elastic.state.sharded.layout import TensorSpec
 
 MODEL, OPTIM = "model/", "optim/"
@@ -98,7 +98,8 @@ def host_copy(flat: Mapping[str, torch.Tensor], buffers: ShardBuffers | None = N
     (default: new memory), pinned when a part lives on a GPU."""
     parts = {name: local_part(value).detach() for name, value in flat.items()}
     pinned = any(part.device.type == "cuda" for part in parts.values())
-    copies = (buffers or ShardBuffers(0)).take(shapes_of(parts), pinned)
+    shapes = shapes_of(parts)
+    copies = buffers.take(shapes, pinned) if buffers is not None else carve(shapes, pinned)
     copy_to_host([(copies[name], part) for name, part in parts.items()])
     return copies
 
