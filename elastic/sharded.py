@@ -151,16 +151,11 @@ class ShardedRuntime:
         self._group = dist.new_group(backend="gloo", timeout=self._timeout)
         dist.barrier(group=self._group)  # gloo connects lazily: connected before adopting
         group.adopt(before)
-        report = self._commits.report()
-        node = zlib.crc32(os.uname().nodename.encode()) & 0x7FFF_FFFF
-        row = torch.cat([torch.tensor([node], dtype=torch.int64), report])
-        rows = [torch.empty_like(row) for _ in range(topology.world_size)]
-        dist.all_gather(rows, row, group=self._group)
+        rows = self._gathered_reports(topology.world_size)
         self._nodes = [int(r[0]) for r in rows]
         self._phases = {"choose_s": time.monotonic() - started}
         try:
-            self._choice = choose([read_report(r[1:].tolist(), 1 + self._buddies)
-                                   for r in rows])
+            self._choice = choose([read_report(r[1:].tolist()) for r in rows])
         except ShardLostError as exc:
             self._choice = None
             self._lost(exc)
@@ -178,6 +173,19 @@ class ShardedRuntime:
             # a joiner synced to a newer version than the one rebuilt: its small state must
             # come from a holder of the chosen commit, so its own no longer counts as newest
             train.load_committed({"version": 0, "objects": train.committed()["objects"]})
+
+    def _gathered_reports(self, world: int) -> list[torch.Tensor]:
+        """Every rank's node id and report row, all as long as the longest (a rank may hold
+        many shards under uneven nodes, a joiner none): the width is agreed first."""
+        node = zlib.crc32(os.uname().nodename.encode()) & 0x7FFF_FFFF
+        report = self._commits.report()  # once: a copy left to its thread may still land
+        width = torch.tensor([len(report)], dtype=torch.int64)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=self._group)
+        row = torch.cat([torch.tensor([node], dtype=torch.int64),
+                         report, torch.full((int(width) - len(report),), -1, dtype=torch.int64)])
+        rows = [torch.empty_like(row) for _ in range(world)]
+        dist.all_gather(rows, row, group=self._group)
+        return rows
 
     def _lost(self, exc: ShardLostError) -> None:
         if self.durable_loader is None:

@@ -8,8 +8,10 @@ last such rollback point survives until a newer one is whole. A formation that r
 in its own layout (N -> N) commits it under the same key: the new commit borrows the shards the
 old one held (shard ``s`` of one key is the same bytes whoever holds it) until it is whole
 itself. At a formation every rank
-reports what it holds as a row of ints (``report``; no pickling) and all rows choose the same
-commit: the newest version whose every shard has a live holder (``choose``). The shards of
+reports what it holds as a row of ints (``report``; no pickling; as long as its holdings need,
+however many shards the layout puts on it, padded to the longest row before they are gathered)
+and all rows choose the same commit: the newest version whose every shard has a live holder
+(``choose``). The shards of
 the commits it drops go back to ``buffers`` for the next commits (see ``buffers``). Torch only.
 """
 
@@ -26,7 +28,6 @@ from elastic.state.sharded.buffers import ShardBuffers
 from elastic.state.sharded.layout import ShardLostError, TensorSpec
 
 KEEP = 2  # the newest commit and the one before it
-SLOTS = KEEP + 1  # and the newest whole commit, when older than both
 _HEAD = 5  # version, world, shards, own shard, count of held shards
 
 
@@ -168,21 +169,18 @@ class ShardCommits:
         with self._lock:
             return next((c for c in self._commits if c.key == key), None)
 
-    @property
-    def width(self) -> int:
-        """Length of a report row."""
-        return SLOTS * (_HEAD + 2 * self._max_held)
-
-    def report(self) -> torch.Tensor:
-        """This rank's holdings as one int64 row (``-1`` pads)."""
-        row = torch.full((self.width,), -1, dtype=torch.int64)
+    def report(self, width: int = 0) -> torch.Tensor:
+        """This rank's holdings as one int64 row: per commit its key, own shard, the count of
+        the shards it holds and those shards; every held shard, whatever the layout put on
+        this rank. ``-1`` pads it to ``width`` when that is longer (rows of one all-gather
+        must be as long as the longest)."""
+        values: list[int] = []
         with self._lock:
-            for slot, commit in enumerate(self._commits):
-                held = sorted(commit.held)[: 2 * self._max_held]
-                at = slot * (_HEAD + 2 * self._max_held)
-                values = [commit.version, commit.world, commit.shards, commit.own, len(held)]
-                row[at: at + _HEAD + len(held)] = torch.tensor(values + held, dtype=torch.int64)
-        return row
+            for commit in self._commits:
+                held = sorted(commit.held)
+                values += [commit.version, commit.world, commit.shards, commit.own, len(held),
+                           *held]
+        return torch.tensor(values + [-1] * (width - len(values)), dtype=torch.int64)
 
 
 def _borrow(commit: ShardCommit, same: ShardCommit, most: int) -> None:
@@ -202,17 +200,15 @@ def _trimmed(commits: list[ShardCommit]) -> list[ShardCommit]:
     return newest if whole is None or any(c is whole for c in newest) else [whole, *newest]
 
 
-def read_report(row: Sequence[int], max_held: int) -> list[Holding]:
-    """Decodes one rank's report row (from ``ShardCommits.report``; ``max_held`` as given to
-    it)."""
-    found = []
-    step = _HEAD + 2 * max_held
-    for at in range(0, len(row) - step + 1, step):
+def read_report(row: Sequence[int]) -> list[Holding]:
+    """Decodes one rank's report row (from ``ShardCommits.report``, padded or not)."""
+    found, at = [], 0
+    while at + _HEAD <= len(row) and int(row[at]) >= 0:
         version, world, shards, own, count = (int(v) for v in row[at: at + _HEAD])
-        if version < 0 or not 0 <= count <= 2 * max_held or shards < 1:
-            continue
-        found.append(Holding(version, world, shards, own,
-                             frozenset(int(v) for v in row[at + _HEAD: at + _HEAD + count])))
+        held = [int(v) for v in row[at + _HEAD: at + _HEAD + count]]
+        assert shards >= 1 and count == len(held), f"a malformed report row: {list(row)}"
+        found.append(Holding(version, world, shards, own, frozenset(held)))
+        at += _HEAD + count
     return found
 
 

@@ -57,6 +57,18 @@ def _choose(rank: int, world: int, missing: bool) -> dict:
     return {"version": train.version, "step": train.step}
 
 
+def _choose_many_held_with_a_joiner(rank: int, world: int) -> dict:
+    runtime = ShardedRuntime(_parallelize, None, 1, TIMEOUT, RELEASED_WAIT)
+    train = TrainState(step=4)
+    train.commit()
+    if rank == 0:  # the buddy of every rank of a lost node: it holds all six shards
+        runtime._commits.add(_commit(train, 6, 5, (0, 1, 2, 3, 4, 5)))
+    topology, group = _round(rank, world)  # rank 1 joins holding nothing: a shorter report
+    runtime.choose(topology, train, group)
+    choice = runtime._choice
+    return {"version": choice.version, "holders": [sorted(h) for h in choice.holders]}
+
+
 def _round(rank: int, world: int) -> tuple[Topology, ProcessGroup]:
     topology = Topology(round=2, rank=rank, world_size=world, member_id=f"m{rank}", rank0="m0",
                         master_addr="127.0.0.1", master_port=0, store_prefix="", lineage=2)
@@ -118,6 +130,11 @@ def test_a_joiner_newer_than_the_commit_rebuilt_takes_the_small_state_of_a_holde
     results = run_in_group(_choose_with_a_joiner, 2, tmp_path)
     assert results == {0: {"source": 0, "version": 1, "step": 4},
                        1: {"source": 0, "version": 1, "step": 4}}
+
+
+def test_a_rank_holding_every_shard_and_a_joiner_holding_none_agree_on_the_commit(tmp_path):
+    results = run_in_group(_choose_many_held_with_a_joiner, 2, tmp_path)
+    assert results[0] == results[1] == {"version": 1, "holders": [[0]] * 6}
 
 
 def test_leaving_a_released_round_waits_for_an_unwoken_buddy_copy_only_briefly(tmp_path):

@@ -47,8 +47,23 @@ def test_a_report_row_reads_back_as_the_commits_and_shards_a_rank_holds():
     commits = ShardCommits(max_held=2)
     commits.add(_commit(3, 4, 1, (0,)))
     commits.add(_commit(4, 4, 1))
-    assert read_report(commits.report().tolist(), 2) == [
+    assert read_report(commits.report().tolist()) == [
         Holding(3, 4, 4, 1, frozenset({0, 1})), Holding(4, 4, 4, 1, frozenset({1}))]
+
+
+@pytest.mark.unit
+def test_a_rank_that_holds_more_shards_than_max_held_reports_every_one_of_them():
+    # rank 5, alone on its node, is the buddy of all five ranks of node 0: node 0 dies, and
+    # rank 5 must still report (and so rebuild) every shard it holds
+    nodes = [0, 0, 0, 0, 0, 1]
+    held = [s for s, ranks in enumerate(holders_of(6, 6, 1, nodes)) if 5 in ranks]
+    assert held == [0, 1, 2, 3, 4, 5]
+    commits = ShardCommits(max_held=2)
+    commits.add(_commit(7, 6, 5, tuple(held[:5])))
+    row = commits.report()
+    assert read_report(commits.report(width=len(row) + 9).tolist()) == read_report(row.tolist())
+    choice = choose([read_report(row.tolist())])
+    assert choice is not None and choice.holders == (frozenset({0}),) * 6
 
 
 @pytest.mark.unit
@@ -56,11 +71,11 @@ def test_a_new_commit_drops_the_oldest_and_any_rolled_back_future():
     commits = ShardCommits(max_held=2)
     for version in (1, 2, 3):
         commits.add(_commit(version, 2, 0))
-    assert [h.version for h in read_report(commits.report().tolist(), 2)] == [2, 3]
+    assert [h.version for h in read_report(commits.report().tolist())] == [2, 3]
     commits.add(_commit(3, 2, 0))  # after a rollback to 2, version 3 again
-    assert [h.version for h in read_report(commits.report().tolist(), 2)] == [2, 3]
+    assert [h.version for h in read_report(commits.report().tolist())] == [2, 3]
     commits.add(_commit(2, 2, 0))  # a rollback to 1 and version 2 again
-    assert [h.version for h in read_report(commits.report().tolist(), 2)] == [2]
+    assert [h.version for h in read_report(commits.report().tolist())] == [2]
 
 
 @pytest.mark.unit
@@ -71,10 +86,10 @@ def test_a_formation_commit_in_a_new_layout_keeps_the_old_layout_of_its_version_
     commits.add(_commit(2, 4, 1, (0,)))
     commits.add(_commit(3, 4, 1, (0,)))
     commits.add(_commit(3, 3, 1))
-    assert [(h.version, h.world, h.held) for h in read_report(commits.report().tolist(), 2)] == [
+    assert [(h.version, h.world, h.held) for h in read_report(commits.report().tolist())] == [
         (3, 4, frozenset({0, 1})), (3, 3, frozenset({1}))]
     commits.add(_commit(4, 3, 1))  # the next commit: the old layout goes
-    assert [(h.version, h.world) for h in read_report(commits.report().tolist(), 2)] == [
+    assert [(h.version, h.world) for h in read_report(commits.report().tolist())] == [
         (3, 3), (4, 3)]
 
 
@@ -86,7 +101,7 @@ def test_a_formation_commit_in_the_same_layout_borrows_the_copies_held_until_it_
     commits.add(_commit(2, 4, 1, (0,)))
     commits.add(_commit(3, 4, 1, (0,)))  # old rank 1: its shard and its buddy's
     commits.add(_commit(3, 4, 2))  # now rank 2: its new shard, its copies not yet landed
-    assert [(h.version, h.own, h.held) for h in read_report(commits.report().tolist(), 2)] == [
+    assert [(h.version, h.own, h.held) for h in read_report(commits.report().tolist())] == [
         (2, 1, frozenset({0, 1})), (3, 2, frozenset({0, 1, 2}))]
     three = commits.find((3, 4, 4))
     assert all(torch.equal(three.held[s][n], _shard(n, 4, s)) for s in (0, 1, 2) for n in SPECS)
@@ -110,7 +125,7 @@ def test_a_second_kill_before_a_same_layout_formation_commit_travels_rebuilds_it
     # new rank 0 dies before the formation's copies landed: its new shard 0 is still held by
     # new rank 1 (its old copy), and shard 3 by new rank 2 (its old own) besides the spare
     alive = [survivors[1], survivors[2], spare]
-    choice = choose([read_report(c.report().tolist(), 2) for c in alive])
+    choice = choose([read_report(c.report().tolist()) for c in alive])
     assert (choice.version, choice.world) == (5, 4)
     assert choice.holders == (frozenset({0}), frozenset({0}), frozenset({1}),
                               frozenset({1, 2}))
@@ -135,7 +150,7 @@ def test_a_kill_while_a_join_formation_commit_travels_rebuilds_the_last_whole_co
     joiner.add(_commit(6, 4, 3))
     # old rank 1 dies before its copies of version 6 at 4 landed: one kill, version 5 is whole
     alive = [ranks[0], ranks[2], joiner]
-    choice = choose([read_report(c.report().tolist(), 2) for c in alive])
+    choice = choose([read_report(c.report().tolist()) for c in alive])
     assert (choice.version, choice.world) == (5, 3)
     assert choice.holders == (frozenset({0}), frozenset({1}), frozenset({0, 1}))
 
@@ -149,9 +164,9 @@ def test_a_whole_commit_stays_until_a_newer_one_is_confirmed_whole_then_goes():
     four, five = _commit(4, 2, 0, (1,)), _commit(5, 2, 0)
     commits.add(four)
     commits.add(five)  # four's copies landed here, but not yet known to have landed everywhere
-    assert [h.version for h in read_report(commits.report().tolist(), 2)] == [3, 4, 5]
+    assert [h.version for h in read_report(commits.report().tolist())] == [3, 4, 5]
     commits.confirm(four)
-    assert [h.version for h in read_report(commits.report().tolist(), 2)] == [4, 5]
+    assert [h.version for h in read_report(commits.report().tolist())] == [4, 5]
 
 
 @pytest.mark.unit
@@ -162,9 +177,9 @@ def test_a_live_commit_is_kept_only_while_it_is_the_newest():
         live = _commit(version, 2, 0)
         live.live = True
         commits.add(live)
-    assert [h.version for h in read_report(commits.report().tolist(), 2)] == [1, 3]
+    assert [h.version for h in read_report(commits.report().tolist())] == [1, 3]
     commits.add(_commit(4, 2, 0))  # a snapshot commit: the live tensors have moved on
-    assert [h.version for h in read_report(commits.report().tolist(), 2)] == [1, 4]
+    assert [h.version for h in read_report(commits.report().tolist())] == [1, 4]
 
 
 @pytest.mark.unit
