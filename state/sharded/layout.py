@@ -13,6 +13,7 @@ not hold, each from one live holder, the load spread over the holders. Must not 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -85,9 +86,12 @@ class Plan:
 
 
 def buddy_ranks(rank: int, world: int, copies: int, nodes: Sequence[int] = ()) -> list[int]:
-    """The ranks that keep a copy of ``rank``'s shards: the next ``copies`` ranks of the ring
-    (``rank + 1``, ...), those on another node than ``rank`` first when ``nodes`` (one node id
-    per rank) says the job spans nodes.
+    """The ranks that keep a copy of ``rank``'s shards, distinct and not ``rank``.
+
+    On one node (``nodes`` empty, one node id per rank, or all alike): the next ``copies``
+    ranks of the ring (``rank + 1``, ...). When the job spans nodes, ranks on another node
+    first (all of them before any on ``rank``'s own), spread so that no rank holds more copies
+    than some placement must put on one: see ``_cross_node``.
 
     Raises:
         ValueError: ``copies`` < 0, or ``nodes`` not one id per rank.
@@ -96,10 +100,109 @@ def buddy_ranks(rank: int, world: int, copies: int, nodes: Sequence[int] = ()) -
         raise ValueError(f"buddies ({copies}) must be >= 0.")
     if nodes and len(nodes) != world:
         raise ValueError(f"{len(nodes)} node ids for a world of {world}.")
-    ring = [(rank + step) % world for step in range(1, world)]
-    if nodes:
-        ring.sort(key=lambda r: nodes[r] == nodes[rank])  # stable: ring order within each kind
-    return ring[:copies]
+    if len(set(nodes)) < 2:
+        return [(rank + step) % world for step in range(1, world)][:copies]
+    return list(_cross_node(world, copies, tuple(nodes))[rank])
+
+
+@functools.lru_cache(maxsize=4)
+def _cross_node(world: int, copies: int, nodes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Every rank's buddies when the job spans nodes; a pure function, alike on every rank.
+
+    Node ``n`` of ``m_n`` ranks places ``m_n * min(copies, world - m_n)`` copies on other
+    nodes, at most ``m_n`` on any one rank (one per rank of ``n``). The best any placement
+    can do: for every set ``P`` of nodes, of ``|P|`` ranks in all, each rank of a node ``n``
+    has ``world - |P|`` ranks outside ``P`` (``- m_n`` more when ``n`` is not in ``P``) for
+    its copies, so the rest land on ``P``, and some rank of ``P`` holds the ceiling of their
+    sum over ``|P|``; the most copies on one rank is at least the largest of these ceilings
+    (and ``copies``). ``_spread`` places them under the least cap that can be met (a
+    max-flow, the cap on each rank's copies raised one at a time), which the tests find equal
+    to that ceiling on thousands of random layouts.
+    Node ``n``'s ``k``-th copy, in the order of ``_elsewhere`` (each target's copies in a run
+    of at most ``m_n``), goes to its ``k % m_n``-th rank: every rank's buddies are distinct.
+    Nodes of 5 and 1 ranks put five copies on the lone rank, as any placement must. Copies
+    beyond the ranks elsewhere go to ranks of the same node, in ring order.
+    """
+    first = {node: nodes.index(node) for node in set(nodes)}
+    order = sorted(range(world), key=lambda r: (first[nodes[r]], r))  # grouped by node
+    groups = {node: [r for r in order if nodes[r] == node] for node in sorted(first,
+                                                                              key=first.get)}
+    targets = {node: _elsewhere(order, nodes, node) for node in groups}
+    spread = _spread(targets, {node: len(g) * min(copies, world - len(g))
+                               for node, g in groups.items()},
+                     {node: len(g) for node, g in groups.items()}, world)
+    chosen: list[list[int]] = [[] for _ in range(world)]
+    for node, givers in groups.items():
+        entries = [t for t in targets[node] for _ in range(spread[node].get(t, 0))]
+        for k, t in enumerate(entries):
+            chosen[givers[k % len(givers)]].append(t)
+    for r in range(world):
+        ring = [(r + step) % world for step in range(1, world)]
+        chosen[r] += [t for t in ring if nodes[t] == nodes[r]][: copies - len(chosen[r])]
+    return tuple(tuple(c) for c in chosen)
+
+
+def _elsewhere(order: list[int], nodes: Sequence[int], node: int) -> list[int]:
+    """The ranks not on ``node``, in ``order`` from the one after ``node``'s last rank."""
+    last = max(at for at, r in enumerate(order) if nodes[r] == node)
+    ring = order[last + 1:] + order[: last + 1]
+    return [r for r in ring if nodes[r] != node]
+
+
+def _spread(targets: Mapping[int, list[int]], need: Mapping[int, int],
+            most: Mapping[int, int], world: int) -> dict[int, dict[int, int]]:
+    """How many copies each node puts on each rank of ``targets[node]`` (``need[node]`` in
+    all, ``most[node]`` on one rank at most), no rank getting more than it must: augmenting
+    paths under a cap on each rank's copies, the cap raised by one when none is left."""
+    sent: dict[int, dict[int, int]] = {node: {} for node in targets}
+    left, load, cap = dict(need), [0] * world, 0
+    while any(left.values()):
+        cap += 1
+        while (path := _augmenting(targets, sent, left, most, load, cap)) is not None:
+            left[path[0][0]] -= 1
+            for at, (node, rank) in enumerate(path):
+                sent[node][rank] = sent[node].get(rank, 0) + 1
+                if at + 1 < len(path):  # the next node gives up its copy on ``rank``
+                    nxt = path[at + 1][0]
+                    sent[nxt][rank] -= 1
+            load[path[-1][1]] += 1
+    return sent
+
+
+def _augmenting(targets: Mapping[int, list[int]], sent: Mapping[int, dict[int, int]],
+                left: Mapping[int, int], most: Mapping[int, int], load: list[int],
+                cap: int) -> list[tuple[int, int]] | None:
+    """A shortest chain ``(node, rank), ...``: the first node places one more copy on its rank,
+    each next node moves its copy from the previous rank to its own, and the last rank has
+    room under ``cap``; None when there is none (breadth first, in a fixed order)."""
+    came: dict[int, tuple[int, int] | None] = {}  # node -> (node, rank) it came from
+    seen: set[int] = set()
+    frontier = [node for node in targets if left[node] > 0]
+    for node in frontier:
+        came[node] = None
+    while frontier:
+        reached = []
+        for node in frontier:
+            for rank in targets[node]:
+                if rank in seen or sent[node].get(rank, 0) >= most[node]:
+                    continue
+                seen.add(rank)
+                if load[rank] < cap:
+                    return _chain(came, node, rank)
+                for other in targets:
+                    if other not in came and sent[other].get(rank, 0) > 0:
+                        came[other] = (node, rank)
+                        reached.append(other)
+        frontier = reached
+    return None
+
+
+def _chain(came: Mapping[int, tuple[int, int] | None], node: int,
+           rank: int) -> list[tuple[int, int]]:
+    path = [(node, rank)]
+    while (back := came[path[-1][0]]) is not None:
+        path.append(back)
+    return path[::-1]
 
 
 def holders_of(world: int, shards: int, copies: int, nodes: Sequence[int] = ()) -> list[set[int]]:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+from collections import Counter
+
 import pytest
 import torch
 
@@ -32,6 +36,55 @@ def test_buddies_follow_the_ring_and_prefer_another_node():
     # ranks 0,1 on node 10 and 2,3 on node 11: rank 0's first copy goes to node 11
     assert buddy_ranks(0, 4, 2, nodes=[10, 10, 11, 11]) == [2, 3]
     assert buddy_ranks(2, 4, 1, nodes=[10, 10, 11, 11]) == [0]
+
+
+@pytest.mark.parametrize(("nodes", "copies", "most"), [
+    ([0, 0, 0, 1, 1, 1, 1], 1, 2),  # node 1's four copies on node 0's three ranks
+    ([0, 0, 0, 1, 1, 1, 1], 2, 3),  # eight on three
+    ([0, 0, 0, 0, 0, 1], 1, 5),  # rank 5 is the only rank on another node for five ranks
+    ([0, 0, 1, 1, 2], 1, 1),
+    ([0, 0, 1, 1, 2], 2, 2),
+    ([0, 1, 0, 1, 2, 2, 2, 2], 1, 1),  # nodes need not be contiguous
+])
+def test_buddies_on_uneven_nodes_sit_on_another_node_and_no_rank_holds_more_than_it_must(
+        nodes, copies, most):
+    world = len(nodes)
+    for rank in range(world):
+        buddies = buddy_ranks(rank, world, copies, nodes)
+        elsewhere = sum(node != nodes[rank] for node in nodes)
+        assert len(set(buddies)) == copies and rank not in buddies
+        assert all(nodes[b] != nodes[rank] for b in buddies[:elsewhere])
+    holders = holders_of(world, world, copies, nodes)
+    assert [len(held) for held in holders] == [copies + 1] * world
+    copies_held = [sum(rank in held for held in holders) - 1 for rank in range(world)]
+    assert max(copies_held) == most
+
+
+def _least_most_held(nodes: list[int], copies: int) -> int:
+    """The ceiling no placement beats: for each set of nodes, the copies that cannot land
+    outside it, over its ranks (layout.py's ``_cross_node``)."""
+    world, sizes = len(nodes), Counter(nodes)
+    least = copies
+    for count in range(1, len(sizes) + 1):
+        for group in itertools.combinations(sizes, count):
+            ranks = sum(sizes[n] for n in group)
+            outside = {n: world - ranks - (0 if n in group else m) for n, m in sizes.items()}
+            forced = sum(m * max(0, min(copies, world - m) - outside[n])
+                         for n, m in sizes.items())
+            least = max(least, -(-forced // ranks))
+    return least
+
+
+def test_on_random_uneven_nodes_no_rank_holds_more_copies_than_any_placement_must():
+    rng = random.Random(43)
+    for _ in range(400):
+        world, copies = rng.randint(2, 12), rng.randint(1, 3)
+        nodes = [rng.randrange(rng.randint(2, 4)) for _ in range(world)]
+        if len(set(nodes)) < 2 or any(copies > world - nodes.count(n) for n in nodes):
+            continue
+        holders = holders_of(world, world, copies, nodes)
+        most = max(sum(rank in held for held in holders) - 1 for rank in range(world))
+        assert most == _least_most_held(nodes, copies), (nodes, copies)
 
 
 def test_fsdp_shards_are_held_by_their_owner_and_buddies_and_hsdp_shards_by_replicas():
