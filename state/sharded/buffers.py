@@ -69,7 +69,8 @@ class ShardBuffers:
     """Shards handed back by dropped commits, for the next commits to fill; thread-safe.
 
     Args:
-        limit: the most shards kept for reuse (one commit's worth).
+        limit: the most shards kept for reuse (one commit's worth; ``keep_at_least`` raises
+            it).
     """
 
     def __init__(self, limit: int) -> None:
@@ -79,6 +80,12 @@ class ShardBuffers:
         self._lock = threading.Lock()
         self._free: list[HostShard] = []  # oldest first
         self.carved = 0  # shards allocated, for tests and measurements
+
+    def keep_at_least(self, count: int) -> None:
+        """Raises the limit to ``count`` shards: a rank on uneven nodes may hold more shards of
+        a commit than its own and ``buddies`` copies."""
+        with self._lock:
+            self._limit = max(self._limit, count)
 
     def take(self, shapes: Shapes, pinned: bool = False) -> HostShard:
         """A shard of ``shapes``: one handed back, else a new one. Its contents are stale."""

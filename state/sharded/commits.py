@@ -96,12 +96,11 @@ class ShardCommits:
     copies from a thread.
 
     Args:
-        max_held: the most shards one rank holds of a commit (its own and its buddies'); a
-            formation's commit in the same layout borrows as many more at most.
+        max_held: the shards one rank holds of a commit (its own and its buddies'), kept for
+            reuse at first; more when some kept commit holds more (uneven nodes).
     """
 
     def __init__(self, max_held: int) -> None:
-        self._max_held = max_held
         self._lock = threading.Lock()
         self._commits: list[ShardCommit] = []
         self.buffers = ShardBuffers(limit=max_held)
@@ -114,12 +113,12 @@ class ShardCommits:
         layout stays: a formation commits the version it resharded in the new layout, whose
         buddy copies then travel while the old layout still holds it. In the same layout (a
         replacement took a dead rank's place) ``commit`` borrows the held shards of the one it
-        replaces, as many as a commit holds: its own copies travel still, and a second failure
+        replaces, every one of them: its own copies travel still, and a second failure
         meanwhile must find the first one's holders."""
         with self._lock:
             same = next((c for c in self._commits if c.key == commit.key and not c.live), None)
             if same is not None:
-                _borrow(commit, same, self._max_held)
+                _borrow(commit, same)
             kept = [c for c in self._commits if not c.live and (
                 c.version < commit.version or (c.version == commit.version
                                                and c.key != commit.key))]
@@ -157,6 +156,7 @@ class ShardCommits:
     def _keep(self, commits: list[ShardCommit]) -> None:
         """Keeps ``commits``; the shards of those that go are reused unless their exchange is
         in flight (or failed). A live commit's tensors are the model's: never reused."""
+        self.buffers.keep_at_least(max((len(c.held) for c in commits), default=0))
         kept = {id(tensors) for c in commits for tensors in c.held.values()}
         for dropped in self._commits:
             if not (dropped.live or dropped.in_flight or any(c is dropped for c in commits)):
@@ -183,11 +183,11 @@ class ShardCommits:
         return torch.tensor(values + [-1] * (width - len(values)), dtype=torch.int64)
 
 
-def _borrow(commit: ShardCommit, same: ShardCommit, most: int) -> None:
-    """Lends ``commit`` the shards that ``same`` (of its key) holds and it does not, the ones
-    ``same`` did not borrow itself first, ``most`` at most."""
-    for shard in sorted(same.held, key=lambda s: (s in same.borrowed, s)):
-        if shard not in commit.held and len(commit.borrowed) < most:
+def _borrow(commit: ShardCommit, same: ShardCommit) -> None:
+    """Lends ``commit`` every shard that ``same`` (of its key) holds and it does not, however
+    many the layout put on this rank (at most one per shard of the layout)."""
+    for shard in sorted(same.held):
+        if shard not in commit.held:
             commit.held[shard] = same.held[shard]
             commit.borrowed.add(shard)
 

@@ -51,6 +51,17 @@ def test_the_shards_of_a_dropped_commit_come_back_and_a_kept_commits_never():
 
 
 @pytest.mark.unit
+def test_a_rank_that_holds_more_shards_than_max_held_gets_them_all_back_for_reuse():
+    # uneven nodes make some rank the buddy of many: its commits hold six shards, not two
+    commits = ShardCommits(max_held=2)
+    for version in (1, 2, 3):
+        commits.add(_commit(commits, version, tuple(range(6))))
+    assert commits.buffers.free == 6
+    _commit(commits, 4, tuple(range(6)))
+    assert commits.buffers.carved == 18
+
+
+@pytest.mark.unit
 def test_a_commit_whose_exchange_is_in_flight_or_failed_is_never_reused():
     commits = ShardCommits(max_held=2)
     failed, landed = _commit(commits, 1, (0,)), _commit(commits, 2, (0,))

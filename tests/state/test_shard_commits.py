@@ -67,6 +67,19 @@ def test_a_rank_that_holds_more_shards_than_max_held_reports_every_one_of_them()
 
 
 @pytest.mark.unit
+def test_a_same_layout_formation_commit_borrows_every_shard_the_rank_held():
+    # rank 5, alone on its node, holds all six shards of version 5; a spare takes a dead rank's
+    # place and version 5 is committed again in the same layout: until its copies land, node 0
+    # dying must still find every shard on rank 5
+    commits = ShardCommits(max_held=2)
+    commits.add(_commit(5, 6, 5, (0, 1, 2, 3, 4)))
+    commits.drop_newer(5)
+    commits.add(_commit(5, 6, 5))
+    choice = choose([read_report(commits.report().tolist())])
+    assert choice is not None and choice.holders == (frozenset({0}),) * 6
+
+
+@pytest.mark.unit
 def test_a_new_commit_drops_the_oldest_and_any_rolled_back_future():
     commits = ShardCommits(max_held=2)
     for version in (1, 2, 3):
