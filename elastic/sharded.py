@@ -47,9 +47,10 @@ Parallelize = Callable[[DeviceMesh], dict[str, Any]]
 # fsdp-durable's hooks (issue 43 item 4, checkpoint/): the loader fills the objects of a new
 # formation ({"model": ..., "optimizer": ...}) from the newest durable sharded checkpoint and
 # returns the committed payload of the rest (``TrainState.committed()``) or None when there is
-# none; the writer gets the version, the sharded state dict {"model": ..., "optimizer": ...}
-# (DTensors, from get_state_dict) and that payload, on every rank, at commit(durable=True).
-DurableLoader = Callable[[dict[str, Any]], dict[str, Any] | None]
+# none (its second argument: whether a shard was lost, so that none is worth a warning); the
+# writer gets the version, the sharded state dict {"model": ..., "optimizer": ...} (DTensors,
+# from get_state_dict) and that payload, on every rank, at commit(durable=True).
+DurableLoader = Callable[[dict[str, Any], bool], dict[str, Any] | None]
 DurableWriter = Callable[[int, dict[str, Any], dict[str, Any]], None]
 
 
@@ -227,8 +228,8 @@ class ShardedRuntime:
             # nobody holds a commit of the shards, yet the state is at one: a resume from
             # the durable checkpoint whose small state was just synced, the fallback, or a
             # durable checkpoint newer than every commit held whole (restored entire)
-            self._fallback = False
-            small = self.durable_loader(self.objects)
+            lost, self._fallback = self._fallback, False
+            small = self.durable_loader(self.objects, lost)
             if small is not None:
                 train.load_committed(small)
                 train.restore()

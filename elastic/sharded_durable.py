@@ -58,9 +58,11 @@ class ShardedDurable:
                         blocked_s=time.monotonic() - started,
                         write_s=time.monotonic() - started)
 
-    def load(self, objects: dict[str, Any]) -> dict[str, Any] | None:
+    def load(self, objects: dict[str, Any], lost: bool = False) -> dict[str, Any] | None:
         """Fills the new formation's model and optimizer from the newest durable sharded
-        checkpoint (resharded by DCP to this world size).
+        checkpoint (resharded by DCP to this world size). None found is a warning only when
+        ``lost`` (some shard of the last commit had no live holder); at a first start, with
+        nothing written yet, it is not.
 
         Returns:
             The checkpoint's payload (the committed small state), or None when there is none.
@@ -72,7 +74,12 @@ class ShardedDurable:
         try:
             loaded = ShardedCheckpoints(self._durable.store).load(state)
         except CheckpointNotFoundError as exc:
-            log.warning("no durable sharded checkpoint to load: %s", exc)
+            if lost:
+                log.warning("no durable sharded checkpoint to fall back on either (%s): the "
+                            "model and optimizer go on as parallelize(mesh) built them.", exc)
+            else:
+                log.info("no durable sharded checkpoint under %s yet: the model and optimizer "
+                         "start as parallelize(mesh) built them.", self._durable.url)
             return None
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
