@@ -205,9 +205,6 @@ class CollectiveCommit:
     def _commit_durably(self, version: int) -> None:
         """Has rank 0 write the commit to the checkpoint URL in the background (sharded: every
         rank hands its shards to the durable writer hook)."""
-        if self._sharded is not None:
-            self._sharded.write_durable(self._train)
-            return
         if self._durable is None:
             if not self._warned_not_durable:
                 log.warning("commit(durable=True) without a checkpoint URL: the commit stays in "
@@ -215,7 +212,9 @@ class CollectiveCommit:
                             "ELASTIC_CHECKPOINT to make it durable.")
                 self._warned_not_durable = True
             return
-        if self.rank == 0:
+        if self._sharded is not None:
+            self._sharded.write_durable(self._train)
+        elif self.rank == 0:
             self._durable.write(self._train.committed(), version, self._commit_metadata())
 
     def _commit_metadata(self) -> dict[str, Any]:

@@ -44,12 +44,10 @@ from elastic.state.sharded.shards import (flat_tensors, forget_meshes, host_copy
 log = logging.getLogger(__name__)
 
 Parallelize = Callable[[DeviceMesh], dict[str, Any]]
-# fsdp-durable's hooks (issue 43 item 4, checkpoint/): the loader fills the objects of a new
-# formation ({"model": ..., "optimizer": ...}) from the newest durable sharded checkpoint and
-# returns the committed payload of the rest (``TrainState.committed()``) or None when there is
-# none (its second argument: whether a shard was lost, so that none is worth a warning); the
-# writer gets the version, the sharded state dict {"model": ..., "optimizer": ...} (DTensors,
-# from get_state_dict) and that payload, on every rank, at commit(durable=True).
+# The durable hooks (elastic.sharded_durable): the loader fills a formation's objects from the
+# newest durable sharded checkpoint and returns its small state (``TrainState.committed()``),
+# None when there is none (its second argument: whether a shard was lost); the writer gets the
+# version, the sharded state dict (DTensors) and that payload, on every rank.
 DurableLoader = Callable[[dict[str, Any], bool], dict[str, Any] | None]
 DurableWriter = Callable[[int, dict[str, Any], dict[str, Any]], None]
 
@@ -102,7 +100,6 @@ class ShardedRuntime:
         self._nodes: list[int] = []  # one node id per rank of the round
         self._group: Any = None  # the round's gloo group for moves and copies
         self._fallback = False  # the next rebuild loads the newest durable checkpoint
-        self._warned_no_writer = False
         self._specs: dict[str, TensorSpec] = {}  # this formation's tensors
         self._live: dict[str, torch.Tensor] = {}  # their live local parts on this rank
         self._phases: dict[str, float] = {}  # this formation's seconds, for the rebuilt event
@@ -191,9 +188,9 @@ class ShardedRuntime:
     def _lost(self, exc: ShardLostError) -> None:
         if self.durable_loader is None:
             raise ShardedStateLostError(
-                f"{exc} Recovering needs a durable sharded checkpoint, and this build has no "
-                "loader for one (issue 43 item 4, checkpoint/): restart the job from scratch, "
-                "or keep more copies with ElasticState(buddies=...).") from exc
+                f"{exc} Recovering needs a durable sharded checkpoint, and the job has no "
+                "checkpoint URL: restart it from scratch, and keep more copies "
+                "(ElasticState(buddies=...)) or give it a URL and commit(durable=True).") from exc
         self._fallback = True
         log.warning("%s Falling back to the newest durable sharded checkpoint: the steps since "
                     "it are lost.", exc)
@@ -233,6 +230,11 @@ class ShardedRuntime:
             if small is not None:
                 train.load_committed(small)
                 train.restore()
+            elif lost:  # else a fresh model would train on under the commit's step and sampler
+                raise ShardedStateLostError(
+                    "a shard of the last commit has no live holder and the checkpoint URL no "
+                    "durable sharded checkpoint: restart the job from scratch, and keep more "
+                    "copies (ElasticState(buddies=...)) or commit(durable=True) early.")
             elif self._choice is not None:
                 raise ShardedStateLostError(
                     f"the durable sharded checkpoint of version {train.version} that the small "
@@ -365,15 +367,9 @@ class ShardedRuntime:
             self._copied = commit
 
     def write_durable(self, train: TrainState) -> None:
-        """Hands this rank's shards of the commit just taken to the durable writer hook; without
-        one, says once that the commit stays in memory."""
-        if self.durable_writer is None:
-            if not self._warned_no_writer:
-                log.warning("commit(durable=True) with sharded state: this build has no durable "
-                            "sharded writer (issue 43 item 4), so the commit stays in memory "
-                            "(buddy copies only).")
-                self._warned_no_writer = True
-            return
+        """Hands this rank's shards of the commit just taken to the durable writer hook (set
+        whenever there is a checkpoint URL)."""
+        assert self.durable_writer is not None, "no checkpoint URL: nothing to write to"
         model_sd, optim_sd = self.state_dict()
         self.durable_writer(train.version, {"model": model_sd, "optimizer": optim_sd},
                             snapshot(train.committed()))

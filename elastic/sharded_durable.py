@@ -60,9 +60,9 @@ class ShardedDurable:
 
     def load(self, objects: dict[str, Any], lost: bool = False) -> dict[str, Any] | None:
         """Fills the new formation's model and optimizer from the newest durable sharded
-        checkpoint (resharded by DCP to this world size). None found is a warning only when
-        ``lost`` (some shard of the last commit had no live holder); at a first start, with
-        nothing written yet, it is not.
+        checkpoint (resharded by DCP to this world size). None found is an info line at a first
+        start (nothing written yet); when ``lost`` (some shard of the last commit had no live
+        holder) the caller stops the job instead.
 
         Returns:
             The checkpoint's payload (the committed small state), or None when there is none.
@@ -73,11 +73,8 @@ class ShardedDurable:
         state = {"model": model_sd, "optimizer": optim_sd}
         try:
             loaded = ShardedCheckpoints(self._durable.store).load(state)
-        except CheckpointNotFoundError as exc:
-            if lost:
-                log.warning("no durable sharded checkpoint to fall back on either (%s): the "
-                            "model and optimizer go on as parallelize(mesh) built them.", exc)
-            else:
+        except CheckpointNotFoundError:
+            if not lost:
                 log.info("no durable sharded checkpoint under %s yet: the model and optimizer "
                          "start as parallelize(mesh) built them.", self._durable.url)
             return None
