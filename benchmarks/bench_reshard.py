@@ -198,14 +198,17 @@ def rss_without_buddies(size: list[str], ranks: int) -> float:
 
 
 def elastic_stamps(size: list[str], ranks: int, steps: int, commit_every: int = 10
-                   ) -> list[float]:
+                   ) -> tuple[list[float], list[float]]:
     """Rank 0's step end times in a job of ``ranks`` workers, ``buddies=1``, a commit every
-    ``commit_every`` steps (0: only the formation's)."""
+    ``commit_every`` steps (0: only the formation's), and how long each of its commits in the
+    loop took on the training thread."""
     job = run_plain_job(size + ["--commit-every", str(commit_every)], 1, ranks, steps)
     try:
         harness.wait_for(lambda: harness.steps_of(job.out, steps, ranks), WAIT_S,
                          f"{ranks} workers at step {steps}")
-        return [p["t"] for p in job.progress() if p["rank"] == 0 and p["world"] == ranks]
+        mine = [p for p in job.progress() if p["rank"] == 0 and p["world"] == ranks]
+        commits = {p["commit_s"] for p in mine if p.get("commit_s") is not None}
+        return [p["t"] for p in mine], sorted(commits)
     finally:
         job.stop()
 
@@ -217,17 +220,20 @@ def steady(size: list[str], ranks: int, rounds: int, steps: int, split: bool = F
     width, layers = int(size[1]), int(size[3])
     sides = ["plain", "ours"] + ["ours_no_commits"] * split
     rates: dict[str, list[float]] = {side: [] for side in sides}
+    commit_s: list[float] = []
     for turn in range(rounds):
         for side in sides[turn % len(sides):] + sides[:turn % len(sides)]:
             if side == "plain":
                 stamps = reshard_steady.plain_run(width, layers, ranks, steps, 16,
                                                   meta="--full-init" not in size)
             else:
-                stamps = elastic_stamps(size, ranks, steps, 10 if side == "ours" else 0)
+                stamps, commits = elastic_stamps(size, ranks, steps, 10 if side == "ours" else 0)
+                commit_s += commits
             rates[side].append(reshard_steady.throughput(stamps, 10))
             print(f"turn {turn} {side}: {rates[side][-1]:.3f} steps/s", flush=True)
     result = {"steady_ranks": ranks, "steady_steps": steps, "steady_rounds": rounds,
-              **{f"{side}_steps_per_s": rates[side] for side in sides}}
+              **{f"{side}_steps_per_s": rates[side] for side in sides},
+              "ours_commit_s_median": statistics.median(commit_s) if commit_s else None}
     for side in sides[1:]:
         tag = "" if side == "ours" else f"_{side}"
         result[f"steady_ratio_of_medians{tag}"] = (statistics.median(rates[side])

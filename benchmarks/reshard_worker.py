@@ -94,7 +94,10 @@ def main() -> None:
                          epoch=0, step=0)
     progress = open(Path(args.out) / f"progress-{os.getpid()}.jsonl", "a", buffering=1)
 
+    commit_s = None  # how long the last commit() in the loop took (its own thread's part)
+
     def train(s: ElasticState) -> None:
+        nonlocal commit_s
         loader = DataLoader(data, batch_sampler=s.sampler)
         while s.step < args.steps:
             s.sampler.set_epoch(s.epoch)
@@ -107,9 +110,12 @@ def main() -> None:
                 s.step += 1
                 progress.write(json.dumps({"pid": os.getpid(), "rank": s.rank,
                                            "world": s.world_size, "step": s.step,
-                                           "t": time.time(), "rss_mb": rss_mb()}) + "\n")
+                                           "t": time.time(), "rss_mb": rss_mb(),
+                                           "commit_s": commit_s}) + "\n")
                 if args.commit_every and s.step % args.commit_every == 0:
+                    started = time.perf_counter()
                     s.commit()
+                    commit_s = time.perf_counter() - started
                 if s.step >= args.steps:
                     return
             s.epoch += 1
