@@ -14,7 +14,8 @@ What a worker does not share with the template (``_become_worker``): descriptors
 three streams, and whatever the preloaded modules opened, as in a fresh process), signal
 handlers and mask (a fresh interpreter's), the session (its own, like a cold worker's), the
 random generators (``random``, ``numpy`` and ``torch`` seeded afresh, as a fresh process seeds
-them), the environment (the one the launcher sent), ``sys.argv`` and ``sys.orig_argv`` (the
+them), the environment (the one the launcher sent, and fsspec's settings read from it at import:
+``FSSPEC_*``), ``sys.argv`` and ``sys.orig_argv`` (the
 worker command's, so a restart in place runs the script). Threads and CUDA cannot be shared:
 the template has none when it forks. The worker then returns from ``main`` and runs the script
 at the top level of this module, so its exit is an interpreter's exit (atexit, tracebacks).
@@ -246,6 +247,7 @@ class Template:
         os.environ.clear()
         os.environ.update(env)
         os.environ["ELASTIC_STARTED_FROM"] = "template"
+        _reread_config()
         _reseed()
         _own_pages()
 
@@ -278,6 +280,17 @@ def _own_pages() -> None:
             if perms[1] == "w" and perms[3] == "p":
                 start, end = (int(x, 16) for x in span.split("-"))
                 libc.madvise(start, end - start, _MADV_POPULATE_WRITE)  # best effort
+
+
+def _reread_config() -> None:
+    """Reads again the settings fsspec read from the environment at its import (``FSSPEC_*``
+    and its config folder), as a fresh process reads them from its own environment."""
+    config = sys.modules.get("fsspec.config")
+    if config is not None:
+        config.conf.clear()
+        config.conf_dir = os.environ.get("FSSPEC_CONFIG_DIR", config.default_conf_dir)
+        config.set_conf_files(config.conf_dir, config.conf)
+        config.set_conf_env(config.conf)
 
 
 def _reseed() -> None:

@@ -53,7 +53,7 @@ def _fork_probes(count: int) -> tuple[int, list[dict]]:
     return lines[0]["template"], reports
 
 
-def test_forked_workers_share_no_random_state_descriptors_threads_or_handlers():
+def test_forked_workers_share_no_random_state_descriptors_threads_handlers_or_settings():
     template, (first, second) = _fork_probes(2)
     cold = json.loads(subprocess.run([sys.executable, PROBE], cwd=REPO, env=loopback_env(),
                                      capture_output=True, text=True, timeout=120,
@@ -67,6 +67,8 @@ def test_forked_workers_share_no_random_state_descriptors_threads_or_handlers():
         assert report["handlers"] == cold["handlers"]  # a fresh interpreter's
         assert report["mask"] == []
         assert report["orig_argv"][1:] == [PROBE]  # a restart in place runs the script
+        # fsspec read FSSPEC_* at its import in the template: the worker's own count.
+        assert report["fsspec_probe"] == {"marker": int(report["marker"])}
     for draw in ("random", "numpy", "torch", "torch_seed"):
         assert first[draw] != second[draw], draw  # seeded afresh, as two new processes are
     assert first["ppid"] == second["ppid"] != template  # adopted by the host, as by a launcher

@@ -1,9 +1,9 @@
 """Forks probe workers from a warm-start template and prints their reports (for the tests).
 
 Usage: ``python -m tests.workers.fork_host N SCRIPT [ARGS...]``: starts the template for
-``python SCRIPT ARGS``, forks N workers from it one after the other (each with PROBE_MARKER=i),
-waits for each and prints ``{"exit": code, "out": its stdout}`` per worker, then a line with the
-template's pid. Runs in its own process: the warm start makes its caller a child subreaper.
+``python SCRIPT ARGS``, forks N workers from it one after the other (each with PROBE_MARKER=i
+and FSSPEC_PROBE naming i too), waits for each and prints ``{"exit": code, "out": its stdout}``
+per worker, then a line with the template's pid. Runs in its own process: the warm start makes its caller a child subreaper.
 """
 
 import json
@@ -24,6 +24,7 @@ def main() -> int:
     try:
         for n in range(count):
             proc = warm.spawn({**os.environ, "PROBE_MARKER": str(n),
+                               "FSSPEC_PROBE": json.dumps({"marker": n}),
                                 "PROBE_TEMPLATE": str(warm.process.pid)}, piped=True)
             assert proc is not None and proc.stdout is not None
             out = proc.stdout.read().decode()

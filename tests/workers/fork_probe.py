@@ -1,7 +1,7 @@
 """Reports what a worker process holds (for the warm-start tests): one JSON line on stdout.
 
 Its random draws, torch's seed, its descriptors, threads, signal handlers and mask, CUDA, its
-session and parent, and the path it was started by.
+session and parent, the path it was started by, and fsspec's settings for protocol ``probe``.
 """
 
 import json
@@ -10,6 +10,7 @@ import random
 import signal
 import sys
 
+import fsspec.config
 import numpy
 import torch
 
@@ -28,6 +29,7 @@ print(json.dumps({
     "cuda_initialised": torch.cuda.is_initialized(),
     "started_from": os.environ.get("ELASTIC_STARTED_FROM", "python"),
     "marker": os.environ.get("PROBE_MARKER"),
+    "fsspec_probe": fsspec.config.conf.get("probe"),
     "template_threads": len(os.listdir(f"/proc/{os.environ['PROBE_TEMPLATE']}/task"))
     if "PROBE_TEMPLATE" in os.environ else None, "argv": sys.argv, "orig_argv": sys.orig_argv,
 }), flush=True)
