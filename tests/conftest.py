@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,13 +17,15 @@ import pytest
 from elastic.cluster.etcd.client import EtcdClient
 from elastic.foundation.errors import EtcdAccessError
 from elastic.launch.embedded_etcd import EmbeddedEtcd
+from elastic.launch.warm_start import reap_adopted
 from tests.support.etcd_cluster import EtcdCluster
 from tests.support.faulty_fs import faulty_fs  # noqa: F401 (a fixture)
-from tests.support.harness import Job
+from tests.support.harness import WORKER, Job, loopback_env
 from tests.support.limited_etcd import MAX_TXN_OPS, LimitedEtcd
 from tests.support.object_stores import gcs_server, gcs_url, s3_server, s3_url  # noqa: F401
 from tests.support.references import References
 from tests.support.tls_etcd import JOB_A, JOB_USERS, Pki, SecureEtcd, make_pki, user_env
+from tests.support.worker_template import LazyTemplate
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -132,8 +135,20 @@ def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
         cluster.stop()
 
 
+@pytest.fixture(scope="session")
+def worker_template() -> Iterator[LazyTemplate]:
+    """The template that forks the Jobs' workers (tests/support/worker_template.py), started at
+    its first use and ended with the session."""
+    template = LazyTemplate([sys.executable, str(WORKER)], loopback_env())
+    try:
+        yield template
+    finally:
+        template.close()
+
+
 @contextlib.contextmanager
-def _jobs(url: str, tmp_path: Path, base_env: dict[str, str], folder: str = "job") -> Iterator:
+def _jobs(url: str, tmp_path: Path, base_env: dict[str, str], template: LazyTemplate,
+          folder: str = "job") -> Iterator:
     """Makes Jobs on the etcd at ``url``; every process they started is killed at the end."""
     jobs: list[Job] = []
 
@@ -141,7 +156,7 @@ def _jobs(url: str, tmp_path: Path, base_env: dict[str, str], folder: str = "job
              job_id: str | None = None, **kw) -> Job:
         job = Job(url, tmp_path / f"{folder}{len(jobs)}",
                   job_id or f"test-{os.getpid()}-{next(_job_ids)}", args,
-                  {**base_env, **(env or {})}, **kw)
+                  {**base_env, **(env or {})}, template=template, **kw)
         jobs.append(job)
         return job
 
@@ -150,12 +165,14 @@ def _jobs(url: str, tmp_path: Path, base_env: dict[str, str], folder: str = "job
     finally:
         for job in jobs:
             job.kill_all()
+        reap_adopted()  # the workers' children, adopted by this process (a subreaper)
 
 
 @pytest.fixture
-def make_job(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator:
+def make_job(etcd: EmbeddedEtcd, tmp_path: Path,
+             worker_template: LazyTemplate) -> Iterator:
     """Makes Jobs on the session etcd; every process they started is killed at the end."""
-    with _jobs(etcd.url, tmp_path, {}) as make:
+    with _jobs(etcd.url, tmp_path, {}, worker_template) as make:
         yield make
 
 
@@ -187,23 +204,27 @@ def secure_etcd(pki: Pki) -> Iterator[SecureEtcd]:
 
 
 @pytest.fixture
-def secure_job(secure_etcd: SecureEtcd, pki: Pki, tmp_path: Path) -> Iterator:
+def secure_job(secure_etcd: SecureEtcd, pki: Pki, tmp_path: Path,
+               worker_template: LazyTemplate) -> Iterator:
     """Makes Jobs on the TLS and auth etcd, whose workers hold the credentials of ``JOB_A``'s
     user (``job_id=`` picks the job)."""
-    with _jobs(secure_etcd.url, tmp_path, user_env(pki, JOB_A)) as make:
+    with _jobs(secure_etcd.url, tmp_path, user_env(pki, JOB_A),
+               worker_template) as make:
         yield make
 
 
 @pytest.fixture
-def make_private_job(private_etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator:
+def make_private_job(private_etcd: EmbeddedEtcd, tmp_path: Path,
+                     worker_template: LazyTemplate) -> Iterator:
     """Makes Jobs on the test's own etcd (``private_etcd``), for tests that stop or lose it."""
-    with _jobs(private_etcd.url, tmp_path, {}, folder="private-job") as make:
+    with _jobs(private_etcd.url, tmp_path, {}, worker_template, folder="private-job") as make:
         yield make
 
 
 @pytest.fixture
-def make_cluster_job(etcd_cluster: EtcdCluster, tmp_path: Path) -> Iterator:
+def make_cluster_job(etcd_cluster: EtcdCluster, tmp_path: Path,
+                     worker_template: LazyTemplate) -> Iterator:
     """Makes Jobs on the three-member etcd (``etcd_cluster``; all three URLs, the first
     member's first)."""
-    with _jobs(etcd_cluster.urls, tmp_path, {}, folder="cluster-job") as make:
+    with _jobs(etcd_cluster.urls, tmp_path, {}, worker_template, folder="cluster-job") as make:
         yield make

@@ -91,6 +91,9 @@ class WarmStart:
         answer_within: how long one fork may take to be answered.
     """
 
+    #: What the template runs (``python -m module FD [--preload a,b] -- COMMAND``).
+    module = "elastic.launch.template_process"
+
     def __init__(self, command: Sequence[str], env: Mapping[str, str], preload: Sequence[str],
                  ready_within: timedelta, answer_within: timedelta) -> None:
         self.command = list(command)
@@ -114,7 +117,7 @@ class WarmStart:
         preload = ["--preload", ",".join(self.preload)] if self.preload else []
         with theirs:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "elastic.launch.template_process", str(theirs.fileno()),
+                [sys.executable, "-m", self.module, str(theirs.fileno()),
                  *preload, "--", *self.command], env=self.env, pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL, start_new_session=True,
                 preexec_fn=die_with_parent())  # noqa: PLW1509 (prctl only)
@@ -140,27 +143,39 @@ class WarmStart:
     def spawn(self, env: Mapping[str, str], piped: bool) -> ForkedProcess | None:
         """Forks a worker with ``env`` (``piped``: its stdout and stderr come back through
         pipes, else they are ours); None when the template cannot (then it serves no more)."""
-        if self._control is None:
-            return None
-        stdin = os.open(os.devnull, os.O_RDONLY)
         pipes = [os.pipe(), os.pipe()] if piped else []
-        sent = [stdin, *(w for _, w in pipes)] if piped else [stdin, 1, 2]
         try:
-            socket.send_fds(self._control, [json.dumps({"env": dict(env)}).encode()], sent)
-        except OSError as exc:
-            self._give_up(f"the template is gone ({exc})")
+            pid = self.fork(env, [w for _, w in pipes] if piped else [1, 2])
         finally:
-            for fd in [stdin, *(w for _, w in pipes)]:
-                os.close(fd)
-        reply = self._receive(self.answer_within) if self._control is not None else None
-        if reply is None or "pid" not in reply:
-            if reply is not None:
-                self._give_up(f"the template could not fork: {reply.get('error')}")
+            for _, w in pipes:
+                os.close(w)
+        if pid is None:
             for r, _ in pipes:
                 os.close(r)
             return None
         streams = [os.fdopen(r, "rb") for r, _ in pipes] or [None, None]
-        return ForkedProcess(int(reply["pid"]), streams[0], streams[1])
+        return ForkedProcess(pid, streams[0], streams[1])
+
+    def fork(self, env: Mapping[str, str], outputs: Sequence[int]) -> int | None:
+        """Asks the template for a worker with ``env`` whose stdout and stderr are the
+        descriptors ``outputs`` (they stay open here); its pid, or None when the template
+        cannot (then it serves no more)."""
+        if self._control is None:
+            return None
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        try:
+            socket.send_fds(self._control, [json.dumps({"env": dict(env)}).encode()],
+                            [stdin, *outputs])
+        except OSError as exc:
+            self._give_up(f"the template is gone ({exc})")
+        finally:
+            os.close(stdin)
+        reply = self._receive(self.answer_within) if self._control is not None else None
+        if reply is None or "pid" not in reply:
+            if reply is not None:
+                self._give_up(f"the template could not fork: {reply.get('error')}")
+            return None
+        return int(reply["pid"])
 
     def close(self) -> None:
         """Ends the template (closing the socket ends it; killed after ``answer_within``)."""

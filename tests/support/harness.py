@@ -16,8 +16,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from elastic.launch.warm_start import ForkedProcess
 from tests.support.native_stacks import native_stacks
 from tests.support.polling import poll_until
+from tests.support.worker_template import WorkerTemplate
 
 WORKER = Path(__file__).resolve().parent.parent / "workers" / "train.py"
 REPO = Path(__file__).resolve().parents[2]
@@ -31,7 +33,7 @@ def loopback_env() -> dict[str, str]:
     return env
 
 
-def dump_stacks(procs: Iterable[subprocess.Popen[bytes]]) -> None:
+def dump_stacks(procs: Iterable[subprocess.Popen[bytes] | ForkedProcess]) -> None:
     """Asks every live process of ``procs`` (workers that registered ``faulthandler`` on
     SIGUSR1, each the leader of its own process group) and the processes they forked
     (DataLoader workers, which inherit the handler) to write their threads' stacks to the
@@ -60,10 +62,13 @@ class Job:
         job_id: the job's id in etcd.
         args: arguments for the worker script.
         env: extra environment (ELASTIC_*, FAULTS).
+        script: the worker script.
+        template: forks the workers (started cold without one, or when it cannot).
     """
 
     def __init__(self, etcd_url: str, out: Path, job_id: str, args: list[str] | None = None,
-                 env: dict[str, str] | None = None, script: Path = WORKER) -> None:
+                 env: dict[str, str] | None = None, script: Path = WORKER,
+                 template: Callable[[], WorkerTemplate | None] | None = None) -> None:
         self.out = out
         self.out.mkdir(parents=True, exist_ok=True)
         self.args = args or []
@@ -72,18 +77,21 @@ class Job:
         self.env.update(ELASTIC_ETCD=etcd_url, ELASTIC_JOB_ID=job_id, ELASTIC_LEASE_TTL="2",
                         ELASTIC_LOG_DIR=str(out / "events"), ELASTIC_RENDEZVOUS_TIMEOUT="60")
         self.env.update(env or {})
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.template = template
+        self.procs: dict[int, subprocess.Popen[bytes] | ForkedProcess] = {}
 
     def start(self, index: int, script: Path | None = None,
-              **extra_env: str) -> subprocess.Popen[bytes]:
+              **extra_env: str) -> subprocess.Popen[bytes] | ForkedProcess:
         """Starts worker ``index`` (its logs go to ``worker-{index}.log``), running the job's
-        script or ``script``."""
+        script or ``script``: forked from the template when there is one, else cold."""
         env = dict(self.env, TEST_WORKER_INDEX=str(index), **extra_env)
+        command = [sys.executable, str(script or self.script), "--out", str(self.out), *self.args]
+        template = self.template() if self.template is not None else None
         with open(self.out / f"worker-{index}.log", "ab") as log:
-            proc = subprocess.Popen([sys.executable, str(script or self.script), "--out",
-                                     str(self.out),
-                                     *self.args], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = template.start_worker(command, env, log.fileno()) if template else None
+            if proc is None:
+                proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
         self.procs[index] = proc
         return proc
 
