@@ -7,6 +7,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,82 @@ def test_release_leaves_a_connection_another_thread_opened_while_the_group_forme
         tmp_path: Path):
     got = spawn_ranks(_rank, 2, str(tmp_path / "store"))
     assert got == {0: ("failed", b"still here"), 1: ("failed", b"still here")}
+
+
+def _sender(rank: int, store_path: str, results) -> None:  # noqa: ANN001 (a spawn queue)
+    os.environ.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
+    group = ProcessGroup("gloo", timeout=datetime.timedelta(seconds=30), skip_ports=frozenset(),
+                         form_timeout=datetime.timedelta(seconds=30))
+    before = ProcessGroup.sockets_now()
+    group.form(dist.FileStore(store_path, 2), rank, 2)
+    # Copies of the group's connections, as gloo's own thread writes on them.
+    links = [socket.socket(fileno=os.dup(fd)) for fd, inode in ProcessGroup.sockets_now().items()
+             if before.get(fd) != inode and (ends := process_group._tcp_ports(fd)) and ends[1]]
+    dist.barrier()  # both took their copies before either lets go
+    group.release("a test")
+    sent = []
+    for link in links:
+        try:
+            sent.append(link.send(b""))  # zero bytes: nothing reaches the peer's gloo
+        except OSError as exc:
+            sent.append(repr(exc))
+    group.destroy()
+    for link in links:
+        link.close()
+    results.put((rank, len(links), sent))
+
+
+@pytest.mark.timeout(120)
+def test_a_released_group_can_still_send_on_its_connections_until_it_is_destroyed(
+        tmp_path: Path):
+    # gloo's pair queues a send whose write fails (a broken pipe) and never wakes it when the
+    # pair closes: a release that shut the sending side down left such a send in waitSend.
+    got = spawn_ranks(_sender, 2, str(tmp_path / "store"))
+    assert got == {0: (1, [0]), 1: (1, [0])}, got
+
+
+ROUNDS = 150  # releases of a group in mid all-reduce, per test
+TIMEOUT_S = 5  # the group's: a collective the release left blocked ends only then
+
+
+def _releaser(rank: int, store_dir: str, results) -> None:  # noqa: ANN001 (a spawn queue)
+    os.environ.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
+    group = ProcessGroup("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S),
+                         skip_ports=frozenset(), form_timeout=datetime.timedelta(seconds=30))
+    blocked = []
+    for n in range(ROUNDS):
+        group.form(dist.FileStore(f"{store_dir}/store-{n}", 2), rank, 2)
+        busy, ended, error = threading.Event(), threading.Event(), []
+
+        def reduce_until_it_fails() -> None:
+            try:
+                for i in range(10_000):
+                    dist.all_reduce(torch.ones(4))
+                    if i == 20:
+                        busy.set()
+            except RuntimeError as exc:
+                error.append(str(exc))
+                ended.set()
+
+        threading.Thread(target=reduce_until_it_fails, daemon=True).start()
+        assert busy.wait(30)
+        alone = n % 3 == 0  # rank 1 alone lets go; else both, the order and gap varying
+        if not alone and rank == n % 2:
+            time.sleep(n % 5 / 1000)
+        if rank == 1 or not alone:
+            group.release("a test")
+        # Blocked: it ended only at the group's timeout (however slow a loaded machine is).
+        if not ended.wait(TIMEOUT_S + 30) or "timed out" in error[0].lower():
+            blocked.append(n)
+        group.destroy()
+    results.put((rank, blocked))
+
+
+@pytest.mark.timeout(300)
+def test_releasing_a_group_in_mid_all_reduce_on_one_or_both_ends_never_leaves_it_blocked(
+        tmp_path: Path):
+    got = spawn_ranks(_releaser, 2, str(tmp_path), timeout_s=240)
+    assert got == {0: ([],), 1: ([],)}, f"rounds whose all-reduce stayed blocked: {got}"
 
 
 _GARBAGE_GROUP = """

@@ -11,8 +11,13 @@ gone or frozen:
   communicators inside ``init_process_group``, right after every member was seen alive, not
   inside the first collective (creation itself still blocks: ``TORCH_NCCL_USE_COMM_NONBLOCKING``
   is not set, untried without a GPU).
-- gloo (torch 2.13 has no abort that unblocks an in-flight collective): the group's own connected
-  sockets, recorded when it was formed, are shut down. Their identity is checked by inode before
+- gloo (torch 2.13 has no abort that unblocks an in-flight collective): the receiving side of
+  each of the group's own connections, recorded when it was formed, is shut down; gloo's thread
+  reads that as the end of the stream and fails every wait of this process. The connection
+  itself stays open until ``destroy`` (a copy of it is held), so that the release makes no
+  send fail, neither this process's nor a peer's: gloo's pair queues a send whose write fails
+  (broken pipe, reset) and never wakes it when the pair then closes, and the collective would
+  wait in ``waitSend`` until the collective timeout. Identities are checked by inode before
   use, so a reused descriptor number is never touched; gloo's listening socket is never touched
   (shutting it down ends the process).
 """
@@ -145,6 +150,35 @@ def _group_sockets(new: dict[int, int], ends: dict[int, tuple[int, int | None]],
     return found
 
 
+def _shut_receiving(sockets: list[_SocketId]) -> list[socket.socket]:
+    """Shuts down the receiving side of each of ``sockets`` still open under its recorded
+    identity, and returns a copy of each (held from forked children), which keeps the
+    connection open until it is closed."""
+    held = []
+    for sock_id in sockets:
+        try:
+            copy = os.dup(sock_id.fd)
+        except OSError:
+            continue  # closed by gloo already
+        if os.fstat(copy).st_ino != sock_id.inode:
+            os.close(copy)  # the number was closed by gloo and belongs to someone else now
+            continue
+        fork_guard.hold([copy])
+        held.append(socket.socket(fileno=copy))
+        try:
+            held[-1].shutdown(socket.SHUT_RD)
+        except OSError as exc:
+            log.debug("shutdown of fd %d: %r", sock_id.fd, exc)
+    return held
+
+
+def _let_go(held: list[socket.socket]) -> None:
+    """Closes the copies ``_shut_receiving`` returned: their connections end."""
+    fork_guard.release([sock.fileno() for sock in held])
+    for sock in held:
+        sock.close()
+
+
 def _tcp_states() -> dict[int, str]:
     """Returns {inode: state} of this network namespace's TCP sockets (hex states of the kernel)."""
     states = {}
@@ -224,6 +258,8 @@ class ProcessGroup:
         self._skip_ports = skip_ports
         self._sockets: list[_SocketId] = []
         self._held: list[int] = []  # every socket the formation opened, let go of in children
+        self._kept: list[socket.socket] = []  # released connections, open until destroy()
+        self._destroyed = 0  # how many times destroy() ran (a release meanwhile lets go itself)
         self._lock = threading.Lock()
         self._released = threading.Event()
         # sys.excepthook before and after torch wrapped it with "[rankN]: " at a formation.
@@ -308,35 +344,31 @@ class ProcessGroup:
         return set() if 0 in found else found
 
     def release(self, reason: str) -> None:
-        """Unblocks every collective of this group now; safe from any thread, idempotent."""
+        """Unblocks every collective of this group now; safe from any thread, idempotent. On
+        gloo its connections end only at ``destroy`` (see the module's docstring)."""
         with self._lock:
             if self._released.is_set() or not dist.is_initialized():
                 return
             self._released.set()
             sockets, self._sockets = self._sockets, []
+            destroyed = self._destroyed
         log.info("releasing process group: %s", reason)
         if self.backend == "nccl":
             self._aborting = threading.Thread(target=self._abort, name="elastic-nccl-abort",
                                               daemon=True)
             self._aborting.start()
             return
-        for sock_id in sockets:
-            try:
-                copy = os.dup(sock_id.fd)
-            except OSError:
-                continue  # closed by gloo already
-            if os.fstat(copy).st_ino != sock_id.inode:
-                os.close(copy)  # the number was closed by gloo and belongs to someone else now
-                continue
-            try:
-                with socket.socket(fileno=copy) as sock:
-                    sock.shutdown(socket.SHUT_RDWR)
-            except OSError as exc:
-                log.debug("shutdown of fd %d: %r", sock_id.fd, exc)
+        kept = _shut_receiving(sockets)
+        with self._lock:
+            if self._destroyed == destroyed:
+                self._kept += kept
+                return
+        _let_go(kept)  # the group was destroyed meanwhile: nothing is left to hold open
 
     def destroy(self) -> None:
         """Destroys the default group (after release() if a peer may be stuck), once an abort
-        in flight has finished (for at most ``form_timeout``)."""
+        in flight has finished (for at most ``form_timeout``), then ends the connections a
+        release held open."""
         aborting, self._aborting = self._aborting, None
         if aborting is not None:
             aborting.join(self.form_timeout.total_seconds())
@@ -347,9 +379,15 @@ class ProcessGroup:
             self._sockets = []
             held, self._held = self._held, []
         fork_guard.release(held)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-            fork_guard.collect_before_next_fork()  # an old DDP may still hold the group
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+                fork_guard.collect_before_next_fork()  # an old DDP may still hold the group
+        finally:
+            with self._lock:
+                self._destroyed += 1
+                kept, self._kept = self._kept, []
+            _let_go(kept)
         self._unwrap_excepthook()
         self._released.clear()
 
