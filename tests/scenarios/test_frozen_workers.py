@@ -56,7 +56,10 @@ def test_a_busy_worker_is_never_taken_for_a_frozen_one(make_job, kind):
         assert job.wait_exit(i) == 0
     report = json.loads((job.out / "busy-1.json").read_text())
     if kind == "starve":  # the worker trains on, starved, while its sibling runs
-        report["seconds"] = float((job.out / "starved-1").read_text())
+        starved = job.out / "starved-1"  # written as the sibling ends, maybe after the worker
+        job.wait_until(lambda: starved.exists() and starved.read_text(), 30,
+                       "the starving sibling's report")
+        report["seconds"] = float(starved.read_text())
     assert report.get("collect_s", report["seconds"]) > (0.5 if kind == "gc" else 1.9), report
     lost = [e for e in job.events() if e["event"] in ("peer_lost", "failure_detected")]
     assert not lost, f"a {kind} section was taken for a failure: {lost}"
