@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.cluster.links import process_group
+from elastic.cluster.links import group_sockets, process_group
 from elastic.cluster.links.process_group import ProcessGroup
 from tests.support.ranks import spawn_ranks
 
@@ -66,7 +66,7 @@ def _sender(rank: int, store_path: str, results) -> None:  # noqa: ANN001 (a spa
     group.form(dist.FileStore(store_path, 2), rank, 2)
     # Copies of the group's connections, as gloo's own thread writes on them.
     links = [socket.socket(fileno=os.dup(fd)) for fd, inode in ProcessGroup.sockets_now().items()
-             if before.get(fd) != inode and (ends := process_group._tcp_ports(fd)) and ends[1]]
+             if before.get(fd) != inode and (ends := group_sockets.tcp_ports(fd)) and ends[1]]
     dist.barrier()  # both took their copies before either lets go
     group.release("a test")
     sent = []

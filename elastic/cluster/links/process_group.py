@@ -30,13 +30,13 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from elastic.cluster.links import group_sockets
 from elastic.cluster.links.device import apply_nccl_env
 from elastic.cluster.links.fork_guard import guard as fork_guard
 from elastic.cluster.links.interfaces import socket_interface_env
@@ -44,7 +44,6 @@ from elastic.foundation.errors import FencedError, PeerFailureError
 
 log = logging.getLogger(__name__)
 
-_TCP_ESTABLISHED = "01"  # the connection state in /proc/net/tcp
 _CAUSE_DEPTH = 16  # how far an exception's cause chain is followed
 
 
@@ -89,109 +88,6 @@ def _reset_group_names() -> None:
     world = dist.distributed_c10d._world
     if not dist.is_initialized() and hasattr(world, "group_count"):
         world.group_count = 0
-
-
-@dataclass(frozen=True)
-class _SocketId:
-    fd: int
-    inode: int
-
-
-def _socket_fds() -> dict[int, int]:
-    """Returns {fd: inode} for every socket this process holds."""
-    found = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            found[int(name)] = int(target[8:-1])
-    return found
-
-
-def _tcp_ports(fd: int) -> tuple[int, int | None] | None:
-    """(local port, remote port) of a TCP socket, remote None while it listens; None for any
-    other kind of fd."""
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return None
-    try:
-        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
-            return None
-        local = sock.getsockname()[1]
-        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-            return local, None
-        return local, sock.getpeername()[1]
-    except OSError:
-        return None
-    finally:
-        sock.close()
-
-
-def _group_sockets(new: dict[int, int], ends: dict[int, tuple[int, int | None]],
-                   listener_ports: set[int], skip_ports: frozenset[int]) -> list[_SocketId]:
-    """The connections of a gloo group among the sockets ``new`` since it started forming
-    (``ends``: their TCP ports, ``_tcp_ports``).
-
-    Every pair connection of gloo ends at some rank's listening port, so with ``listener_ports``
-    (every rank's) only the group's own connections are taken; without them (a gloo that
-    listens on no new socket), every connection that is not etcd's.
-    """
-    found = []
-    for fd, (local, remote) in ends.items():
-        if remote is None:
-            continue
-        mine = (local in listener_ports or remote in listener_ports) if listener_ports \
-            else remote not in skip_ports
-        if mine:
-            found.append(_SocketId(fd, new[fd]))
-    return found
-
-
-def _shut_receiving(sockets: list[_SocketId]) -> list[socket.socket]:
-    """Shuts down the receiving side of each of ``sockets`` still open under its recorded
-    identity, and returns a copy of each (held from forked children), which keeps the
-    connection open until it is closed."""
-    held = []
-    for sock_id in sockets:
-        try:
-            copy = os.dup(sock_id.fd)
-        except OSError:
-            continue  # closed by gloo already
-        if os.fstat(copy).st_ino != sock_id.inode:
-            os.close(copy)  # the number was closed by gloo and belongs to someone else now
-            continue
-        fork_guard.hold([copy])
-        held.append(socket.socket(fileno=copy))
-        try:
-            held[-1].shutdown(socket.SHUT_RD)
-        except OSError as exc:
-            log.debug("shutdown of fd %d: %r", sock_id.fd, exc)
-    return held
-
-
-def _let_go(held: list[socket.socket]) -> None:
-    """Closes the copies ``_shut_receiving`` returned: their connections end."""
-    fork_guard.release([sock.fileno() for sock in held])
-    for sock in held:
-        sock.close()
-
-
-def _tcp_states() -> dict[int, str]:
-    """Returns {inode: state} of this network namespace's TCP sockets (hex states of the kernel)."""
-    states = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table, encoding="ascii") as rows:
-                next(rows, None)  # the header
-                for row in rows:
-                    fields = row.split()
-                    states[int(fields[9])] = fields[3]
-        except FileNotFoundError:
-            continue  # no IPv6 in this namespace
-    return states
 
 
 def _causes(exc: BaseException) -> list[BaseException]:
@@ -256,7 +152,7 @@ class ProcessGroup:
         self.timeout = timeout
         self.form_timeout = form_timeout
         self._skip_ports = skip_ports
-        self._sockets: list[_SocketId] = []
+        self._sockets: list[group_sockets.SocketId] = []
         self._held: list[int] = []  # every socket the formation opened, let go of in children
         self._kept: list[socket.socket] = []  # released connections, open until destroy()
         self._destroyed = 0  # how many times destroy() ran (a release meanwhile lets go itself)
@@ -277,9 +173,9 @@ class ProcessGroup:
             sockets = list(self._sockets)
         if self.backend != "gloo" or not sockets:
             return False
-        current, states = _socket_fds(), _tcp_states()
-        return any(current.get(s.fd) != s.inode or states.get(s.inode) != _TCP_ESTABLISHED
-                   for s in sockets)
+        current, states = group_sockets.socket_fds(), group_sockets.tcp_states()
+        return any(current.get(s.fd) != s.inode
+                   or states.get(s.inode) != group_sockets.TCP_ESTABLISHED for s in sockets)
 
     def is_peer_failure(self, exc: BaseException) -> bool:
         """See ``is_peer_failure``: decided from this group's own state."""
@@ -289,7 +185,7 @@ class ProcessGroup:
         """Initialises the default group; returns once every rank has connected."""
         # torch reads the interface from the environment only; a user's choice is kept.
         os.environ.update(socket_interface_env(self.advertise_addr, os.environ))
-        before = _socket_fds()
+        before = group_sockets.socket_fds()
         device = None
         if self.backend == "nccl":
             apply_nccl_env(os.environ)  # read by torch when the group is made
@@ -305,29 +201,27 @@ class ProcessGroup:
             # gloo connects the full mesh lazily on some builds: one collective forces it.
             dist.barrier()
         dist.distributed_c10d._set_pg_timeout(self.timeout)
-        new = {fd: inode for fd, inode in _socket_fds().items() if before.get(fd) != inode}
+        new, ends = group_sockets.opened_since(before)
         fork_guard.hold(list(new))  # a forked DataLoader worker must not keep them open
-        ends = {fd: p for fd, p in ((fd, _tcp_ports(fd)) for fd in new) if p is not None}
         listeners = self._listener_ports(ends) if self.backend == "gloo" else set()
         with self._lock:
-            self._sockets = _group_sockets(new, ends, listeners, self._skip_ports)
+            self._sockets = group_sockets.of_group(new, ends, listeners, self._skip_ports)
             self._held = list(new)
             self._released.clear()
 
     @staticmethod
     def sockets_now() -> dict[int, int]:
         """This process's sockets ({fd: inode}), to hand to ``adopt`` after making subgroups."""
-        return _socket_fds()
+        return group_sockets.socket_fds()
 
     def adopt(self, before: dict[int, int]) -> None:
         """Takes in the connections opened since ``before`` (``sockets_now``) by subgroups of
         this round (a ``DeviceMesh``'s, a side group's): ``release`` shuts them down too and
         ``is_broken`` watches them, so a peer that dies in a subgroup's collective is seen as a
         peer failure like one in the default group's. Call it while nothing else connects."""
-        new = {fd: inode for fd, inode in _socket_fds().items() if before.get(fd) != inode}
+        new, ends = group_sockets.opened_since(before)
         fork_guard.hold(list(new))
-        ends = {fd: p for fd, p in ((fd, _tcp_ports(fd)) for fd in new) if p is not None}
-        found = _group_sockets(new, ends, set(), self._skip_ports)
+        found = group_sockets.of_group(new, ends, set(), self._skip_ports)
         with self._lock:
             self._sockets.extend(found)
             self._held.extend(new)
@@ -358,12 +252,12 @@ class ProcessGroup:
                                               daemon=True)
             self._aborting.start()
             return
-        kept = _shut_receiving(sockets)
+        kept = group_sockets.shut_receiving(sockets)
         with self._lock:
             if self._destroyed == destroyed:
                 self._kept += kept
                 return
-        _let_go(kept)  # the group was destroyed meanwhile: nothing is left to hold open
+        group_sockets.let_go(kept)  # destroyed meanwhile: nothing is left to hold open
 
     def destroy(self) -> None:
         """Destroys the default group (after release() if a peer may be stuck), once an abort
@@ -387,7 +281,7 @@ class ProcessGroup:
             with self._lock:
                 self._destroyed += 1
                 kept, self._kept = self._kept, []
-            _let_go(kept)
+            group_sockets.let_go(kept)
         self._unwrap_excepthook()
         self._released.clear()
 
