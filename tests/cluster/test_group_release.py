@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from elastic.cluster.links import group_sockets, process_group
 from elastic.cluster.links.process_group import ProcessGroup
+from tests.support.polling import poll_until
 from tests.support.ranks import spawn_ranks
 
 
@@ -88,6 +89,40 @@ def test_a_released_group_can_still_send_on_its_connections_until_it_is_destroye
     # pair closes: a release that shut the sending side down left such a send in waitSend.
     got = spawn_ranks(_sender, 2, str(tmp_path / "store"))
     assert got == {0: (1, [0]), 1: (1, [0])}, got
+
+
+def _released_while_forming(rank: int, tmp: str, results) -> None:  # noqa: ANN001 (a queue)
+    os.environ.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
+    group = ProcessGroup("gloo", timeout=datetime.timedelta(seconds=20), skip_ports=frozenset(),
+                         form_timeout=datetime.timedelta(seconds=30))
+    real_barrier = process_group.dist.barrier
+
+    def barrier_then_a_release(*args, **kwargs):
+        done = real_barrier(*args, **kwargs)
+        if rank == 0:  # the news of a lost peer lands while the group still forms
+            group.release("a peer was lost while the group formed")
+        return done
+
+    process_group.dist.barrier = barrier_then_a_release
+    group.form(dist.FileStore(f"{tmp}/store", 2), rank, 2)
+    process_group.dist.barrier = real_barrier
+    finished = Path(tmp, "rank-0-finished")
+    if rank == 1:  # in the group, in none of its collectives: frozen, as rank 0 sees it
+        results.put((rank, poll_until(finished.exists, 60)))
+        return
+    try:
+        dist.all_reduce(torch.ones(2))
+        outcome = "no error"
+    except RuntimeError as exc:
+        outcome = "waited out the timeout" if "timed out" in str(exc).lower() else "released"
+    finished.write_text(outcome)
+    results.put((rank, outcome))
+
+
+@pytest.mark.timeout(120)
+def test_a_release_while_the_group_forms_unblocks_its_first_collective(tmp_path: Path):
+    got = spawn_ranks(_released_while_forming, 2, str(tmp_path))
+    assert got == {0: ("released",), 1: (True,)}, got
 
 
 ROUNDS = 150  # releases of a group in mid all-reduce, per test

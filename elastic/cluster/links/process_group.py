@@ -17,7 +17,9 @@ gone or frozen:
   itself stays open until ``destroy`` (a copy of it is held), so that the release makes no
   send fail, neither this process's nor a peer's: gloo's pair queues a send whose write fails
   (broken pipe, reset) and never wakes it when the pair then closes, and the collective would
-  wait in ``waitSend`` until the collective timeout. Identities are checked by inode before
+  wait in ``waitSend`` until the collective timeout. A release that lands while the group
+  forms, before its connections are known, is applied to them once they are (and to a
+  subgroup's at ``adopt``). Identities are checked by inode before
   use, so a reused descriptor number is never touched; gloo's listening socket is never touched
   (shutting it down ends the process).
 """
@@ -204,10 +206,15 @@ class ProcessGroup:
         new, ends = group_sockets.opened_since(before)
         fork_guard.hold(list(new))  # a forked DataLoader worker must not keep them open
         listeners = self._listener_ports(ends) if self.backend == "gloo" else set()
+        found = group_sockets.of_group(new, ends, listeners, self._skip_ports)
         with self._lock:
-            self._sockets = group_sockets.of_group(new, ends, listeners, self._skip_ports)
             self._held = list(new)
-            self._released.clear()
+            # A release while the group formed knew none of them: they are shut here.
+            late = self._released.is_set() and self.backend == "gloo"
+            self._sockets = [] if late else found
+            destroyed = self._destroyed
+        if late:
+            self._shut(found, destroyed)
 
     @staticmethod
     def sockets_now() -> dict[int, int]:
@@ -223,8 +230,13 @@ class ProcessGroup:
         fork_guard.hold(list(new))
         found = group_sockets.of_group(new, ends, set(), self._skip_ports)
         with self._lock:
-            self._sockets.extend(found)
             self._held.extend(new)
+            late = self._released.is_set() and self.backend == "gloo"
+            if not late:
+                self._sockets.extend(found)
+            destroyed = self._destroyed
+        if late:  # released since the subgroups formed
+            self._shut(found, destroyed)
 
     @staticmethod
     def _listener_ports(ends: dict[int, tuple[int, int | None]]) -> set[int]:
@@ -252,6 +264,11 @@ class ProcessGroup:
                                               daemon=True)
             self._aborting.start()
             return
+        self._shut(sockets, destroyed)
+
+    def _shut(self, sockets: list[group_sockets.SocketId], destroyed: int) -> None:
+        """Shuts the receiving side of gloo connections ``sockets`` and holds them open until
+        ``destroy`` (``destroyed``: its count when they were taken)."""
         kept = group_sockets.shut_receiving(sockets)
         with self._lock:
             if self._destroyed == destroyed:
