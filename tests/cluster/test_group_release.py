@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -136,12 +135,13 @@ def _releaser(rank: int, store_dir: str, results) -> None:  # noqa: ANN001 (a sp
     blocked = []
     for n in range(ROUNDS):
         group.form(dist.FileStore(f"{store_dir}/store-{n}", 2), rank, 2)
-        busy, ended, error = threading.Event(), threading.Event(), []
+        busy, ended, error, done = threading.Event(), threading.Event(), [], [0]
 
         def reduce_until_it_fails() -> None:
             try:
                 for i in range(10_000):
                     dist.all_reduce(torch.ones(4))
+                    done[0] = i + 1
                     if i == 20:
                         busy.set()
             except RuntimeError as exc:
@@ -151,8 +151,9 @@ def _releaser(rank: int, store_dir: str, results) -> None:  # noqa: ANN001 (a sp
         threading.Thread(target=reduce_until_it_fails, daemon=True).start()
         assert busy.wait(30)
         alone = n % 3 == 0  # rank 1 alone lets go; else both, the order and gap varying
-        if not alone and rank == n % 2:
-            time.sleep(n % 5 / 1000)
+        if not alone and rank == n % 2:  # lets go a few all-reduces after the other
+            later = done[0] + n % 5
+            poll_until(lambda: done[0] >= later or ended.is_set(), 30)
         if rank == 1 or not alone:
             group.release("a test")
         # Blocked: it ended only at the group's timeout (however slow a loaded machine is).
