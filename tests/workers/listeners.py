@@ -8,7 +8,6 @@ After one commit (the round's group and agreement channel exist), rank 0 and ran
 from __future__ import annotations
 
 import json
-import os
 import socket
 import struct
 import sys
@@ -17,21 +16,14 @@ from pathlib import Path
 import torch
 
 from elastic import ElasticState
+from elastic.cluster.links.group_sockets import socket_fds
 
 OUT = Path(sys.argv[1])
 LISTEN = "0A"
 
 
 def own_inodes() -> set[str]:
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    return inodes
+    return {str(inode) for inode in socket_fds().values()}
 
 
 def listening_addresses() -> list[str]:

@@ -65,7 +65,7 @@ def tcp_ports(fd: int) -> tuple[int, int | None] | None:
 
 
 def of_group(new: dict[int, int], ends: dict[int, tuple[int, int | None]],
-                   listener_ports: set[int], skip_ports: frozenset[int]) -> list[SocketId]:
+             listener_ports: set[int], skip_ports: frozenset[int]) -> list[SocketId]:
     """The connections of a gloo group among the sockets ``new`` since it started forming
     (``ends``: their TCP ports, ``tcp_ports``).
 

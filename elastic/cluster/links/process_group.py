@@ -206,15 +206,7 @@ class ProcessGroup:
         new, ends = group_sockets.opened_since(before)
         fork_guard.hold(list(new))  # a forked DataLoader worker must not keep them open
         listeners = self._listener_ports(ends) if self.backend == "gloo" else set()
-        found = group_sockets.of_group(new, ends, listeners, self._skip_ports)
-        with self._lock:
-            self._held = list(new)
-            # A release while the group formed knew none of them: they are shut here.
-            late = self._released.is_set() and self.backend == "gloo"
-            self._sockets = [] if late else found
-            destroyed = self._destroyed
-        if late:
-            self._shut(found, destroyed)
+        self._record(new, group_sockets.of_group(new, ends, listeners, self._skip_ports))
 
     @staticmethod
     def sockets_now() -> dict[int, int]:
@@ -228,14 +220,19 @@ class ProcessGroup:
         peer failure like one in the default group's. Call it while nothing else connects."""
         new, ends = group_sockets.opened_since(before)
         fork_guard.hold(list(new))
-        found = group_sockets.of_group(new, ends, set(), self._skip_ports)
+        self._record(new, group_sockets.of_group(new, ends, set(), self._skip_ports))
+
+    def _record(self, new: dict[int, int], found: list[group_sockets.SocketId]) -> None:
+        """Takes in the sockets ``new`` (let go of in children) and the group's connections
+        among them, ``found``: ``release`` shuts those. A release that came first knew none of
+        them: they are shut here."""
         with self._lock:
             self._held.extend(new)
             late = self._released.is_set() and self.backend == "gloo"
             if not late:
                 self._sockets.extend(found)
             destroyed = self._destroyed
-        if late:  # released since the subgroups formed
+        if late:
             self._shut(found, destroyed)
 
     @staticmethod
