@@ -99,7 +99,8 @@ class ShardedRuntime:
         self._layout = (1, 1, 0)  # world, shards, own shard
         self._nodes: list[int] = []  # one node id per rank of the round
         self._group: Any = None  # the round's gloo group for moves and copies
-        self._fallback = False  # the next rebuild loads the newest durable checkpoint
+        self._fallback: str | None = None  # what was lost: the next rebuild loads the newest
+        # durable checkpoint, and says so once it has
         self._specs: dict[str, TensorSpec] = {}  # this formation's tensors
         self._live: dict[str, torch.Tensor] = {}  # their live local parts on this rank
         self._phases: dict[str, float] = {}  # this formation's seconds, for the rebuilt event
@@ -191,9 +192,7 @@ class ShardedRuntime:
                 f"{exc} Recovering needs a durable sharded checkpoint, and the job has no "
                 "checkpoint URL: restart it from scratch, and keep more copies "
                 "(ElasticState(buddies=...)) or give it a URL and commit(durable=True).") from exc
-        self._fallback = True
-        log.warning("%s Falling back to the newest durable sharded checkpoint: the steps since "
-                    "it are lost.", exc)
+        self._fallback = str(exc)
 
     def rebuild(self, topology: Topology, train: TrainState, events: EventLog,
                 group: ProcessGroup) -> None:
@@ -221,20 +220,24 @@ class ShardedRuntime:
         resharded = None  # the reshard's new shard: this layout's copy of the commit already
         if self._choice is not None and not self._is_durable_newer(train):
             resharded = self._reshard(topology, events, lap)
-        elif self.durable_loader is not None and (self._fallback or train.version > 0):
+        elif self.durable_loader is not None and (self._fallback is not None
+                                                  or train.version > 0):
             # nobody holds a commit of the shards, yet the state is at one: a resume from
             # the durable checkpoint whose small state was just synced, the fallback, or a
             # durable checkpoint newer than every commit held whole (restored entire)
-            lost, self._fallback = self._fallback, False
-            small = self.durable_loader(self.objects, lost)
+            lost, self._fallback = self._fallback, None
+            small = self.durable_loader(self.objects, lost is not None)
             if small is not None:
                 train.load_committed(small)
                 train.restore()
-            elif lost:  # else a fresh model would train on under the commit's step and sampler
+                if lost is not None:
+                    log.warning("%s Resumed from the newest durable sharded checkpoint "
+                                "(version %d): the steps since it are lost.", lost, train.version)
+            elif lost is not None:  # else a fresh model would train on under the commit's step
                 raise ShardedStateLostError(
-                    "a shard of the last commit has no live holder and the checkpoint URL no "
-                    "durable sharded checkpoint: restart the job from scratch, and keep more "
-                    "copies (ElasticState(buddies=...)) or commit(durable=True) early.")
+                    f"{lost} The checkpoint URL holds no durable sharded checkpoint to resume "
+                    "from: restart the job from scratch, and keep more copies "
+                    "(ElasticState(buddies=...)) or commit(durable=True) early.")
             elif self._choice is not None:
                 raise ShardedStateLostError(
                     f"the durable sharded checkpoint of version {train.version} that the small "

@@ -1,6 +1,8 @@
-"""What a sharded job does when the checkpoint URL holds no durable sharded checkpoint: an info
-line at a first start; when some shard of the last commit has no live holder, it stops with
-``ShardedStateLostError`` rather than train a freshly built model under the commit's step.
+"""What a sharded job does when some shard of the last commit has no live holder: it resumes
+from the newest durable sharded checkpoint with one warning that says what was lost, or, when the
+checkpoint URL holds none, stops with ``ShardedStateLostError`` (and no warning that promised a
+fallback) rather than train a freshly built model under the commit's step; at a first start an
+empty URL is one info line.
 
 Real gloo groups (``ShardedCheckpoints`` collects over the default group); the URL is a fresh
 directory, as when a job starts for the first time with ``ELASTIC_CHECKPOINT`` set.
@@ -13,6 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from elastic.cluster.links.process_group import ProcessGroup
 from elastic.cluster.rounds.topology import Topology
@@ -23,6 +26,7 @@ from elastic.sharded_durable import ShardedDurable
 from elastic.state import TrainState
 from elastic.state.sharded.commits import ShardCommit
 from elastic.state.sharded.layout import TensorSpec
+from elastic.state.sharded.optimizer_state import make_state
 from tests.support.gloo_group import run_in_group
 
 TIMEOUT = timedelta(seconds=30)
@@ -67,18 +71,37 @@ def _parallelize(mesh):
     from torch.distributed.fsdp import fully_shard
 
     model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3)).double()
+    if mesh is None:  # the same objects, not sharded
+        return {"model": model, "optimizer": torch.optim.AdamW(model.parameters())}
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return {"model": model, "optimizer": torch.optim.AdamW(model.parameters())}
 
 
-def _rebuild_a_lost_commit(rank: int, world: int, url: str) -> str:
+def _write_durable_at_step_3(durable: DurableCommits, train: TrainState) -> None:
+    """A durable sharded checkpoint of step 3, written from plain (unsharded) objects of the
+    same structure: DCP reshards it into the FSDP objects at load."""
+    objects = _parallelize(None)
+    make_state(objects["optimizer"])
+    model_sd, optim_sd = get_state_dict(objects["model"], objects["optimizer"])
+    train.commit()
+    ShardedDurable(durable, lambda: None, lambda: {"world_size": 2}).write(
+        train.version, {"model": model_sd, "optimizer": optim_sd}, train.committed())
+
+
+def _rebuild_a_lost_commit(rank: int, world: int, url: str, durable_first: bool
+                           ) -> tuple[str, list[str]]:
+    handler = _Kept()
+    logging.getLogger("elastic.sharded").addHandler(handler)
     durable = DurableCommits(url)
     durable.sharded = True
     runtime = ShardedRuntime(_parallelize, None, 1, TIMEOUT, timedelta(seconds=2))
     runtime.durable_loader = ShardedDurable(durable, lambda: None, dict).load
-    train = TrainState(step=7)
+    train = TrainState(step=3)
+    if durable_first:
+        _write_durable_at_step_3(durable, train)
+    train.step = 7
     train.commit()
     # the last commit of a 3-rank round whose rank 2 died before its buddy copy landed
     commit = ShardCommit(train.version, 3, 3, rank, {"w": TensorSpec(6, 4)},
@@ -92,11 +115,25 @@ def _rebuild_a_lost_commit(rank: int, world: int, url: str) -> str:
     try:
         runtime.rebuild(topology, train, EventLog(None, f"rank{rank}"), group)
     except ShardedStateLostError as exc:
-        return str(exc)
-    return f"trained on at step {train.step} with a fresh model"
+        outcome = str(exc)
+    else:
+        outcome = f"trained on at step {train.step}"
+    return outcome, [m for level, m in handler.records if level >= logging.WARNING]
 
 
 def test_a_lost_shard_with_no_durable_checkpoint_stops_the_job_in_one_line(tmp_path: Path):
-    results = run_in_group(_rebuild_a_lost_commit, 2, tmp_path, str(tmp_path / "ckpt"))
-    for message in results.values():
-        assert "no live holder" in message and "restart the job" in message
+    results = run_in_group(_rebuild_a_lost_commit, 2, tmp_path, str(tmp_path / "ckpt"), False)
+    for message, warnings in results.values():
+        assert "no live rank holds every shard" in message and "restart the job" in message
+        assert "newest: version 1" in message  # what was lost
+        assert warnings == [], "no line may promise a fallback that does not happen"
+
+
+def test_a_lost_shard_resumes_from_the_durable_checkpoint_with_one_line_saying_what_was_lost(
+        tmp_path: Path):
+    results = run_in_group(_rebuild_a_lost_commit, 2, tmp_path, str(tmp_path / "ckpt"), True)
+    for outcome, warnings in results.values():
+        assert outcome == "trained on at step 3"
+        assert len(warnings) == 1
+        assert "version 2" in warnings[0] and "durable sharded checkpoint (version 1)" in \
+            warnings[0] and "lost" in warnings[0]
