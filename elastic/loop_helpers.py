@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from elastic.ddp_sync import same_on_every_rank
 from elastic.state import ElasticSampler
 
 
@@ -75,10 +76,13 @@ def batch_length(batch: Any) -> int:
 
 def ddp(module: torch.nn.Module, **kwargs: Any) -> DistributedDataParallel:
     """``DistributedDataParallel(module)`` on the current group, on the module's own GPU when it
-    has one (``device_ids``), with ``kwargs`` passed on."""
+    has one (``device_ids``), with ``kwargs`` passed on; without DDP's broadcast of the
+    parameters and buffers when every rank holds them alike already (``ddp_sync``)."""
     device = next(module.parameters()).device
     if device.type == "cuda" and "device_ids" not in kwargs:
         kwargs["device_ids"] = [device.index]
+    if "init_sync" not in kwargs and same_on_every_rank(module, kwargs.get("process_group")):
+        kwargs["init_sync"] = False
     return DistributedDataParallel(module, **kwargs)
 
 

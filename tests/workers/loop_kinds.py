@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from elastic import ElasticState
 from elastic.state import RNGState
 
 Fire = Callable[[str], None]
@@ -56,9 +56,10 @@ class Plain:
     def objects(self) -> dict[str, object]:
         return {"model": self.model, "optimizer": self.opt}
 
-    def wrap(self) -> None:
-        """Builds this round's DDP modules."""
-        self.ddp = DDP(self.model)
+    def wrap(self, s: ElasticState) -> None:
+        """Builds this round's DDP modules (with ``s.ddp``, which skips DDP's broadcast of the
+        parameters the formation made the same on every rank)."""
+        self.ddp = s.ddp(self.model)
 
     def loss(self, x, y, scale, fire: Fire) -> torch.Tensor:
         return squared_error(self.ddp(x.to(self.dtype)), y.to(self.dtype), scale, fire)
@@ -188,8 +189,8 @@ class NormDropout(Plain):
     def objects(self) -> dict[str, object]:
         return {**super().objects(), "rng": self.rng}
 
-    def wrap(self) -> None:
-        self.ddp = DDP(self.model, broadcast_buffers=False)
+    def wrap(self, s: ElasticState) -> None:
+        self.ddp = s.ddp(self.model, broadcast_buffers=False)
 
     def gradients(self, batch, scale, fire: Fire) -> None:
         super().gradients(batch, scale, fire)
@@ -215,9 +216,9 @@ class Gan(Plain):
         return {"generator": self.gen, "model": self.model, "optimizer": self.opt,
                 "gen_optimizer": self.opt_g}
 
-    def wrap(self) -> None:
-        self.gen_ddp = DDP(self.gen)
-        super().wrap()
+    def wrap(self, s: ElasticState) -> None:
+        self.gen_ddp = s.ddp(self.gen)
+        super().wrap(s)
 
     def gradients(self, batch, scale, fire: Fire) -> None:
         x, _, idx = batch
@@ -258,8 +259,8 @@ class Ema(Plain):
 class Compiled(Plain):
     """A ``torch.compile``d model (CPU inductor) inside DDP."""
 
-    def wrap(self) -> None:
-        self.ddp = torch.compile(DDP(self.model))
+    def wrap(self, s: ElasticState) -> None:
+        self.ddp = torch.compile(s.ddp(self.model))
 
 
 LOOPS: dict[str, type[Plain]] = {

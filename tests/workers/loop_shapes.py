@@ -115,7 +115,7 @@ def main() -> None:
     def train(s: ElasticState) -> None:
         if s.world_size < WORLD:
             hold_until_world(s, WORLD)
-        loop.wrap()
+        loop.wrap(s)
         # Own generator: iter(loader) would otherwise draw from the committed global RNG at
         # every re-entry, and dropout would draw other masks than the uninterrupted run's.
         loader = DataLoader(dataset, batch_sampler=s.sampler,
