@@ -3,7 +3,11 @@
 Its communication hook hands DDP a future that is complete at once (NCCL's: "enqueued") and
 has a helper thread all-reduce each bucket in place afterwards (``gradient_as_bucket_view``:
 the gradients are the buckets), one bucket after the other in DDP's order. Each bucket's real
-completion is a future given to ``state.track_collective`` (not with ``--untracked``). Float64,
+completion is a future given to ``state.track_collective`` (not with ``--untracked``). After each
+step's ``commit_step()`` block the loop waits for the helper thread to go idle, as the next
+step's collectives would queue behind the reduction on NCCL's stream: without that, DDP's own
+collectives of the next forward (its bucket rebuild) could meet a late bucket's all-reduce in
+another order on each rank. Float64,
 each rank its own inputs, ``commit_step()`` around every step. Worker ``--victim`` makes its
 last bucket of step ``--kill-step`` slow by ``--slow-s`` and SIGKILLs itself inside that step's
 ``commit_step()`` block: after it voted, before its reduction is done unless the vote waited
@@ -71,16 +75,26 @@ class BucketReducer:
             if last and self.slow.is_set():
                 self.slow.clear()
                 threading.Event().wait(self.slow_s)  # a slow all-reduce, not a synchronisation
-            if self.broken is not None:
-                done.set_exception(self.broken)
-                continue
             try:
-                dist.all_reduce(buffer, group=self.group)
-                buffer.div_(self.world)
-                done.set_result(buffer)
-            except RuntimeError as exc:  # the group broke or was released
-                self.broken = exc
-                done.set_exception(exc)
+                self._reduce(buffer, done)
+            finally:
+                self.work.task_done()
+
+    def _reduce(self, buffer: torch.Tensor, done: torch.futures.Future) -> None:
+        if self.broken is not None:
+            done.set_exception(self.broken)
+            return
+        try:
+            dist.all_reduce(buffer, group=self.group)
+            buffer.div_(self.world)
+            done.set_result(buffer)
+        except RuntimeError as exc:  # the group broke or was released
+            self.broken = exc
+            done.set_exception(exc)
+
+    def drain(self) -> None:
+        """Returns once every bucket handed over so far was reduced (or failed)."""
+        self.work.join()
 
 
 def main() -> None:
@@ -113,6 +127,7 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 s.optimizer.step()
                 s.step += 1
+            reducer.drain()
 
     wait_for_peers(out, index)
     state.run(train)
