@@ -51,11 +51,11 @@ def busy(kind: str, out: Path, index: int, seconds: float) -> None:
         x = torch.full((2048, 2048), 0.01, dtype=torch.float32)
         while time.monotonic() - started < seconds:
             torch.mm(x, x)  # a long op that releases the GIL
-    elif kind == "gc":  # a heap grown until one full collection lasts half of ``seconds``
+    elif kind == "gc":  # a heap doubled until one full collection lasts half of ``seconds``
         gc.disable()
-        heap: list[list[int]] = []
-        while len(heap) < 8_000_000:
-            heap.extend([i] for i in range(1_000_000))
+        heap: list[list[None]] = []
+        while len(heap) < 32_000_000:  # about 2.3 GB at the most, on the fastest machine
+            heap.extend([None] for _ in range(max(len(heap), 1_000_000)))
             collecting = time.monotonic()
             gc.collect()  # stops every thread of the process for its whole length
             report["collect_s"] = time.monotonic() - collecting
