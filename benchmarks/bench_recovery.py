@@ -261,8 +261,10 @@ def main() -> None:
                 results[key].append(throughput(mk(d / f"tput-{kind}"), kind))
             print(f"rep {rep}: " + ", ".join(f"{k}={v[-1]:.3f}" for k, v in results.items()),
                   flush=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    except BaseException:
+        print(f"kept the failed run's workers' output and events under {root}", flush=True)
+        raise
+    shutil.rmtree(root, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     report(results)
@@ -292,8 +294,10 @@ def recovery_only(reps: int, json_path: Path, torchft: bool = False) -> None:
                     results[key].append(value)
             print(f"rep {rep}: " + ", ".join(f"{k}={v[-1]:.3f}" for k, v in results.items()),
                   flush=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    except BaseException:
+        print(f"kept the failed run's workers' output and events under {root}", flush=True)
+        raise
+    shutil.rmtree(root, ignore_errors=True)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(results, indent=1))
     med = {k: statistics.median(v) for k, v in results.items()}
