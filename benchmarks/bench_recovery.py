@@ -32,6 +32,7 @@ ours for torchrun with an idle etcd beside it: two runs of the same job, to show
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -41,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -88,8 +90,9 @@ def ours_launcher_kill(out: Path, loader_workers: int = 0, persistent: bool = Fa
                      "--loader-workers", str(loader_workers),
                      *(["--persistent-loader"] if persistent else [])], env_for())
         wait_for(lambda: steps_of(out, 30, 4), 120, "4 workers under elastic run at step 30")
-        rounds = {p["pid"]: p["generation"] for p in read_progress(out)}  # each one's last
-        victim = next(p["pid"] for p in reversed(read_progress(out)) if p["rank"] == 1)
+        before = read_progress(out)
+        rounds = {p["pid"]: p["generation"] for p in before}  # each one's last
+        victim = next(p["pid"] for p in reversed(before) if p["rank"] == 1)
         killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
         # a survivor's step in a later round: world 3, or 4 when the launcher's replacement
@@ -249,12 +252,11 @@ def main() -> None:
         throughput_only(args.reps, args.out, args.pin, args.batch, args.steps,
                         args.control, args.commit_part)
         return
-    root = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
     results: dict[str, list[float]] = {k: [] for k in (
         "ours_kill_s", "torchrun_kill_s", "ours_node_loss_s", "joiner_first_step_s",
         "others_max_pause_s", "steady_step_s", "tput_torchrun", "tput_ours_commit_10",
         "tput_ours_commit_1")}
-    try:
+    with scratch() as root:
         for rep in range(args.reps):
             d = root / f"rep{rep}"
             results["ours_kill_s"].append(ours_fault(mk(d / "kill"), signal.SIGKILL))
@@ -269,10 +271,6 @@ def main() -> None:
                 results[key].append(throughput(mk(d / f"tput-{kind}"), kind))
             print(f"rep {rep}: " + ", ".join(f"{k}={v[-1]:.3f}" for k, v in results.items()),
                   flush=True)
-    except BaseException:
-        print(f"kept the failed run's workers' output and events under {root}", flush=True)
-        raise
-    shutil.rmtree(root, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     report(results)
@@ -281,14 +279,13 @@ def main() -> None:
 
 def recovery_only(reps: int, json_path: Path, torchft: bool = False) -> None:
     """The failure cases only, each rep in the same order; medians and the ratio to torchrun."""
-    root = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
     results: dict[str, list[float]] = {k: [] for k in (
         "ours_kill_s", "torchrun_kill_s", "ours_launcher_kill_s", "ours_launcher_loader_kill_s",
         "ours_node_loss_s")}
     if torchft:
         import torchft_anchor  # optional: pip install -e '.[bench-torchft]'
         results |= {k: [] for k in torchft_anchor.KEYS}
-    try:
+    with scratch() as root:
         for rep in range(reps):
             d = root / f"rep{rep}"
             results["ours_kill_s"].append(ours_fault(mk(d / "kill"), signal.SIGKILL))
@@ -302,10 +299,6 @@ def recovery_only(reps: int, json_path: Path, torchft: bool = False) -> None:
                     results[key].append(value)
             print(f"rep {rep}: " + ", ".join(f"{k}={v[-1]:.3f}" for k, v in results.items()),
                   flush=True)
-    except BaseException:
-        print(f"kept the failed run's workers' output and events under {root}", flush=True)
-        raise
-    shutil.rmtree(root, ignore_errors=True)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(results, indent=1))
     med = {k: statistics.median(v) for k, v in results.items()}
@@ -325,13 +318,12 @@ def throughput_only(reps: int, json_path: Path, pin: bool, batch: int, steps: in
     With ``control``, the second side is torchrun again with an idle etcd running: an A/A
     comparison that shows how far two runs of the same job differ on this machine.
     """
-    root = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
     pair = ["torchrun", "torchrun+etcd" if control else "ours-commit-10"]
     keys = ["tput_" + k.replace("-", "_").replace("+", "_with_") for k in pair]
     results: dict[str, list[float]] = {key: [] for key in keys}
     if not control:
         results["ours_commit_cost_ms"] = []
-    try:
+    with scratch() as root:
         for rep in range(reps):
             order = [0, 1] if rep % 2 == 0 else [1, 0]
             for i in order:
@@ -341,8 +333,6 @@ def throughput_only(reps: int, json_path: Path, pin: bool, batch: int, steps: in
                     results["ours_commit_cost_ms"].append(commit_cost_ms(out))
             ratio = results[keys[1]][-1] / results[keys[0]][-1]
             print(f"rep {rep}: {pair[order[0]]} first, ratio {ratio:.3f}", flush=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(results, indent=1))
     print(f"wrote {json_path}")
@@ -354,6 +344,19 @@ def throughput_only(reps: int, json_path: Path, pin: bool, batch: int, steps: in
               f"{', '.join(f'{v:.{digits}f}' for v in values)} |")
     print(f"| ratio per rep | {statistics.median(ratios):.3f} | "
           f"{', '.join(f'{r:.3f}' for r in ratios)} |")
+
+
+@contextlib.contextmanager
+def scratch() -> Iterator[Path]:
+    """A folder for one benchmark run's workers: removed after a run that ended well, kept
+    (and named) after one that failed, for its workers' output and events."""
+    root = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
+    try:
+        yield root
+    except BaseException:
+        print(f"kept the failed run's workers' output and events under {root}", flush=True)
+        raise
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def mk(path: Path) -> Path:

@@ -192,7 +192,7 @@ class ElasticState(CollectiveCommit):
         """``DistributedDataParallel(module, **kwargs)`` for this round (on the module's GPU
         when it has one); build it inside the training function, which every round re-enters.
         When every rank already holds the same parameters and buffers of the module, as after
-        a formation (compared by a digest in one small all-reduce: collective), DDP's own
+        a formation (compared by a digest in one small all-gather: collective), DDP's own
         broadcast of them is skipped (``init_sync=False``, unless given)."""
         return ddp(module, **kwargs)
 

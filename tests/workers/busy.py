@@ -54,7 +54,7 @@ def busy(kind: str, out: Path, index: int, seconds: float) -> None:
     elif kind == "gc":  # a heap doubled until one full collection lasts half of ``seconds``
         gc.disable()
         heap: list[list[None]] = []
-        while len(heap) < 32_000_000:  # about 2.3 GB at the most, on the fastest machine
+        while len(heap) < 32_000_000:  # about 2.7 GB at the most, on the fastest machine
             heap.extend([None] for _ in range(max(len(heap), 1_000_000)))
             collecting = time.monotonic()
             gc.collect()  # stops every thread of the process for its whole length
