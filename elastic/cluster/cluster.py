@@ -79,6 +79,7 @@ class Cluster:
             if backend == "nccl" else None
         self.group = ProcessGroup(backend, timeout=timeouts.collective,
                                   skip_ports=etcd_ports, form_timeout=timeouts.form,
+                                  free_timeout=timeouts.free_group,
                                   advertise_addr=settings.advertise_addr,
                                   device_index=self.device.index if self.device else None)
         self.config = RendezvousConfig(min_workers=settings.min_workers,

@@ -104,6 +104,12 @@ class Timeouts:
     form: timedelta = _entry(20, "ELASTIC_FORM_TIMEOUT")
     """Default 20 s (``ELASTIC_FORM_TIMEOUT``, ``--form-timeout``): forming a round's process
     group and agreement channel; a member dying while the others connect costs this much."""
+    free_group: timedelta = _entry(1)
+    """Default 1 s (``ELASTIC_FREE_GROUP``): how long a re-formation waits for the last round's
+    gloo group to be freed. That takes milliseconds, unless a collective that the release did
+    not wake still holds gloo's worker thread: then the group is freed when that collective
+    ends (at ``collective`` at the latest), and the next round does not wait for it. An NCCL
+    group is waited for up to ``form``."""
     store: timedelta = _entry(60, "ELASTIC_STORE_TIMEOUT")
     """Default 60 s (``ELASTIC_STORE_TIMEOUT``): connecting to the round's store (hosted by its
     rank 0, its address in etcd), and each wait for one of its keys."""

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,45 @@ def _released_while_forming(rank: int, tmp: str, results) -> None:  # noqa: ANN0
 def test_a_release_while_the_group_forms_unblocks_its_first_collective(tmp_path: Path):
     got = spawn_ranks(_released_while_forming, 2, str(tmp_path))
     assert got == {0: ("released",), 1: (True,)}, got
+
+
+BLOCKED_S = 30  # the blocked group's collective timeout: its collective ends only then
+FREE_S = 1  # how long destroy() waits for a group to be freed (the timeout table's default)
+
+
+def _blocked_at_destroy(rank: int, tmp: str, results) -> None:  # noqa: ANN001 (a spawn queue)
+    os.environ.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
+    group = ProcessGroup("gloo", timeout=datetime.timedelta(seconds=BLOCKED_S),
+                         skip_ports=frozenset(), form_timeout=datetime.timedelta(seconds=30),
+                         free_timeout=datetime.timedelta(seconds=FREE_S))
+    before = ProcessGroup.sockets_now()
+    group.form(dist.FileStore(f"{tmp}/store-1", 2), rank, 2)
+    # Copies of the connections keep them open past both ranks' destroy, as a peer's did when
+    # gloo's receive from it was not woken: rank 0's all-reduce stays blocked on them.
+    links = [socket.socket(fileno=os.dup(fd)) for fd, inode in ProcessGroup.sockets_now().items()
+             if before.get(fd) != inode and (ends := group_sockets.tcp_ports(fd)) and ends[1]]
+    pending = dist.all_reduce(torch.ones(2), async_op=True) if rank == 0 else None
+    started = time.monotonic()
+    group.destroy()
+    took = time.monotonic() - started
+    group.form(dist.FileStore(f"{tmp}/store-2", 2), rank, 2)  # the next round, same process
+    total = torch.ones(2)
+    dist.all_reduce(total)
+    still_blocked = pending is not None and not pending.is_completed()
+    group.destroy()
+    for link in links:
+        link.close()
+    results.put((rank, took < BLOCKED_S / 2, total.tolist(), still_blocked))
+
+
+@pytest.mark.timeout(180)
+def test_destroying_a_group_whose_collective_no_release_woke_returns_and_the_next_one_forms(
+        tmp_path: Path):
+    # gloo's destructor joins its worker threads: one blocked in a receive that the release
+    # did not wake held the survivor's formation for 20 s (the form timeout) in about 1 of 50
+    # SIGKILLs of the DataLoader case of bench_recovery.
+    got = spawn_ranks(_blocked_at_destroy, 2, str(tmp_path), timeout_s=150)
+    assert got == {0: (True, [2.0, 2.0], True), 1: (True, [2.0, 2.0], False)}, got
 
 
 ROUNDS = 150  # releases of a group in mid all-reduce, per test

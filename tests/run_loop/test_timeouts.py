@@ -26,7 +26,7 @@ DEFAULTS_S = {
     "lease_ttl": 3, "keepalive": 0.75, "settle": 0.5, "node_settle": 1, "local_start": 30, "rejoin": 120,
     "release": 30, "rendezvous": 300, "peer": 2.5, "peer_probe": 1,
     "frozen": 0.5, "heartbeat": 0.1,
-    "admit": 1800, "form": 20, "store": 60, "collective": 1800, "sync": 300, "finish": 300,
+    "admit": 1800, "form": 20, "free_group": 1, "store": 60, "collective": 1800, "sync": 300, "finish": 300,
     "finished_marker": 600,
     "progress": 0.5, "storage_retry": 60, "final_write": 300, "checkpoint_claim": 60, "etcd_rpc": 3, "etcd_retry": 10, "etcd_outage": 600,
     "connect": 5,

@@ -17,11 +17,14 @@ gone or frozen:
   itself stays open until ``destroy`` (a copy of it is held), so that the release makes no
   send fail, neither this process's nor a peer's: gloo's pair queues a send whose write fails
   (broken pipe, reset) and never wakes it when the pair then closes, and the collective would
-  wait in ``waitSend`` until the collective timeout. A release that lands while the group
-  forms, before its connections are known, is applied to them once they are (and to a
-  subgroup's at ``adopt``). Identities are checked by inode before
-  use, so a reused descriptor number is never touched; gloo's listening socket is never touched
-  (shutting it down ends the process).
+  wait in ``waitSend`` until the collective timeout. A collective that the release did not
+  wake all the same (seen: gloo's worker thread still in a ring all-reduce's receive) holds
+  that thread, which the group's destructor joins: ``destroy`` frees the groups on a thread
+  of its own and waits for a gloo one only briefly. A release that lands while the group forms,
+  before its connections are known, is applied to them once they are (and to a subgroup's at
+  ``adopt``). Identities are checked by inode before use, so a reused descriptor number is
+  never touched; gloo's listening socket is never touched (shutting it down ends the
+  process).
 """
 
 from __future__ import annotations
@@ -92,6 +95,24 @@ def _reset_group_names() -> None:
         world.group_count = 0
 
 
+def _every_group() -> list[Any]:
+    """Every process group torch holds (the default one and its subgroups): references that
+    outlive ``destroy_process_group``, so that no group's destructor runs inside it."""
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def _free_on_a_thread(groups: list[Any]) -> threading.Thread:
+    """Drops the references ``groups`` on a thread of its own, and returns that thread.
+
+    A gloo group's destructor joins its worker threads. One still inside a collective that the
+    release did not wake ends only at the collective timeout, and the next round need not wait
+    for it: that thread and the group's connections are freed then.
+    """
+    thread = threading.Thread(target=groups.clear, name="elastic-free-group", daemon=True)
+    thread.start()
+    return thread
+
+
 def _causes(exc: BaseException) -> list[BaseException]:
     """``exc`` and what it was raised from or while handling, nearest first."""
     chain: list[BaseException] = []
@@ -138,12 +159,16 @@ class ProcessGroup:
         device_index: the GPU of an NCCL group (``device.claim_device``); None for gloo.
         abort: how an NCCL group's communicators are aborted (torch's abort by default; a test
             passes its own).
+        free_timeout: how long ``destroy`` waits for a gloo group to be freed (``form_timeout``
+            when None). Waited for at all because a process that exits while a group is being
+            freed aborts; a group that takes longer is left to its collective's end.
     """
 
     def __init__(self, backend: str, timeout: timedelta, skip_ports: frozenset[int],
                  form_timeout: timedelta, advertise_addr: str = "127.0.0.1",
                  device_index: int | None = None,
-                 abort: Callable[[], None] | None = None) -> None:
+                 abort: Callable[[], None] | None = None,
+                 free_timeout: timedelta | None = None) -> None:
         if backend == "nccl" and device_index is None:
             raise ValueError("an nccl ProcessGroup needs a device_index (device.claim_device).")
         self.backend = backend
@@ -153,6 +178,7 @@ class ProcessGroup:
         self._aborting: threading.Thread | None = None
         self.timeout = timeout
         self.form_timeout = form_timeout
+        self.free_timeout = form_timeout if free_timeout is None else free_timeout
         self._skip_ports = skip_ports
         self._sockets: list[group_sockets.SocketId] = []
         self._held: list[int] = []  # every socket the formation opened, let go of in children
@@ -276,7 +302,8 @@ class ProcessGroup:
     def destroy(self) -> None:
         """Destroys the default group (after release() if a peer may be stuck), once an abort
         in flight has finished (for at most ``form_timeout``), then ends the connections a
-        release held open."""
+        release held open. The groups are freed on a thread of their own, waited for at most
+        ``free_timeout`` (gloo) or ``form_timeout`` (NCCL)."""
         aborting, self._aborting = self._aborting, None
         if aborting is not None:
             aborting.join(self.form_timeout.total_seconds())
@@ -289,8 +316,17 @@ class ProcessGroup:
         fork_guard.release(held)
         try:
             if dist.is_initialized():
+                groups = _every_group()
                 dist.destroy_process_group()
                 fork_guard.collect_before_next_fork()  # an old DDP may still hold the group
+                freeing = _free_on_a_thread(groups)
+                # NCCL: its communicators' memory goes before the next ones are made.
+                limit = self.form_timeout if self.backend == "nccl" else self.free_timeout
+                freeing.join(limit.total_seconds())
+                if freeing.is_alive():
+                    log.warning("freeing the last round's %s group took longer than %s (a "
+                                "collective the release did not wake); going on without it",
+                                self.backend, limit)
         finally:
             with self._lock:
                 self._destroyed += 1
