@@ -21,6 +21,9 @@ the same with 2 DataLoader worker processes per worker, and SIGSTOP (at the defa
 heartbeats tell, not its lease). With ``--torchft`` (an optional extra) torchft joins them as
 an anchor, at its defaults and at its lowest documented timeouts (``torchft_anchor.py``).
 
+``--loader-kills N`` runs only the DataLoader case, N times, for its tail: the median, the
+90th percentile, the slowest, and the kills slower than 1 s, whose folders it keeps.
+
 ``--throughput-only`` runs the steady-state pair only (order alternating per rep; ``--batch``,
 ``--steps``, ``--pin`` to bind worker i to core i) and adds what one commit costs rank 0: the
 median step interval that holds a commit minus the median of the others. ``--control`` swaps
@@ -53,6 +56,8 @@ from elastic.cluster.links.ports import free_port  # noqa: E402
 from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 from harness import Procs, env_for, read_progress, steps_of, wait_for  # noqa: E402
+
+SLOW_S = 1.0  # --loader-kills: a kill slower than this is a stall, and keeps its folder
 
 
 def ours_fault(out: Path, sig: signal.Signals, lease_ttl: str | None = "2") -> float:
@@ -224,6 +229,9 @@ def main() -> None:
                              "the cost of the snapshot and of the agreement apart")
     parser.add_argument("--torchft", action="store_true",
                         help="with --recovery-only: torchft as an anchor too (torchft_anchor.py)")
+    parser.add_argument("--loader-kills", type=int, default=0, metavar="N",
+                        help="only the SIGKILL under elastic run with 2 DataLoader workers, N "
+                             "times: its tail (a kill slower than 1 s keeps its folder)")
     parser.add_argument("--pin", action="store_true",
                         help="with --throughput-only: bind worker i of either side to core i")
     args = parser.parse_args()
@@ -242,9 +250,13 @@ def main() -> None:
                 + (" --recovery-only" if args.recovery_only else "") \
                 + (" --torchft" if args.torchft else "") \
                 + (" --pin" if args.pin else "") + (" --control" if args.control else "") \
+                + f" --loader-kills {args.loader_kills}" \
                 + f" --batch {args.batch} --steps {args.steps} --commit-part {args.commit_part}"
         os.execvpe("unshare", ["unshare", "-n", "sh", "-c", inner],
                    dict(os.environ, BENCH_NETNS="1"))
+    if args.loader_kills:
+        loader_tail(args.loader_kills, args.out)
+        return
     if args.recovery_only:
         recovery_only(args.reps, args.out, args.torchft)
         return
@@ -308,6 +320,33 @@ def recovery_only(reps: int, json_path: Path, torchft: bool = False) -> None:
     ratios = [t / o for o, t in zip(results["ours_kill_s"], results["torchrun_kill_s"])]
     print(f"\nrecovery ratio torchrun/ours: {med['torchrun_kill_s'] / med['ours_kill_s']:.1f}x "
           f"(medians); per rep {', '.join(f'{r:.1f}x' for r in ratios)}")
+    print(f"wrote {json_path}")
+
+
+def loader_tail(kills: int, json_path: Path) -> None:
+    """Only the SIGKILL under ``elastic run`` with 2 DataLoader workers, ``kills`` times: the
+    tail that a few reps cannot show. A kill whose survivors took longer than ``SLOW_S`` to
+    step again keeps its workers' output and events (the folder is printed)."""
+    times: list[float] = []
+    slow: dict[str, float] = {}
+    with scratch() as root:
+        for n in range(kills):
+            out = mk(root / f"kill{n}")
+            times.append(ours_launcher_kill(out, loader_workers=2))
+            print(f"kill {n}: {times[-1]:.3f} s", flush=True)
+            if times[-1] > SLOW_S:
+                kept = Path(tempfile.mkdtemp(prefix="elastic-bench-slow-"))
+                shutil.copytree(out, kept, dirs_exist_ok=True)
+                slow[str(kept)] = times[-1]
+                print(f"  slow: kept {kept}", flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"ours_launcher_loader_kill_s": times, "slow": slow},
+                                    indent=1))
+    ordered = sorted(times)
+    print(f"{len(times)} kills: median {statistics.median(times):.3f} s, 90th percentile "
+          f"{ordered[int(0.9 * (len(ordered) - 1))]:.3f} s, most {ordered[-1]:.3f} s; "
+          f"{len(slow)} slower than {SLOW_S:g} s")
     print(f"wrote {json_path}")
 
 
