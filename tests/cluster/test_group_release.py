@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from elastic.cluster.links import group_sockets, process_group
 from elastic.cluster.links.process_group import ProcessGroup
+from elastic.foundation.timeouts import Timeouts
 from tests.support.polling import poll_until
 from tests.support.ranks import spawn_ranks
 
@@ -126,14 +127,14 @@ def test_a_release_while_the_group_forms_unblocks_its_first_collective(tmp_path:
 
 
 BLOCKED_S = 30  # the blocked group's collective timeout: its collective ends only then
-FREE_S = 1  # how long destroy() waits for a group to be freed (the timeout table's default)
+FREE = Timeouts().free_group  # how long destroy() waits for a group to be freed
 
 
 def _blocked_at_destroy(rank: int, tmp: str, results) -> None:  # noqa: ANN001 (a spawn queue)
     os.environ.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
     group = ProcessGroup("gloo", timeout=datetime.timedelta(seconds=BLOCKED_S),
                          skip_ports=frozenset(), form_timeout=datetime.timedelta(seconds=30),
-                         free_timeout=datetime.timedelta(seconds=FREE_S))
+                         free_timeout=FREE)
     before = ProcessGroup.sockets_now()
     group.form(dist.FileStore(f"{tmp}/store-1", 2), rank, 2)
     # Copies of the connections keep them open past both ranks' destroy, as a peer's did when
