@@ -1,8 +1,9 @@
 """The warm-start template: a process that imports the worker's modules once and forks workers.
 
-``elastic run`` starts ``python -m elastic.launch.template_process FD [--preload a,b] -- COMMAND``
-with one end of a ``SOCK_SEQPACKET`` socket pair at descriptor FD (``multiprocessing``'s fork
-server is the model). The template imports ``elastic.launch.preload``'s list, checks that it is
+``elastic run`` starts ``python -m elastic.launch.template_process FD --cwd DIR [--preload a,b]
+-- COMMAND`` in the folder its own ``elastic`` package came from (DIR is its cwd, where the
+template goes first), with one end of a ``SOCK_SEQPACKET`` socket pair at descriptor FD
+(``multiprocessing``'s fork server is the model). The template imports ``elastic.launch.preload``'s list, checks that it is
 fit to fork (``unfit``: one thread, no CUDA context, no socket but its own) and says
 ``{"ready": ...}`` or ``{"unfit": why}``. Then, per request ``{"env": {...}}`` carrying three
 descriptors (the worker's stdin, stdout, stderr), it forks twice: the middle process exits at
@@ -304,11 +305,20 @@ def _reseed() -> None:
         torch.seed()
 
 
-def main(argv: list[str]) -> WorkerRun | None:
+def parse_arguments(argv: list[str]) -> tuple[socket.socket, dict[str, str], WorkerRun]:
+    """``FD --cwd DIR [--preload a,b] -- COMMAND``: the control socket, the options, the worker
+    command. Goes to DIR (the launcher's cwd, which the workers keep): the launcher started
+    this process in its own package's folder, so ``-m`` imported the package it runs."""
     split = argv.index("--")
-    control = socket.socket(fileno=int(argv[0]))
-    extra = parse_preload(argv[2]) if argv[1:split][:1] == ["--preload"] else ()
-    return Template(control, WorkerRun(tuple(argv[split + 1:]))).serve(extra)
+    options = dict(zip(argv[1:split:2], argv[2:split:2], strict=True))
+    os.chdir(options["--cwd"])
+    return socket.socket(fileno=int(argv[0])), options, WorkerRun(tuple(argv[split + 1:]))
+
+
+def main(argv: list[str]) -> WorkerRun | None:
+    control, options, run = parse_arguments(argv)
+    extra = parse_preload(options["--preload"]) if "--preload" in options else ()
+    return Template(control, run).serve(extra)
 
 
 if __name__ == "__main__":

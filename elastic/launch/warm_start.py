@@ -91,7 +91,7 @@ class WarmStart:
         answer_within: how long one fork may take to be answered.
     """
 
-    #: What the template runs (``python -m module FD [--preload a,b] -- COMMAND``).
+    #: What the template runs (``python -m module FD --cwd DIR [--preload a,b] -- COMMAND``).
     module = "elastic.launch.template_process"
 
     def __init__(self, command: Sequence[str], env: Mapping[str, str], preload: Sequence[str],
@@ -116,11 +116,17 @@ class WarmStart:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         preload = ["--preload", ",".join(self.preload)] if self.preload else []
         with theirs:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", self.module, str(theirs.fileno()),
-                 *preload, "--", *self.command], env=self.env, pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=die_with_parent())  # noqa: PLW1509 (prctl only)
+            try:
+                cwd = os.getcwd()
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", self.module, str(theirs.fileno()), "--cwd", cwd,
+                     *preload, "--", *self.command], env=_anchored_pythonpath(self.env, cwd),
+                    pass_fds=(theirs.fileno(),), cwd=_package_root(), stdin=subprocess.DEVNULL,
+                    start_new_session=True, preexec_fn=die_with_parent())  # noqa: PLW1509
+            except OSError as exc:  # the cwd is gone, or the package is not in a folder
+                ours.close()
+                self._give_up(f"the template could not be started ({exc})")
+                return
         self._control = ours
 
     def wait_ready(self) -> bool:
@@ -219,6 +225,24 @@ class WarmStart:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+def _package_root() -> str:
+    """The folder this ``elastic`` package was imported from: the template starts there, so
+    ``-m`` finds the launcher's own package, not a folder named ``elastic`` in the user's cwd
+    (the template goes to that cwd before it imports anything else)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _anchored_pythonpath(env: Mapping[str, str], cwd: str) -> dict[str, str]:
+    """``env`` with the entries of ``PYTHONPATH`` made absolute against ``cwd``: an interpreter
+    makes them absolute against the folder it starts in, which for the template is not the
+    user's, and workers inherit the template's path."""
+    path = env.get("PYTHONPATH")
+    if not path:
+        return dict(env)
+    return {**env, "PYTHONPATH": os.pathsep.join(os.path.join(cwd, entry)
+                                                 for entry in path.split(os.pathsep))}
 
 
 def _become_subreaper() -> bool:

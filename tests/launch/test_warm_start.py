@@ -53,6 +53,35 @@ def _fork_probes(count: int) -> tuple[int, list[dict]]:
     return lines[0]["template"], reports
 
 
+def test_a_template_started_beside_a_folder_named_elastic_imports_the_launchers_package(
+        tmp_path):
+    """The launcher's cwd is the user's; a folder ``elastic`` there (this project's own
+    checkout, say) must not stand in for the installed package in the template, and the worker
+    still runs in that cwd with its script's folder first on its path and the relative entries
+    of ``PYTHONPATH`` read against that cwd."""
+    shadow = tmp_path / "elastic"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('the folder in the cwd was imported')\n")
+    (tmp_path / "src").mkdir()  # a relative PYTHONPATH entry, as the user's cwd reads it
+    (tmp_path / "src" / "beside.py").write_text("FOUND = True\n")
+    script = tmp_path / "job" / "probe.py"
+    script.parent.mkdir()
+    script.write_text("import json, os, sys\nimport elastic, beside\n"
+                      "print(json.dumps({'elastic': elastic.__file__, 'cwd': os.getcwd(), "
+                      "'path0': sys.path[0], 'beside': beside.FOUND}))\n")
+    env = loopback_env()
+    env["PYTHONPATH"] += os.pathsep + "src"
+    host = subprocess.run([sys.executable, str(WORKERS / "fork_host.py"), "1", str(script)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+    assert host.returncode == 0, host.stdout + host.stderr
+    worker = json.loads(host.stdout.splitlines()[1])
+    assert worker["exit"] == 0, host.stderr
+    report = json.loads(worker["out"])
+    assert not report["elastic"].startswith(str(tmp_path))
+    assert report["cwd"] == str(tmp_path) and report["path0"] == str(script.parent)
+    assert report["beside"] is True
+
+
 def test_forked_workers_share_no_random_state_descriptors_threads_handlers_or_settings():
     template, (first, second) = _fork_probes(2)
     cold = json.loads(subprocess.run([sys.executable, PROBE], cwd=REPO, env=loopback_env(),

@@ -12,12 +12,11 @@ a forked worker is its child: ``ForkedProcess`` reaps it and gives its exit stat
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
-from elastic.launch.template_process import Template, WorkerRun
+from elastic.launch.template_process import Template, WorkerRun, parse_arguments
 from elastic.launch.warm_start import ForkedProcess, WarmStart
 
 #: The worker's command (a JSON list), in the environment of a request.
@@ -85,8 +84,8 @@ class LazyTemplate:
 
 
 def main(argv: list[str]) -> WorkerRun | None:
-    control = socket.socket(fileno=int(argv[0]))
-    return AnyCommandTemplate(control, WorkerRun(tuple(argv[argv.index("--") + 1:]))).serve(())
+    control, _, run = parse_arguments(argv)
+    return AnyCommandTemplate(control, run).serve(())
 
 
 if __name__ == "__main__":
