@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import logging
+import pickle
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -112,15 +113,13 @@ class ShardedCheckpoints:
         url = self._on_coordinator(lambda: self._store.open_step(step, meta))
         writer = FsspecWriter(url, sync_files=True, **self._store.storage_options)
         try:
-            written = dcp.save(state_dict, storage_writer=writer, process_group=self._group)
+            dcp.save(state_dict, storage_writer=writer, process_group=self._group)
         except CheckpointException as exc:  # DCP raises it on every rank alike
             self._on_coordinator(lambda: self._store.discard_step(step))
             raise CheckpointWriteError(
                 f"writing the shards of step {step} to {url} failed: {exc}. Earlier checkpoints "
                 "are intact; training can go on and save again.") from exc
-        names = sorted({info.relative_path for info in written.storage_data.values()}
-                       | {DCP_METADATA})
-        mine = self._hash_share(step, names, payload if self._rank == 0 else None)
+        mine = self._hash_share(step, url, payload if self._rank == 0 else None)
         hashed = self._all_gathered(mine)
 
         def publish() -> CheckpointRef:
@@ -201,21 +200,26 @@ class ShardedCheckpoints:
             raise CheckpointReadError(f"reading {PAYLOAD_NAME} of {ref.url} failed: {exc!r}. "
                                       "Check that the storage is reachable.") from exc
 
-    def _hash_share(self, step: int, names: list[str],
-                    payload: Any) -> dict[str, FileEntry] | str:
+    def _hash_share(self, step: int, url: str, payload: Any) -> dict[str, FileEntry] | str:
         """This rank's share of reading the files back (and rank 0's payload, written): name
-        to entry, or what went wrong."""
+        to entry, or what went wrong. The files are the ones DCP's index (``.metadata``) names,
+        read back from storage: what ``dcp.save`` returns differs between torch releases (2.11
+        hands back metadata without the files)."""
         storage = self._store.storage
         step_dir = storage.join(step_dir_name(step))
         try:
+            index = FsspecReader(url, **self._store.storage_options).read_metadata()
+            names = sorted({info.relative_path for info in index.storage_data.values()}
+                           | {DCP_METADATA})
             share = {n: file_entry(storage, f"{step_dir}/{n}")
                      for n in names[self._rank::self._world]}
             if payload is not None:
                 share[PAYLOAD_NAME] = write_payload(storage, f"{step_dir}/{PAYLOAD_NAME}",
                                                     to_host(payload))
             return share
-        except (OSError, TypeError, CheckpointError) as exc:
-            return f"rank {self._rank}: {exc!r}"
+        except (OSError, EOFError, TypeError, ValueError, AttributeError, ImportError, KeyError,
+                pickle.UnpicklingError, CheckpointError) as exc:  # an unreadable index, too
+            return f"rank {self._rank}: {exc!r}"  # every rank still reaches the all-gather
 
     def _verify_share(self, ref: CheckpointRef) -> tuple[str, str] | None:
         storage = self._store.storage
