@@ -125,13 +125,16 @@ class ShardedRuntime:
         its commit incomplete, which ``choose`` sees) and drops the round's objects. Once the
         round is released it waits ``released_wait`` more at most and leaves a copy that did
         not end to its thread (it ends with its group's timeout): the release watchdog would
-        otherwise restart this worker in place, and its shards would go with it."""
+        otherwise restart this worker in place, and its shards would go with it. Lets go of
+        the round's side group too: the formation's destroy frees it on a thread of its own
+        (``ProcessGroup.destroy``), not the next ``choose`` on this one."""
         exchange, self._exchange, self._copied = self._exchange, None, None
         if exchange is not None:
             try:
                 exchange.settle(self._timeout, self._released, self._released_wait)
             except BuddyCopyError as exc:
                 log.info("buddy copies of the last commit incomplete: %s", exc)
+        self._group = None
         self.objects = {}
         gc.collect()
 

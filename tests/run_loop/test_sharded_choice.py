@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from datetime import timedelta
 
 import torch
@@ -91,12 +92,19 @@ def _choose_with_a_joiner(rank: int, world: int) -> dict:
     return {"source": source.rank, "version": train.version, "step": train.step}
 
 
-def _settle_with_a_copy_in_flight(rank: int, world: int) -> float:
+def _chosen_at_step_0(rank: int, world: int) -> tuple[ShardedRuntime, TrainState,
+                                                      ProcessGroup]:
+    """A runtime that chose in a round of ``world`` after one commit at step 0 (none held)."""
     runtime = ShardedRuntime(_parallelize, None, 1, TIMEOUT, RELEASED_WAIT)
     train = TrainState(step=0)
     train.commit()
     topology, group = _round(rank, world)
     runtime.choose(topology, train, group)
+    return runtime, train, group
+
+
+def _settle_with_a_copy_in_flight(rank: int, world: int) -> float:
+    runtime, train, group = _chosen_at_step_0(rank, world)
     # a group the release does not shut down: what gloo's race leaves (a send queued when its
     # connection closed stays in waitSend); rank 1 never posts its side of the exchange
     stuck = dist.new_group(backend="gloo", timeout=TIMEOUT)
@@ -111,6 +119,21 @@ def _settle_with_a_copy_in_flight(rank: int, world: int) -> float:
     settled_s = time.monotonic() - started
     dist.barrier()  # rank 1 keeps the stuck group open until rank 0 settled
     return settled_s
+
+
+def _side_group_freed_by_the_destroy(rank: int, world: int) -> bool:
+    runtime, _, group = _chosen_at_step_0(rank, world)
+    side = weakref.ref(runtime._group)
+    runtime.settle()
+    group.release("the round ends")
+    group.destroy()  # frees every group torch holds on a thread of its own, and waits for it
+    return side() is None
+
+
+def test_leaving_a_round_lets_the_destroy_free_its_side_group_off_the_training_thread(tmp_path):
+    # a reference kept until the next choose() would free it there, on the training thread,
+    # where a copy the release did not wake blocks its destructor until the group's timeout
+    assert run_in_group(_side_group_freed_by_the_destroy, 2, tmp_path) == {0: True, 1: True}
 
 
 def test_a_formation_rebuilds_the_newest_commit_held_whole_and_rolls_the_step_back_with_it(

@@ -83,6 +83,7 @@ def _child(target: Callable[..., Any], rank: int, world: int, store: str, args: 
         body = io.BytesIO()
         torch.save(value, body)
         results.put((rank, True, body.getvalue()))
-        dist.destroy_process_group()
+        if dist.is_initialized():  # unless the target destroyed it itself
+            dist.destroy_process_group()
     except Exception:  # report any failure of the child to the parent test
         results.put((rank, False, traceback.format_exc()))
