@@ -56,7 +56,8 @@ class Buddies:
         self.exchange.wait(WAIT)
         flat = flat_tensors(*sharded_state_dict(self.trainer.model, self.trainer.optimizer))
         specs = {name: spec_of(value) for name, value in flat.items()}
-        full = host_copy(flat)
+        full = host_copy(flat, self.trainer.buffers)  # a dropped commit's slab, as the refresh
+        self.trainer.keep(full)  # part takes it: the one two commits back is reused
         own = {name: full[name][slice(*shard_range(specs[name].rows, WORLD, self.rank))]
                if specs[name].sharded else full[name] for name in full}
         self.version += 1
