@@ -3,8 +3,9 @@
 ``elastic run`` starts ``python -m elastic.launch.template_process FD --cwd DIR [--preload a,b]
 -- COMMAND`` in the folder its own ``elastic`` package came from (DIR is its cwd, where the
 template goes first), with one end of a ``SOCK_SEQPACKET`` socket pair at descriptor FD
-(``multiprocessing``'s fork server is the model). The template imports ``elastic.launch.preload``'s list, checks that it is
-fit to fork (``unfit``: one thread, no CUDA context, no socket but its own) and says
+(``multiprocessing``'s fork server is the model). The template imports
+``elastic.launch.preload``'s list, checks that it is fit to fork (``unfit``: one thread, no
+CUDA context, no socket but its own) and says
 ``{"ready": ...}`` or ``{"unfit": why}``. Then, per request ``{"env": {...}}`` carrying three
 descriptors (the worker's stdin, stdout, stderr), it forks twice: the middle process exits at
 once, so the worker is adopted by the launcher (a child subreaper), which reaps it and gets its
