@@ -25,20 +25,22 @@ class MembershipAgreement:
     """
 
     def __init__(self, cluster: Cluster, leave_requested: threading.Event,
-                 error: PeerFailureError | None) -> None:
+                 error: PeerFailureError | None, saw_change: bool = False) -> None:
         self._cluster = cluster
         self._leave_requested = leave_requested
         self._error = error
         self._flags: tuple[bool, bool] | None = None
+        self.saw_change = saw_change  # this worker voted that a join or leave is pending
 
     @classmethod
     def start(cls, cluster: Cluster, leave_requested: threading.Event) -> "MembershipAgreement":
         """Reads this worker's flags and hands them to the round's channel."""
+        pending = cluster.tracker.pending.is_set()
         try:
-            cluster.channel.start(cluster.tracker.pending.is_set(), leave_requested.is_set())
+            cluster.channel.start(pending, leave_requested.is_set())
         except PeerFailureError as exc:
             return cls(cluster, leave_requested, exc)
-        return cls(cluster, leave_requested, None)
+        return cls(cluster, leave_requested, None, pending)
 
     def wait(self) -> None:
         """Waits for the agreement without acting on it: once it returns, every rank took part.

@@ -49,7 +49,9 @@ class CollectiveCommit:
 
         Collective: every rank calls it at the same point. The agreement (two flags per rank,
         gathered by rank 0 over the round's ``AgreementChannel``) is started first and travels
-        while the snapshot is copied. If a join or leave is pending, the commit is kept and
+        while the snapshot is copied. With sharded state on the CPU, a rank that knows of a
+        pending join waits for the agreement first: at a join its live shards are the commit
+        and are not copied (docs/sharded.md). If a join or leave is pending, the commit is kept and
         ``MembershipChangedInterrupt`` hands over to the run loop, which re-forms the group and
         calls the training function again (no work is lost).
 
@@ -71,7 +73,9 @@ class CollectiveCommit:
             self._sharded.before_commit()  # the last commit's buddy copies have landed
         agreement = self._start_agreement()
         version = self._train.commit()
-        if self._sharded is not None:
+        if self._sharded is not None and self._join_agreed(agreement, durable):
+            self._sharded.commit_live(self._train)  # the join's reshard reads the live shards
+        elif self._sharded is not None:
             self._sharded.commit(self._train, send_copies=lambda: self._copies_wanted(agreement))
         if durable:
             self._commit_durably(version)
@@ -130,6 +134,24 @@ class CollectiveCommit:
         version = self._train.commit()  # the small state; the shards are live
         self._sharded.commit_live(self._train)
         self._committed(version, agreement)
+
+    def _join_agreed(self, agreement: MembershipAgreement | None, durable: bool) -> bool:
+        """Whether this sharded commit may be the live shards themselves: the world re-forms
+        now with no rank leaving by request (a join; or a member lost, whose shard then has
+        no holder, and the re-formation rolls back to the last whole commit, as it would
+        from a copy that no buddy received), so nothing steps them again before the
+        re-formation's reshard has read them, and their host copy would only lengthen the
+        pause. Only where this worker voted for the change (otherwise the copy travels while
+        the agreement does, as usual), the live shards are in host memory and current (a
+        GPU's copy frees the device for the new layout; see ``can_commit_live``) and the
+        commit is not durable (its writer reads them later). Waits for the agreement to
+        decide."""
+        assert self._sharded is not None
+        if (durable or agreement is None or not agreement.saw_change
+                or not self._sharded.can_commit_live() or not agreement.is_reached()):
+            return False
+        self._sharded.confirm_copies()  # every rank waited for them before voting
+        return agreement.is_change_without_leavers()
 
     def _copies_wanted(self, agreement: MembershipAgreement | None) -> bool:
         """Once this commit's agreement is reached: the last commit's buddy copies are whole

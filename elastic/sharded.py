@@ -135,6 +135,7 @@ class ShardedRuntime:
             except BuddyCopyError as exc:
                 log.info("buddy copies of the last commit incomplete: %s", exc)
         self._group = None
+        self._commits.freeze()  # the objects go: a copy-free commit's shards stop moving on
         self.objects = {}
         gc.collect()
 
@@ -305,7 +306,8 @@ class ShardedRuntime:
             lap("load_s")
         events.emit("resharded", version=choice.version, from_world=choice.world,
                     to_world=world, bytes_moved=plan.moved, bytes_minimum=plan.minimum,
-                    bytes_lost=plan.lost, reshard_s=moving.seconds)
+                    bytes_lost=plan.lost, reshard_s=moving.seconds,
+                    copy_free=held is not None and held.frozen)
         return local
 
     # -- commits ----------------------------------------------------------------------------
@@ -344,6 +346,20 @@ class ShardedRuntime:
         self._commits.add(ShardCommit(train.version, world, shards, own, self._specs,
                                       snapshot(train.committed()), {own: self._live},
                                       live=True))
+
+    def can_commit_live(self) -> bool:
+        """Whether this rank's live shards may serve as a commit that nothing steps again (a
+        join's): they are in host memory (not on a GPU), and the live tensors recorded at the
+        last commit still hold every parameter and optimizer state tensor of the objects,
+        none created or replaced since (a new parameter group, a state dict loaded by the
+        user): a check by address, with no state dict taken."""
+        if not self._live or not all(t.device.type == "cpu" for t in self._live.values()):
+            return False
+        model, optimizer = self._model_and_optimizer()
+        recorded = {t.data_ptr() for t in self._live.values()}
+        now = [*model.parameters(), *(v for state in optimizer.state.values()
+                                      for v in state.values() if isinstance(v, torch.Tensor))]
+        return all(local_part(t).data_ptr() in recorded for t in now)
 
     def _commit(self, train: TrainState, wait: bool, copy: dict[str, torch.Tensor] | None = None,
                 send: Callable[[], bool] = lambda: True) -> None:

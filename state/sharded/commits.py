@@ -39,12 +39,14 @@ class ShardCommit:
     ``small`` is the rest of the commit (``TrainState.committed()`` copied), so that a
     rollback to this version restores the sampler and plain values with it. A ``live`` commit
     (the copy-free commit) holds the live local tensors themselves, valid until the next step
-    is applied, when the next live commit replaces it. ``whole``: every rank of its layout is
-    known to hold its buddies' copies of it (``ShardCommits.confirm``). ``in_flight``: its
-    buddy exchange started and has not ended well (a failed one never does), so its shards
-    may still be read or written by a send or receive and are never reused. ``borrowed``: the
-    shards of ``held`` taken from the commit of the same key that this one replaced, held
-    until this one is whole.
+    is applied, when the next live commit replaces it; ``frozen`` once its objects are
+    dropped (a re-formation), when nothing steps those tensors again and it is kept like a
+    copied commit, though its tensors, a model's memory, are never reused. ``whole``: every
+    rank of its layout is known to hold its buddies' copies of it (``ShardCommits.confirm``).
+    ``in_flight``: its buddy exchange started and has not ended well (a failed one never
+    does), so its shards may still be read or written by a send or receive and are never
+    reused. ``borrowed``: the shards of ``held`` taken from the commit of the same key that
+    this one replaced, held until this one is whole.
     """
 
     version: int
@@ -55,6 +57,7 @@ class ShardCommit:
     small: Mapping[str, Any]
     held: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     live: bool = False
+    frozen: bool = False
     whole: bool = False
     in_flight: bool = False
     borrowed: set[int] = field(default_factory=set)
@@ -135,6 +138,17 @@ class ShardCommits:
             commit.borrowed.clear()
             self._keep(_trimmed(self._commits))
 
+    def freeze(self) -> None:
+        """The live objects are dropped: a live commit whose shards are in host memory is kept
+        from now on like a copied one (a formation's reshard may read it, and after the
+        formation it is the old layout's copy of its version). One on a GPU still goes with
+        the next commit: keeping it would hold a second layout's shards on the device."""
+        with self._lock:
+            for commit in self._commits:
+                if commit.live and all(t.device.type == "cpu" for shard in commit.held.values()
+                                       for t in shard.values()):
+                    commit.live, commit.frozen = False, True
+
     def sending(self, commit: ShardCommit) -> None:
         """``commit``'s buddy exchange starts: its shards are not reused until it ends well."""
         with self._lock:
@@ -155,11 +169,13 @@ class ShardCommits:
 
     def _keep(self, commits: list[ShardCommit]) -> None:
         """Keeps ``commits``; the shards of those that go are reused unless their exchange is
-        in flight (or failed). A live commit's tensors are the model's: never reused."""
+        in flight (or failed). A live or frozen commit's tensors are a model's: never
+        reused."""
         self.buffers.keep_at_least(max((len(c.held) for c in commits), default=0))
         kept = {id(tensors) for c in commits for tensors in c.held.values()}
         for dropped in self._commits:
-            if not (dropped.live or dropped.in_flight or any(c is dropped for c in commits)):
+            if not (dropped.live or dropped.frozen or dropped.in_flight
+                    or any(c is dropped for c in commits)):
                 for tensors in dropped.held.values():
                     if id(tensors) not in kept:
                         self.buffers.give(tensors)

@@ -131,3 +131,42 @@ def test_sharded_commits_reuse_dropped_memory_and_never_touch_a_kept_commit(tmp_
         # the first commits need new memory; from the fourth on, the memory of dropped ones
         assert result["own_new"][3:] == [False] * (COMMITS - 3), result["own_new"]
         assert result["received_new"][3:] == [False] * (COMMITS - 3), result["received_new"]
+
+
+def _live_commit_checks(rank: int, world: int) -> dict:
+    runtime = ShardedRuntime(_parallelize, None, 1, TIMEOUT, timedelta(seconds=2))
+    train = TrainState(step=0)
+    train.commit()
+    _form(runtime, train, rank, world, 1)
+    _train_step(runtime, 0)
+    _commit(runtime, train)
+    runtime.before_commit()
+    after_steps = []
+    for seed in (1, 2):  # steps apply in place: the tensors recorded stay the live ones
+        _train_step(runtime, seed)
+        after_steps.append(runtime.can_commit_live())
+    optimizer = runtime.objects["optimizer"]
+    saved = optimizer.state_dict()  # the user loads a copy: new state tensors, same values
+    saved["state"] = {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in entry.items()}
+                      for k, entry in saved["state"].items()}
+    optimizer.load_state_dict(saved)
+    replaced = runtime.can_commit_live()
+    _commit(runtime, train)  # the next commit records the new ones
+    runtime.before_commit()
+    recorded_again = runtime.can_commit_live()
+    optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))]})
+    _train_step(runtime, 3)  # the new group's parameter has no gradient: no state yet
+    runtime.objects["model"].zero_grad()
+    extra = optimizer.param_groups[-1]["params"][0]
+    extra.grad = torch.ones_like(extra)
+    optimizer.step()  # its state is new since the last commit
+    new_state = runtime.can_commit_live()
+    return {"after_steps": after_steps, "replaced": replaced,
+            "recorded_again": recorded_again, "new_state": new_state}
+
+
+def test_the_live_shards_serve_as_a_commit_only_while_they_are_the_tensors_last_recorded(
+        tmp_path):
+    for result in run_in_group(_live_commit_checks, 2, tmp_path).values():
+        assert result == {"after_steps": [True, True], "replaced": False,
+                          "recorded_again": True, "new_state": False}

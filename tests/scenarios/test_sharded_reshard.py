@@ -101,6 +101,61 @@ def test_fsdp_four_to_two_by_two_kills_that_leave_a_holder_of_every_shard(make_j
     assert _worlds(job, survivors[0])[-1] == 2
 
 
+def _join_at_commit(make_job, extra: list[str], env: dict[str, str]):
+    """4 workers hold after step 14 until a fifth asks to join, then agree on it at a plain
+    ``commit()``: the live shards are that commit (no host copy)."""
+    job = make_job(ARGS + ["--commit-at-join", "14"] + extra, env, script=SCRIPT)
+    job.start_together(range(4))
+    job.wait_until(lambda: all((job.out / f"holding-{i}").exists() for i in range(4)), 150,
+                   "every worker holding after step 14")
+    (job.out / "join-started").touch()
+    job.start(4)
+    return job
+
+
+def test_a_join_agreed_at_a_commit_reshards_from_the_live_shards_and_keeps_the_math(
+        make_job, references):
+    reference = references.start(make_job, SCRIPT, ARGS)
+    job = _join_at_commit(make_job, [], {})
+    _check(job, reference, list(range(5)))
+    assert _worlds(job, 0) == [4, 5]
+    joined = [e for e in job.events() if e["event"] == "resharded" and e["to_world"] == 5]
+    assert sorted(e["copy_free"] for e in joined) == [False] + [True] * 4, joined
+
+
+def test_a_joiner_dying_in_the_formation_of_a_join_agreed_at_a_commit_loses_no_step(
+        make_job, references):
+    # the joiner (rank 4 at world 5) dies inside parallelize: every shard of the join's commit
+    # (step 14) still has its live holder in the old layout, so the four rebuild step 14 from
+    # those live shards, kept since the formation began, and redo nothing
+    reference = references.start(make_job, SCRIPT, ARGS)
+    job = _join_at_commit(make_job, [], {"FAULT": "kill:4:14:5:parallelize"})
+    job.wait_until(lambda: _fired(job, 4), 150, "the joiner's death")
+    assert job.wait_exit(4) == -signal.SIGKILL
+    _check(job, reference, list(range(4)))
+    steps = [p["step"] for p in job.progress(0) if "loss" in p]
+    assert steps.count(13) == 1 and steps.count(15) == 1, steps
+    rebuilt = [e for e in job.events() if e["event"] == "resharded"
+               and (e["from_world"], e["to_world"]) == (4, 4)]
+    assert len(rebuilt) == 4 and all(e["copy_free"] for e in rebuilt), rebuilt
+
+
+def test_a_rank_dying_in_the_formation_of_a_join_agreed_at_a_commit_rolls_back_to_a_whole_one(
+        make_job, references):
+    # rank 1 dies inside parallelize at world 5: the join's commit (step 14, the live shards,
+    # no buddy copies) lost its shard 1, so the job rebuilds step 12's commit, whose copies are
+    # whole, and redoes steps 13 and 14 at 4
+    reference = references.start(make_job, SCRIPT, ARGS)
+    job = _join_at_commit(make_job, [], {"FAULT": "kill:1:14:5:parallelize"})
+    job.wait_until(lambda: any(_fired(job, i) for i in range(5)), 150, "the kill")
+    killed = next(i for i in range(5) if _fired(job, i))
+    assert job.wait_exit(killed) == -signal.SIGKILL
+    survivors = [i for i in range(5) if i != killed]
+    _check(job, reference, survivors)
+    steps = [p["step"] for p in job.progress(survivors[0]) if "loss" in p]
+    assert steps.count(13) == 2 and steps.count(15) == 1, steps
+
+
 # Issue 43 item 5 with issue 39's points of a step: FSDP 4 -> 3 by one kill at step 6 of 8,
 # commit() every 3 steps (and at epoch ends); "copy-free" is commit_step() every step with those
 # commit()s beside it (docs/sharded.md's advice under FSDP). The victim rotates over the ranks.

@@ -8,6 +8,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from elastic.state.sharded.buffers import carve, shapes_of
 from elastic.state.sharded.commits import (Holding, ShardCommit, ShardCommits, choose,
                                            read_report)
 from elastic.state.sharded.copies import BuddyExchange
@@ -193,6 +194,30 @@ def test_a_live_commit_is_kept_only_while_it_is_the_newest():
     assert [h.version for h in read_report(commits.report().tolist())] == [1, 3]
     commits.add(_commit(4, 2, 0))  # a snapshot commit: the live tensors have moved on
     assert [h.version for h in read_report(commits.report().tolist())] == [1, 4]
+
+
+@pytest.mark.unit
+def test_a_live_commit_frozen_at_a_formation_outlives_the_new_layouts_commit_and_is_never_reused():
+    # a join's commit is the live shards; the re-formation drops the objects (freeze), rebuilds
+    # it at 3 ranks, and the old layout stays what a second failure can rebuild from
+    commits = ShardCommits(max_held=2)
+    two = _commit(2, 2, 0, (1,))
+    commits.add(two)
+    commits.confirm(two)
+    live = _commit(3, 2, 0)
+    live.held[0] = carve(shapes_of(live.held[0]), pinned=False)  # as recyclable as can be
+    live.live = True
+    commits.add(live)
+    commits.freeze()
+    commits.add(_commit(3, 3, 0))
+    assert [(h.version, h.world) for h in read_report(commits.report().tolist())] == [
+        (2, 2), (3, 2), (3, 3)]
+    model_memory = {id(t) for t in live.held[0].values()}
+    commits.add(_commit(4, 3, 0))  # the frozen commit goes now, and its tensors with it
+    assert [(h.version, h.world) for h in read_report(commits.report().tolist())] == [
+        (2, 2), (3, 3), (4, 3)]
+    offered = commits.buffers.take(shapes_of(live.held[0]))
+    assert model_memory.isdisjoint(id(t) for t in offered.values())
 
 
 @pytest.mark.unit

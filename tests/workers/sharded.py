@@ -25,7 +25,8 @@ the formation restores: a death in the middle of a re-formation).
 
 ``--durable-at-join STEP`` holds after step STEP until a joiner is seen (the test starts it once
 every worker holds), then takes ``commit(durable=True)``: a durable commit that agrees on a
-join, so its shards get no buddy copies.
+join, so its shards get no buddy copies. ``--commit-at-join STEP`` does the same with a plain
+``commit()``, which takes no host copy of its shards either (the live shards are the commit).
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ def main() -> None:
                    help="with --copy-free, also commit() every --commit-every steps")
     p.add_argument("--durable-at-join", type=int, default=0,
                    help="after this step, wait for a joiner, then commit(durable=True)")
+    p.add_argument("--commit-at-join", type=int, default=0,
+                   help="after this step, wait for a joiner, then commit()")
     args = p.parse_args()
     out = Path(args.out)
     index = int(os.environ["TEST_WORKER_INDEX"])
@@ -180,9 +183,9 @@ def main() -> None:
                 progress.write(json.dumps({"step": s.step, "world": s.world_size,
                                            "loss": s.history[-1]}) + "\n")
                 fire("after", s.step)
-                if s.step == args.durable_at_join:
+                if s.step in (args.durable_at_join, args.commit_at_join):
                     hold_until_join_seen(s, out, index)
-                    s.commit(durable=True)
+                    s.commit(durable=s.step == args.durable_at_join)
                 if s.step % args.commit_every == 0:
                     if not args.copy_free or args.with_commits:
                         s.commit()
