@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import logging
 import pickle
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -113,7 +114,11 @@ class ShardedCheckpoints:
         url = self._on_coordinator(lambda: self._store.open_step(step, meta))
         writer = FsspecWriter(url, sync_files=True, **self._store.storage_options)
         try:
-            dcp.save(state_dict, storage_writer=writer, process_group=self._group)
+            with warnings.catch_warnings():
+                # the step has no manifest (open_step refuses a published one): files there are
+                # a try that never published, and DCP overwriting them is this store's design
+                warnings.filterwarnings("ignore", "Detected an existing checkpoint", UserWarning)
+                dcp.save(state_dict, storage_writer=writer, process_group=self._group)
         except CheckpointException as exc:  # DCP raises it on every rank alike
             self._on_coordinator(lambda: self._store.discard_step(step))
             raise CheckpointWriteError(

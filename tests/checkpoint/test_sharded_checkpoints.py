@@ -73,6 +73,13 @@ def test_a_flipped_byte_in_a_shard_is_refused_and_the_load_falls_back_to_the_one
     assert got["fallback"] == 1 and got["wrong"] == []
 
 
+def test_a_step_rewritten_over_a_torn_try_saves_without_dcps_overwrite_warning(tmp_path):
+    got = run_in_group(workers.rewrite_a_torn_step, 1, tmp_path, str(tmp_path / "ckpt"),
+                       timeout_s=LOADED)[0]
+    assert not [w for w in got["warnings"] if "existing checkpoint" in w], got["warnings"]
+    assert got["listed"] == [1, 2] and got["loaded"] == 2 and got["wrong"] == []
+
+
 def test_a_rank_that_dies_before_the_manifest_leaves_no_listed_checkpoint(tmp_path):
     url = str(tmp_path / "ckpt")
     ctx = rank_context()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -65,6 +66,31 @@ def die_before_the_manifest(rank: int, world: int, url: str) -> dict[str, Any]:
     scan = store.scan()
     return {"error": error, "listed": [r.step for r in scan.valid], "torn": dict(scan.invalid),
             "files": sorted(os.listdir(url + "/000000000002")) if os.path.isdir(url + "/000000000002") else []}
+
+
+def rewrite_a_torn_step(rank: int, world: int, url: str) -> dict[str, Any]:
+    """Saves step 1; leaves step 2's directory as a try that crashed before its manifest (DCP's
+    files, ``.metadata`` among them), then saves step 2 again: the warnings that save gave,
+    what the store lists and whether step 2 loads equal."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+    model, opt = fsdp_model.build(world, seed=0)
+    store = CheckpointStore(url)
+    shards = ShardedCheckpoints(store)
+    fsdp_model.train(model, opt, rank, 1)
+    shards.save(1, fsdp_model.sharded_state(model, opt))
+    fsdp_model.train(model, opt, rank, 1)
+    dcp.save(fsdp_model.sharded_state(model, opt), checkpoint_id=os.path.join(url, "000000000002"))
+    at_2 = fsdp_model.full_state(model, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shards.save(2, fsdp_model.sharded_state(model, opt))
+    state = fsdp_model.sharded_state(model, opt)
+    loaded = shards.load(state)
+    fsdp_model.apply(model, opt, state)
+    return {"warnings": [str(w.message) for w in caught], "listed": [r.step for r in store.list()],
+            "loaded": loaded.ref.step,
+            "wrong": fsdp_model.differences(at_2, fsdp_model.full_state(model, opt))}
 
 
 def corrupt_then_load(rank: int, world: int, url: str) -> dict[str, Any]:
