@@ -6,7 +6,10 @@ slab: one allocation per shard, pinned when the sources live on a GPU (torch's p
 allocator rounds each allocation up to a power of two, so one slab rounds once, not once per
 tensor). ``ShardBuffers`` keeps shards handed back for reuse, by their layout (every tensor's
 name, shape and dtype) and pinning, at most ``limit`` of them (one commit's worth: a rank's own
-shard and its buddies'), the oldest going first (after a reshard: the old layout's).
+shard and its buddies'), the oldest going first (after a reshard: the old layout's). A shard
+of a new layout (a reshard's) is carved out of the smallest free slab of another layout that
+holds it, if any: that memory is touched already, where a new slab costs a page fault every
+4 KiB.
 
 Lifetime: a shard is taken for the own copy of a commit (``host_copy``), a buddy copy about to
 be received (``copies``) or a reshard's new shard (``moves``), and given back only by
@@ -48,11 +51,21 @@ def shapes_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int,
     return {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
 
 
-def carve(shapes: Shapes, pinned: bool) -> HostShard:
-    """A new ``HostShard`` of ``shapes`` (uninitialised) in one slab."""
-    sizes = {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in shapes.items()}
-    total = sum(-(-size // ALIGN) * ALIGN for size in sizes.values())
-    slab = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
+def _sizes(shapes: Shapes) -> dict[str, int]:
+    return {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in shapes.items()}
+
+
+def slab_bytes(shapes: Shapes) -> int:
+    """The bytes of a slab that holds ``shapes``, each view aligned."""
+    return sum(-(-size // ALIGN) * ALIGN for size in _sizes(shapes).values())
+
+
+def carve(shapes: Shapes, pinned: bool, slab: torch.Tensor | None = None) -> HostShard:
+    """A ``HostShard`` of ``shapes`` (uninitialised) in one slab: a new one, or ``slab`` (a
+    uint8 host tensor of at least ``slab_bytes(shapes)``, pinned as ``pinned`` says)."""
+    sizes = _sizes(shapes)
+    if slab is None:
+        slab = torch.empty(slab_bytes(shapes), dtype=torch.uint8, pin_memory=pinned)
     tensors, at = {}, 0
     for name, (shape, dtype) in shapes.items():
         tensors[name] = slab[at: at + sizes[name]].view(dtype).view(shape)
@@ -88,12 +101,18 @@ class ShardBuffers:
             self._limit = max(self._limit, count)
 
     def take(self, shapes: Shapes, pinned: bool = False) -> HostShard:
-        """A shard of ``shapes``: one handed back, else a new one. Its contents are stale."""
-        key = _key(shapes, pinned)
+        """A shard of ``shapes``: one handed back, else one carved out of the smallest free
+        slab of another layout that holds it, else a new one. Its contents are stale."""
+        key, need = _key(shapes, pinned), slab_bytes(shapes)
         with self._lock:
             for at, shard in enumerate(self._free):
                 if shard.key == key:
                     return self._free.pop(at)
+            fits = [at for at, shard in enumerate(self._free)
+                    if shard.key[0] == pinned and shard.slab.numel() >= need]
+            if fits:
+                at = min(fits, key=lambda i: self._free[i].slab.numel())
+                return carve(shapes, pinned, self._free.pop(at).slab)
             self.carved += 1
         return carve(shapes, pinned)
 

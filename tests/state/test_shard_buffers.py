@@ -95,3 +95,25 @@ def test_the_pool_keeps_one_commits_worth_and_lets_the_oldest_go():
     assert buffers.take({"w": ((2, 5), torch.float64)}) is other
     assert buffers.take(SHAPES) is shards[2]
     assert isinstance(buffers.take(SHAPES), HostShard) and buffers.carved == 5
+
+
+@pytest.mark.unit
+def test_a_new_layouts_shard_is_carved_from_the_smallest_free_slab_that_holds_it():
+    # a reshard's new shard: its shapes match no free shard, but two freed slabs of the old
+    # layout are large enough, and one is too small
+    buffers = ShardBuffers(limit=3)
+    small = carve({"w": ((1, 5), torch.float64)}, pinned=False)
+    large = carve({"w": ((40, 5), torch.float64)}, pinned=False)
+    fitting = carve({"w": ((9, 5), torch.float64)}, pinned=False)
+    for shard in (small, large, fitting):
+        buffers.give(shard)
+    new = {"w": ((8, 5), torch.float64), "b": ((3,), torch.float32)}
+    shard = buffers.take(new)
+    assert shapes_of(shard) == new and buffers.carved == 0
+    assert shard.slab.data_ptr() == fitting.slab.data_ptr()
+    assert shard["b"].data_ptr() % ALIGN == 0
+    buffers.give(shard)  # it comes back under its own layout
+    assert buffers.take(new) is shard
+    assert buffers.take({"w": ((60, 5), torch.float64)}).slab.data_ptr() not in {
+        small.slab.data_ptr(), large.slab.data_ptr()} and buffers.carved == 1
+
