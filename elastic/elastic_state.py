@@ -248,7 +248,8 @@ class ElasticState(CollectiveCommit):
             # Its version known, the registration carries the first join request.
             self._cluster = Cluster(self._settings, events, self._train.version,
                                     lambda: self._train.version,
-                                    replicated=self._sharded is None)
+                                    replicated=self._sharded is None,
+                                    shard_degree=self._sharded.shard_degree if self._sharded else None)
         except BaseException as exc:
             restore_signals()
             if isinstance(exc, ElasticError):  # every frame below is the package's

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elastic.cluster.links.process_group import ProcessGroup
+from elastic.cluster.rounds.places import shard_count
 from elastic.cluster.rounds.topology import Topology
 from elastic.foundation.errors import ElasticError, PeerFailureError
 from elastic.foundation.events import EventLog, Stopwatch
@@ -60,10 +61,10 @@ class ShardedStateLostError(ElasticError):
 def mesh_layout(world: int, shard_degree: int | None) -> tuple[int, ...]:
     """The mesh shape of a round: ``(world,)`` for FSDP; ``(world // S, S)`` for HSDP when the
     world is a multiple of ``S = shard_degree``, else ``(world,)`` (FSDP over every rank, with
-    buddy copies, until the world is a multiple again)."""
-    if shard_degree is None or world % shard_degree or world == shard_degree:
-        return (world,)
-    return (world // shard_degree, shard_degree)
+    buddy copies, until the world is a multiple again). Rank ``r`` holds shard ``r % S`` of
+    ``shard_count`` (the rule the rendezvous places members by)."""
+    shards = shard_count(world, shard_degree)
+    return (world,) if shards == world else (world // shards, shards)
 
 
 class ShardedRuntime:
@@ -107,6 +108,10 @@ class ShardedRuntime:
         self.objects: dict[str, Any] = {}
         self.durable_loader: DurableLoader | None = None
         self.durable_writer: DurableWriter | None = None
+
+    @property
+    def shard_degree(self) -> int | None:
+        return self._shard_degree
 
     # -- the run loop's side --------------------------------------------------------------
     @staticmethod

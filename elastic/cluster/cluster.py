@@ -57,12 +57,15 @@ class Cluster:
             then carries its first join request (``Rendezvous.first_join``).
         newest: the version of the worker's newest commit, asked when its training thread
             stays inside a released step (a restart in place must not lose it).
-        replicated: False for sharded state: a stuck worker never restarts in place then.
+        replicated: False for sharded state: a stuck worker never restarts in place then,
+            and newcomers take ranks in proportion (``rounds.places``).
+        shard_degree: sharded state's HSDP shard degree (None: FSDP over every rank).
     """
 
     def __init__(self, settings: WorkerSettings, events: EventLog,
                  version: int | None = None,
-                 newest: Callable[[], int] = lambda: 0, replicated: bool = True) -> None:
+                 newest: Callable[[], int] = lambda: 0, replicated: bool = True,
+                 shard_degree: int | None = None) -> None:
         if not settings.etcd or not settings.job_id:
             raise ValueError(
                 "ElasticState.run() needs an etcd and a job id: launch with `elastic run`, or "
@@ -85,7 +88,8 @@ class Cluster:
         self.config = RendezvousConfig(min_workers=settings.min_workers,
                                        max_workers=settings.max_workers, timeouts=timeouts,
                                        standby=settings.standby, node=settings.launcher or "",
-                                       node_workers=settings.launcher_workers)
+                                       node_workers=settings.launcher_workers,
+                                       sharded=not replicated, shard_degree=shard_degree)
         self.topology: Topology | None = None
         self._last: Topology | None = None  # the round of the retired channel
         self._probed = 0  # the round whose rank 0 this worker last checked it could reach

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.cluster.rounds.plan import CloseRule, JoinRequest, Plan, assign_ranks, should_close
+from elastic.cluster.rounds.plan import (CloseRule, JoinRequest, Plan, RendezvousConfig,
+                                         assign_ranks, should_close)
 from elastic.cluster.rounds.records import RecordError
 
 RULE = CloseRule(min_workers=1, max_workers=None, settle_s=0.5)
@@ -26,6 +27,31 @@ def test_equal_versions_keep_the_previous_order_then_arrival_order():
     plan = assign_ranks([req("new", 4, revision=1), req("c", 4, revision=9),
                          req("a", 4, revision=5)], ["c", "b", "a"], 2, None)
     assert plan.ranks == ["c", "a", "new"]
+
+
+SHARDED = RendezvousConfig(sharded=True)
+
+
+def on(host: str, member: str, version: int = 4, revision: int = 0) -> JoinRequest:
+    return JoinRequest(member, version, "start", host, 1000 + revision, revision)
+
+
+def test_in_a_sharded_job_on_one_host_a_newcomer_takes_the_place_of_the_member_it_replaces():
+    plan = assign_ranks([on("h", "new", revision=1), on("h", "c", revision=9),
+                         on("h", "a", revision=5)], ["c", "b", "a"], 2, None, config=SHARDED)
+    assert plan.ranks == ["c", "new", "a"]
+    assert plan.master_addr == "h" and plan.master_port == 1009
+
+
+def test_in_a_sharded_job_across_hosts_newcomers_come_last_so_each_hosts_ranks_stay_together():
+    requests = [on("h", "a"), on("h", "c", revision=1), on("other", "new", revision=2)]
+    plan = assign_ranks(requests, ["a", "b", "c"], 2, None, config=SHARDED)
+    assert plan.ranks == ["a", "c", "new"]
+
+
+def test_a_replicated_job_appends_its_newcomers():
+    requests = [on("h", "a"), on("h", "c", revision=1), on("h", "new", revision=2)]
+    assert assign_ranks(requests, ["a", "b", "c"], 2, None).ranks == ["a", "c", "new"]
 
 
 def test_members_beyond_max_workers_become_spares():

@@ -125,11 +125,12 @@ def test_a_join_agreed_at_a_commit_reshards_from_the_live_shards_and_keeps_the_m
 
 def test_a_joiner_dying_in_the_formation_of_a_join_agreed_at_a_commit_loses_no_step(
         make_job, references):
-    # the joiner (rank 4 at world 5) dies inside parallelize: every shard of the join's commit
-    # (step 14) still has its live holder in the old layout, so the four rebuild step 14 from
-    # those live shards, kept since the formation began, and redo nothing
+    # the joiner (rank 2 at world 5: the four keep their places in proportion, 0, 1, 3 and 4)
+    # dies inside parallelize: every shard of the join's commit (step 14) still has its live
+    # holder in the old layout, so the four rebuild step 14 from those live shards, kept since
+    # the formation began, and redo nothing
     reference = references.start(make_job, SCRIPT, ARGS)
-    job = _join_at_commit(make_job, [], {"FAULT": "kill:4:14:5:parallelize"})
+    job = _join_at_commit(make_job, [], {"FAULT": "kill:2:14:5:parallelize"})
     job.wait_until(lambda: _fired(job, 4), 150, "the joiner's death")
     assert job.wait_exit(4) == -signal.SIGKILL
     _check(job, reference, list(range(4)))

@@ -11,6 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from elastic.cluster.rounds import records
+from elastic.cluster.rounds.places import in_proportion
 from elastic.cluster.rounds.records import MAX_ROUND, MAX_VERSION, RecordError
 from elastic.foundation.timeouts import Timeouts
 
@@ -178,6 +179,8 @@ class RendezvousConfig:
     standby: bool = False  # this member is a warm spare (``elastic run --spares``)
     node: str = ""  # the launcher that started this member (``JoinRequest.node``)
     node_workers: int = 0  # how many workers that launcher started (0: unknown)
+    sharded: bool = False  # the job's state is sharded in rank order (``places``)
+    shard_degree: int | None = None  # its HSDP shard degree (None: FSDP over every rank)
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -238,9 +241,14 @@ def should_close(requests: list[JoinRequest], live: set[str], has_previous: bool
 
 
 def assign_ranks(requests: list[JoinRequest], previous: list[str], round_: int,
-                 max_workers: int | None, min_workers: int = 1, target: int = 0) -> Plan:
+                 max_workers: int | None, min_workers: int = 1, target: int = 0,
+                 config: RendezvousConfig | None = None) -> Plan:
     """Orders the requests into ranks: the newest commit first (it becomes rank 0, the source of
-    the state), then members of the previous round in their old order, then by arrival.
+    the state), then members of the previous round in their old order, then by arrival. In a
+    sharded job (``config.sharded``) on one host, newcomers then move in between the previous
+    round's members so that those keep their slices of the state (``places.in_proportion``: a
+    reshard then moves little more than the newcomers' shards); across hosts the order stays,
+    so that each host's ranks stay together.
     Members beyond ``max_workers`` become spares. A warm spare (``standby``) that was not in the
     previous round is taken only to fill the world back to the previous round's ``target`` (the
     largest world the job has had, within ``max_workers``), or to the previous round's size,
@@ -260,6 +268,9 @@ def assign_ranks(requests: list[JoinRequest], previous: list[str], round_: int,
     candidates = [ordered[i] for i in sorted(taken)]
     cut = len(candidates) if max_workers is None else max_workers
     chosen = candidates[:cut]
+    if config is not None and config.sharded and len({r.addr for r in chosen}) == 1:
+        chosen = in_proportion(chosen, [r.member_id for r in chosen], previous,
+                               config.shard_degree)
     chosen_ids = {r.member_id for r in chosen}
     spares = [r for r in ordered if r.member_id not in chosen_ids]
     most = max(target, len(chosen))

@@ -353,7 +353,7 @@ class Rendezvous(RoundFinish):
         plan = assign_ranks([r for r in requests if r.member_id not in cut],
                             previous.ranks if previous else [], n,
                             self.config.max_workers, self.config.min_workers,
-                            previous.target if previous else 0)
+                            previous.target if previous else 0, self.config)
         plan = replace(plan, cut=sorted(cut))
         stored = plan.to_json()
         if self._client.create(self._keys.plan(n), stored, also={self._keys.round: str(n)},
