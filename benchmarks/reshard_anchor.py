@@ -37,7 +37,8 @@ def _rank(rank: int, world: int, folder: str, size: tuple[int, int, bool], mode:
                             timeout=datetime.timedelta(seconds=WAIT_S))
     grouped = time.time()
     width, layers, meta = size
-    model, opt = reshard_worker.parallelize(width, layers, meta=meta)
+    # a restart that loads the checkpoint skips the initialisation, as the elastic side does
+    model, opt = reshard_worker.parallelize(width, layers, meta=meta, init=mode == "save")
     if mode == "save":  # state worth saving: one real step
         model(torch.randn(2, width)).pow(2).mean().backward()
         opt.step()

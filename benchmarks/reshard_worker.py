@@ -38,14 +38,15 @@ def build(width: int, layers: int) -> torch.nn.Module:
     return torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
 
 
-def parallelize(width: int, layers: int, mesh: DeviceMesh | None = None, meta: bool = True
-                ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def parallelize(width: int, layers: int, mesh: DeviceMesh | None = None, meta: bool = True,
+                init: bool = True) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The model sharded with FSDP2 on ``mesh`` (all ranks when None) and its AdamW: what the
     elastic worker's ``parallelize``, the DCP anchor and the plain loop all build.
 
     ``meta``: the FSDP2 idiom for a model that does not fit one device (docs/sharded.md):
     built on the meta device, sharded, then each rank allocates and initialises only its own
-    shards. Otherwise every rank builds and initialises the whole model on the CPU first.
+    shards (``init``: False when the formation fills them, ``ElasticState.restoring``).
+    Otherwise every rank builds and initialises the whole model on the CPU first.
     """
     if mesh is None:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -59,6 +60,7 @@ def parallelize(width: int, layers: int, mesh: DeviceMesh | None = None, meta: b
     fully_shard(model, mesh=mesh)
     if meta:
         model.to_empty(device="cpu")
+    if meta and init:
         bound = width ** -0.5  # nn.Linear's default range, drawn on this rank's shard only
         with torch.no_grad():
             for param in model.parameters():
@@ -85,7 +87,8 @@ def main() -> None:
     torch.set_num_threads(1)
 
     def objects(mesh):
-        model, optimizer = parallelize(args.width, args.layers, mesh, meta=not args.full_init)
+        model, optimizer = parallelize(args.width, args.layers, mesh, meta=not args.full_init,
+                                       init=not state.restoring)
         return {"model": model, "optimizer": optimizer}
 
     data = dataset(args.width)

@@ -126,6 +126,14 @@ class ElasticState(CollectiveCommit):
         return self._train.names
 
     @property
+    def restoring(self) -> bool:
+        """True while ``parallelize`` builds the objects of a formation that then fills them
+        from the last commit (in memory) or a durable sharded checkpoint: initialising their
+        parameters is wasted work then. Buffers outside the model's state dict
+        (``persistent=False``) are not filled: they still need their values."""
+        return self._sharded is not None and self._sharded.restoring
+
+    @property
     def version(self) -> int:
         """Version of the current commit; 0 before the first commit."""
         return self._train.version

@@ -106,6 +106,7 @@ class ShardedRuntime:
         self._live: dict[str, torch.Tensor] = {}  # their live local parts on this rank
         self._phases: dict[str, float] = {}  # this formation's seconds, for the rebuilt event
         self.objects: dict[str, Any] = {}
+        self.restoring = False  # while parallelize runs: the formation then fills its objects
         self.durable_loader: DurableLoader | None = None
         self.durable_writer: DurableWriter | None = None
 
@@ -224,13 +225,15 @@ class ShardedRuntime:
                                        self._buddies if len(shape) == 1 else 0, self._nodes)
         self._layout = (topology.world_size, shape[-1], topology.rank % shape[-1])
         lap("mesh_s")
-        self.objects = self._built(self._parallelize(mesh))
+        resharding = self._choice is not None and not self._is_durable_newer(train)
+        loading = not resharding and self.durable_loader is not None and (
+            self._fallback is not None or train.version > 0)
+        self.objects = self._build(mesh, resharding or loading)
         lap("parallelize_s")
         resharded = None  # the reshard's new shard: this layout's copy of the commit already
-        if self._choice is not None and not self._is_durable_newer(train):
+        if resharding:
             resharded = self._reshard(topology, events, lap)
-        elif self.durable_loader is not None and (self._fallback is not None
-                                                  or train.version > 0):
+        elif loading:
             # nobody holds a commit of the shards, yet the state is at one: a resume from
             # the durable checkpoint whose small state was just synced, the fallback, or a
             # durable checkpoint newer than every commit held whole (restored entire)
@@ -252,6 +255,10 @@ class ShardedRuntime:
                     f"the durable sharded checkpoint of version {train.version} that the small "
                     "state was synced from could not be loaded for its shards: check that "
                     "the checkpoint URL is readable and was not pruned meanwhile.")
+            else:  # nothing filled the objects built as ``restoring``: built anew
+                self.objects = {}
+                gc.collect()  # the first build's memory goes before the second's comes
+                self.objects = self._build(mesh, restoring=False)
             lap("durable_load_s")
         # after a reshard the old layout still holds the commit: its copies in the new one
         # travel while training goes on; a first formation or a durable load waits for them
@@ -259,6 +266,14 @@ class ShardedRuntime:
         lap("commit_s")
         events.emit("rebuilt", to_world=topology.world_size, **phases)
         self._phases = {}
+
+    def _build(self, mesh: DeviceMesh, restoring: bool) -> dict[str, Any]:
+        """The user's ``parallelize(mesh)``, with ``restoring`` set while it runs."""
+        self.restoring = restoring
+        try:
+            return self._built(self._parallelize(mesh))
+        finally:
+            self.restoring = False
 
     def _is_durable_newer(self, train: TrainState) -> bool:
         """Whether the small state synced at this formation is a durable checkpoint's newer

@@ -73,6 +73,12 @@ def _kill_then_join(make_job, references, extra: list[str], fault: str,
     assert steps.count(10) == (2 if rollback else 1), steps
     moves = {(e["from_world"], e["to_world"]) for e in job.events() if e["event"] == "resharded"}
     assert {(4, 3), (3, 4)} <= moves, moves
+    # ElasticState.restoring: the worker leaves its parameters NaN then, and the math held
+    for index in survivors:
+        first, *later = job.result(index)["restored"]
+        assert first == [4, False] and later and all(r for _, r in later), (index, first, later)
+    joined = job.result(4)["restored"]
+    assert joined and all(r for _, r in joined), joined
 
 
 def test_fsdp_four_to_three_by_a_kill_and_back_to_four_by_a_join_keeps_the_math(

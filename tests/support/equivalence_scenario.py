@@ -8,6 +8,7 @@ tests/workers/global_batch.py with the same seed and global batch. Waits are bou
 
 from __future__ import annotations
 
+import math
 import signal
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,7 @@ def worlds(job: Job, index: int) -> list[int]:
 
 
 def max_difference(a: list[float], b: list[float]) -> float:
-    """Largest absolute elementwise difference of two equally long lists."""
+    """Largest absolute elementwise difference of two equally long lists; NaN if any is."""
     assert len(a) == len(b), (len(a), len(b))
-    return max(abs(x - y) for x, y in zip(a, b))
+    differences = [abs(x - y) for x, y in zip(a, b)]
+    return math.nan if any(map(math.isnan, differences)) else max(differences)

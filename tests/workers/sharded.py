@@ -78,7 +78,9 @@ class Net(torch.nn.Module):
         return self.head(x).squeeze(1)
 
 
-def parallelize(mesh, fire=None) -> dict[str, object]:
+def parallelize(mesh, fire=None, restoring=None) -> dict[str, object]:
+    """``restoring()``: whether the formation fills the model (``ElasticState.restoring``);
+    then its parameters are NaN instead of initialised, so any it left unfilled shows."""
     if fire is not None:
         fire(dist.get_rank(), mesh.size())
     torch.manual_seed(0)  # the same initial weights at any world size
@@ -86,6 +88,10 @@ def parallelize(mesh, fire=None) -> dict[str, object]:
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if restoring is not None and restoring():
+        with torch.no_grad():
+            for param in model.parameters():
+                param.fill_(float("nan"))
     return {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=0.01)}
 
 
@@ -143,10 +149,17 @@ def main() -> None:
     data = Regression(args.samples)
     sampler = ElasticSampler(data, seed=7, global_batch_size=args.global_batch)
 
+    restored: list[list] = []  # (world, restoring) at each formation
+
     def fire_in_parallelize(rank: int, world: int) -> None:
         fire_fault(state, out, index, "parallelize", state.step, rank, world)
 
-    state = ElasticState(parallelize=functools.partial(parallelize, fire=fire_in_parallelize),
+    def restoring() -> bool:
+        restored.append([dist.get_world_size(), state.restoring])
+        return state.restoring
+
+    state = ElasticState(parallelize=functools.partial(parallelize, fire=fire_in_parallelize,
+                                                       restoring=restoring),
                          shard_degree=args.shard_degree,
                          sampler=sampler, epoch=0, step=0, history=[],
                          ledger=[[] for _ in range(args.epochs)])
@@ -201,7 +214,7 @@ def main() -> None:
     state.run(train)
     (out / f"result-{index}.json").write_text(json.dumps({
         "params": final["params"], "history": state.history, "ledger": state.ledger,
-        "step": state.step}))
+        "step": state.step, "restored": restored}))
 
 
 if __name__ == "__main__":
