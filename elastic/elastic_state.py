@@ -254,10 +254,10 @@ class ElasticState(CollectiveCommit):
             if not self._train.has_commit:
                 self._train.commit()  # the initial state is the first rollback point
             # Its version known, the registration carries the first join request.
+            sharded = self._sharded
             self._cluster = Cluster(self._settings, events, self._train.version,
-                                    lambda: self._train.version,
-                                    replicated=self._sharded is None,
-                                    shard_degree=self._sharded.shard_degree if self._sharded else None)
+                                    lambda: self._train.version, replicated=sharded is None,
+                                    shard_degree=sharded.shard_degree if sharded else None)
         except BaseException as exc:
             restore_signals()
             if isinstance(exc, ElasticError):  # every frame below is the package's

@@ -103,11 +103,12 @@ class ShardBuffers:
     def take(self, shapes: Shapes, pinned: bool = False) -> HostShard:
         """A shard of ``shapes``: one handed back, else one carved out of the smallest free
         slab of another layout that holds it, else a new one. Its contents are stale."""
-        key, need = _key(shapes, pinned), slab_bytes(shapes)
+        key = _key(shapes, pinned)
         with self._lock:
             for at, shard in enumerate(self._free):
                 if shard.key == key:
                     return self._free.pop(at)
+            need = slab_bytes(shapes)  # a commit's take in a steady layout stops above
             fits = [at for at, shard in enumerate(self._free)
                     if shard.key[0] == pinned and shard.slab.numel() >= need]
             if fits:

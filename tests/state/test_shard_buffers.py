@@ -116,4 +116,3 @@ def test_a_new_layouts_shard_is_carved_from_the_smallest_free_slab_that_holds_it
     assert buffers.take(new) is shard
     assert buffers.take({"w": ((60, 5), torch.float64)}).slab.data_ptr() not in {
         small.slab.data_ptr(), large.slab.data_ptr()} and buffers.carved == 1
-
