@@ -250,7 +250,7 @@ class ElasticState(CollectiveCommit):
         restore_signals = self._install_signal_handlers()
         try:
             if self._sharded is not None:
-                self._sharded.prepare()  # a joiner's one-time imports, while it asks to join
+                self._sharded.prepare()  # its one-time imports, while it registers
             if not self._train.has_commit:
                 self._train.commit()  # the initial state is the first rollback point
             # Its version known, the registration carries the first join request.
@@ -266,6 +266,11 @@ class ElasticState(CollectiveCommit):
         if self._durable is not None:
             self._durable.events = events
             self._durable.on_published(self._cluster.publish_checkpoint)
+        if self._sharded is not None:
+            # its imports are frozen with the rest; a first round may have closed with this
+            # worker in it, and the others give up forming its group after ``form``
+            timeouts = self._settings.timeouts
+            self._sharded.wait_prepared(min(timeouts.local_start, timeouts.form / 2))
         gc.freeze()  # keeps the full collections after a failure cheap
         loop = RunLoop(self._cluster, self._train, self._durable, self._leave_requested,
                        self._on_formed, self._settings.timeouts.sync, self._sharded)

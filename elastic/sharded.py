@@ -109,22 +109,35 @@ class ShardedRuntime:
         self.restoring = False  # while parallelize runs: the formation then fills its objects
         self.durable_loader: DurableLoader | None = None
         self.durable_writer: DurableWriter | None = None
+        self._importing: threading.Thread | None = None  # prepare's import, until prepared
 
     @property
     def shard_degree(self) -> int | None:
         return self._shard_degree
 
     # -- the run loop's side --------------------------------------------------------------
-    @staticmethod
-    def prepare() -> None:
-        """As this worker asks to join: imports, on a thread, what FSDP2's first
-        ``fully_shard`` in a process would (``torch._dynamo``, ~0.8 s of CPU), so that a
-        joiner pays it while the running ranks train on until their next commit, not inside
-        its ``parallelize`` while they wait. On a thread: registering is not delayed (workers
-        that start together still form one first round); ``parallelize`` waits for the
-        import if it is still under way (Python's import lock)."""
-        threading.Thread(target=importlib.import_module, args=("torch._dynamo",),
-                         name="elastic-fsdp-imports", daemon=True).start()
+    def prepare(self) -> None:
+        """As this worker registers: imports, on a thread, what FSDP2's first ``fully_shard``
+        in a process would (``torch._dynamo``), so that registering is not delayed (workers
+        that start together still form one first round). ``wait_prepared`` waits for it."""
+        self._importing = threading.Thread(target=importlib.import_module,
+                                           args=("torch._dynamo",),
+                                           name="elastic-fsdp-imports", daemon=True)
+        self._importing.start()
+
+    def wait_prepared(self, timeout: timedelta) -> None:
+        """Waits for ``prepare``'s import, ``timeout`` at most, so that ``run``'s ``gc.freeze``
+        takes its objects too and the full collections (``settle``'s at every formation, the
+        collector's own in training) never scan them. A joiner into a running job asks to
+        join only after it, so the running ranks never wait for its import; past the bound
+        ``parallelize`` waits for it instead (Python's import lock)."""
+        importing, self._importing = self._importing, None
+        if importing is None:
+            return
+        importing.join(timeout.total_seconds())
+        if importing.is_alive():
+            log.info("importing torch._dynamo took over %.0f s; going on without it",
+                     timeout.total_seconds())
 
     def settle(self) -> None:
         """Before leaving a round: waits for the buddy copies in flight (a failed one leaves

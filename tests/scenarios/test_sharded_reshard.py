@@ -66,7 +66,7 @@ def _kill_then_join(make_job, references, extra: list[str], fault: str,
     assert job.wait_exit(killed[0]) == -signal.SIGKILL
     survivors = [i for i in range(4) if i not in killed]
     job.wait_until(lambda: 3 in _worlds(job, survivors[0]), 150, "training at world 3")
-    job.start(4)
+    job.start(4, cold=True)  # no template preloaded its imports: run() imports them ahead
     _check(job, reference, survivors + [4])
     assert _worlds(job, survivors[0]) == [4, 3, 4]
     steps = [p["step"] for p in job.progress(survivors[0]) if "loss" in p]
@@ -79,6 +79,8 @@ def _kill_then_join(make_job, references, extra: list[str], fault: str,
         assert first == [4, False] and later and all(r for _, r in later), (index, first, later)
     joined = job.result(4)["restored"]
     assert joined and all(r for _, r in joined), joined
+    # the cold joiner's run() froze the imports it made ahead before its first formation
+    assert job.result(4)["imports_frozen"] == [True]
 
 
 def test_fsdp_four_to_three_by_a_kill_and_back_to_four_by_a_join_keeps_the_math(

@@ -80,13 +80,14 @@ class Job:
         self.template = template
         self.procs: dict[int, subprocess.Popen[bytes] | ForkedProcess] = {}
 
-    def start(self, index: int, script: Path | None = None,
+    def start(self, index: int, script: Path | None = None, cold: bool = False,
               **extra_env: str) -> subprocess.Popen[bytes] | ForkedProcess:
         """Starts worker ``index`` (its logs go to ``worker-{index}.log``), running the job's
-        script or ``script``: forked from the template when there is one, else cold."""
+        script or ``script``: forked from the template when there is one, else cold (``cold``:
+        a fresh interpreter anyway, as a worker started by hand or by another launcher)."""
         env = dict(self.env, TEST_WORKER_INDEX=str(index), **extra_env)
         command = [sys.executable, str(script or self.script), "--out", str(self.out), *self.args]
-        template = self.template() if self.template is not None else None
+        template = self.template() if self.template is not None and not cold else None
         with open(self.out / f"worker-{index}.log", "ab") as log:
             proc = template.start_worker(command, env, log.fileno()) if template else None
             if proc is None:

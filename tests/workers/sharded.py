@@ -34,9 +34,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -49,6 +51,13 @@ from tests.workers.markers import write_marker
 from tests.workers.pacing import compute_for
 from tests.workers.sync_points import hold_until_join_seen, hold_until_world, wait_for_peers
 from elastic import ElasticSampler, ElasticState
+
+
+def _imports_frozen() -> bool:
+    """Whether the objects of ``torch._dynamo``, which a sharded ``run()`` imports ahead on a
+    thread, are in the collector's permanent generation (``gc.freeze``), never scanned."""
+    module = sys.modules.get("torch._dynamo.eval_frame")
+    return module is not None and id(vars(module)) not in {id(o) for o in gc.get_objects()}
 
 
 class Regression(Dataset):
@@ -150,12 +159,15 @@ def main() -> None:
     sampler = ElasticSampler(data, seed=7, global_batch_size=args.global_batch)
 
     restored: list[list] = []  # (world, restoring) at each formation
+    imports_frozen: list[bool] = []  # at its first formation (_imports_frozen)
 
     def fire_in_parallelize(rank: int, world: int) -> None:
         fire_fault(state, out, index, "parallelize", state.step, rank, world)
 
     def restoring() -> bool:
         restored.append([dist.get_world_size(), state.restoring])
+        if not imports_frozen:
+            imports_frozen.append(_imports_frozen())
         return state.restoring
 
     state = ElasticState(parallelize=functools.partial(parallelize, fire=fire_in_parallelize,
@@ -214,7 +226,7 @@ def main() -> None:
     state.run(train)
     (out / f"result-{index}.json").write_text(json.dumps({
         "params": final["params"], "history": state.history, "ledger": state.ledger,
-        "step": state.step, "restored": restored}))
+        "step": state.step, "restored": restored, "imports_frozen": imports_frozen}))
 
 
 if __name__ == "__main__":
