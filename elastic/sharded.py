@@ -322,7 +322,8 @@ class ShardedRuntime:
         model, optimizer = self._model_and_optimizer()
         world, shards, rank = topology.world_size, self._layout[1], topology.rank
         with Stopwatch() as moving:
-            make_state(optimizer)  # the commit overwrites it all: no zero-gradient step first
+            # the commit overwrites it all: no zero-gradient step first, and nothing written
+            make_state(optimizer, filled=False)
             model_sd, optim_sd = sharded_state_dict(model, optimizer)
             flat = flat_tensors(model_sd, optim_sd)
             lap("state_dict_s")

@@ -9,9 +9,10 @@ stand-ins of different lengths per parameter group, dtype and device (the group'
 zero gradients, learning rate 0, as torch's step), and gives every parameter what the
 stand-ins got: a 0-dim entry (a step count) as a copy, an entry shaped like each stand-in and
 of one value as a tensor like the parameter (a DTensor for a DTensor) filled with that value,
-anything else that is not a tensor as it is. When it cannot tell (the class will not build on
-stand-ins, entries of another shape or of several values), it makes nothing and torch takes
-its step as before. Torch only.
+anything else that is not a tensor as it is; with ``filled=False`` the entries shaped like the
+parameter are left unwritten, for a reshard that writes every one of them next. When it cannot
+tell (the class will not build on stand-ins, entries of another shape or of several values),
+it makes nothing and torch takes its step as before. Torch only.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from elastic.state.sharded.shards import local_part
 STAND_INS = ((2,), (3,))  # a parameter-shaped entry follows their shapes; a count has ()
 
 
-def make_state(optimizer: torch.optim.Optimizer) -> bool:
+def make_state(optimizer: torch.optim.Optimizer, filled: bool = True) -> bool:
     """Gives every trainable parameter of ``optimizer`` the state its first step would give
     it, without stepping ``optimizer``; returns whether the state exists now (False: nothing
-    was made, and torch's ``get_state_dict`` will take its own step)."""
+    was made, and torch's ``get_state_dict`` will take its own step). ``filled=False``: the
+    entries shaped like a parameter get its layout, not the step's values, and the caller
+    writes every one of them before the state is read or the optimizer steps."""
     if optimizer.state:
         return True
     made: dict[torch.Tensor, dict[str, Any]] = {}
@@ -46,7 +49,7 @@ def make_state(optimizer: torch.optim.Optimizer) -> bool:
             probe = probes[key]
             if probe is None:
                 return False
-            made[param] = {name: _like(param, value) for name, value in probe.items()}
+            made[param] = {name: _like(param, value, filled) for name, value in probe.items()}
     for param, state in made.items():
         optimizer.state[param] = state
     return True
@@ -93,9 +96,11 @@ def _probe(cls: type[torch.optim.Optimizer], group: dict[str, Any], dtype: torch
     return states[0]
 
 
-def _like(param: torch.Tensor, value: Any) -> Any:
+def _like(param: torch.Tensor, value: Any, filled: bool) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     if value.dim() == 0:
         return value.clone()
+    if not filled:
+        return torch.empty_like(param, dtype=value.dtype).detach()
     return torch.full_like(param, value.flatten()[0].item(), dtype=value.dtype).detach()

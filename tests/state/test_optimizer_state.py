@@ -1,5 +1,6 @@
 """The optimizer state a reshard makes without a step has the layout torch's own first step
-makes (names, shapes, dtypes, DTensor placements, values), and the optimizer is never stepped."""
+makes (names, shapes, dtypes, DTensor placements, values; unfilled for a reshard, all but
+the values of its moments), and the optimizer is never stepped."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class _Blocky(torch.optim.Optimizer):
                 self.state[param].setdefault("block", torch.zeros(2))
 
 
-def _layouts(rank: int, world: int, kind: str) -> dict:
+def _layouts(rank: int, world: int, kind: str, filled: bool = True) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -51,7 +52,21 @@ def _layouts(rank: int, world: int, kind: str) -> dict:
     steps = []
     model, optimizer = built(cls, options)
     optimizer.register_step_pre_hook(lambda *_: steps.append("ours"))
-    made = make_state(optimizer)
+    if filled:
+        made = make_state(optimizer)
+    else:  # nothing may be written: a fill of an entry like a parameter fails here
+        fill = torch.full_like
+
+        def refused(value, *args, **kwargs):
+            if isinstance(value, DTensor):  # the stand-ins the state is told from are plain
+                raise AssertionError("make_state(filled=False) filled an entry")
+            return fill(value, *args, **kwargs)
+
+        torch.full_like = refused
+        try:
+            made = make_state(optimizer, filled=False)
+        finally:
+            torch.full_like = fill
     ours = flat_tensors(*get_state_dict(model, optimizer))
     model, optimizer = built(cls, options)
     optimizer.register_step_pre_hook(lambda *_: steps.append("torch"))
@@ -68,6 +83,8 @@ def _layouts(rank: int, world: int, kind: str) -> dict:
     return {"made": made, "steps": steps, "same_layout": layout(ours) == layout(theirs),
             "same_values": made and all(torch.equal(local(ours[n]), local(theirs[n]))
                                         for n in theirs),
+            "same_counts": all(torch.equal(local(ours[n]), local(theirs[n]))
+                               for n in theirs if theirs[n].dim() == 0),
             "names": sorted(ours)}
 
 
@@ -81,6 +98,14 @@ def test_the_state_made_without_a_step_is_laid_out_and_filled_as_torchs_first_st
         assert result["same_layout"], f"rank {rank}: {kind}'s layout differs from torch's"
         assert result["same_values"], f"rank {rank}: {kind}'s values differ from torch's"
         assert any(name.startswith("optim/") for name in result["names"])
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_the_state_made_unfilled_for_a_reshard_has_torchs_layout_and_step_counts(tmp_path, kind):
+    results = run_in_group(_layouts, 2, tmp_path, kind, False)
+    for rank, result in results.items():
+        assert result["made"] and result["steps"] == ["torch"], f"rank {rank}: {result}"
+        assert result["same_layout"] and result["same_counts"], f"rank {rank}: {result}"
 
 
 def test_an_optimizer_whose_state_is_not_elementwise_is_left_to_torchs_step(tmp_path):
