@@ -1,6 +1,7 @@
 """In-memory N -> M resharding of an FSDP2 job against DCP through disk and a restart, in one run.
 
-Usage: ``python -m benchmarks reshard [--small | --width W --layers L] [--ranks N] [--out PATH]``
+Usage: ``python -m benchmarks reshard [--small | --width W --layers L] [--ranks N] [--join-only]
+[--out PATH]``
 and ``python -m benchmarks reshard --steady [--rounds R --steps S]``.
 
 Ours: one embedded etcd and 8 workers (``reshard_worker.py``: ~101M parameters, AdamW, gloo on
@@ -12,7 +13,9 @@ on; then 2 workers join and the job goes back to 8. Reported, from the workers' 
   the sharded rebuild (choosing the commit, mesh, ``parallelize``, state dict, moves, load, the
   formation's commit with its buddy copies), then the first step at 6 on its own;
 - the join pause: a survivor's last step at 6 -> ``resumed`` at 8, split the same way (its
-  first phase is the commit that saw the joiners), then the first step at 8;
+  first phase is the commit that saw the joiners), then the first step at 8; and the job's:
+  the last survivor's last step before that formation -> every member, joiners too,
+  ``resumed`` at 8;
 - the reshard phase alone, bytes moved against the minimum (one ``resharded`` event's: each
   holds the whole plan), resident memory per rank with and without buddy copies.
 
@@ -95,10 +98,16 @@ def _first_at(job: Job, world: int, after: float) -> dict:
 
 def _splits(job: Job, pids: set[int], starts: dict[int, float], world: int,
             trigger: str) -> dict[int, dict[str, float]]:
+    """Each survivor's phases; every one of them, or the run is refused (a pause read from
+    some survivors only would read low)."""
     events, progress = job.events(), job.progress()
     found = {pid: timeline.split(events, progress, pid, starts[pid], world, trigger)
              for pid in pids}
-    return {pid: s for pid, s in found.items() if s is not None}
+    missing = sorted(pid for pid, s in found.items() if s is None)
+    if missing:
+        raise RuntimeError(f"no phases at world {world} for the survivors {missing}: "
+                           f"their events or first step there were not found in {job.out}")
+    return found
 
 
 def _prefixed(prefix: str, phases: dict[str, float]) -> dict[str, float]:
@@ -134,8 +143,11 @@ def run_ours(size: list[str], ranks: int) -> dict:
         first_full = _first_at(job, ranks, joined_at)
         harness.wait_for(lambda: all(timeline.resumed_at(job.events(), pid, ranks, joined_at)
                                      for pid in survivors), WAIT_S, "every survivor back")
+        # every survivor's first step since the join (the steps at ``ranks`` before the kill
+        # do not count): the pause is the last survivor's, none left out
         harness.wait_for(lambda: all(any(p["pid"] == pid and p["world"] == ranks
-                                         for p in job.progress()) for pid in survivors),
+                                         and p["t"] > joined_at for p in job.progress())
+                                     for pid in survivors),
                          WAIT_S, f"every survivor's first step at {ranks}")
         events = job.events()
         # the pause of the formation that reached ``ranks``: joiners that asked apart reach
@@ -149,6 +161,13 @@ def run_ours(size: list[str], ranks: int) -> dict:
         grow = [e for e in events if e["event"] == "resharded" and e["t"] > joined_at
                 and e["to_world"] == ranks]
         joiners = [e for e in events if e["event"] == "joined" and e["t"] > joined_at]
+        # the job's pause: the last survivor's last step before the formation that reached
+        # ``ranks`` -> every member, the joiners too, ready there (a joiner ready last delays
+        # the first step); it can read below one survivor's pause that stepped earlier
+        ready = [timeline.resumed_at(events, pid, ranks, joined_at)
+                 for pid in survivors | {e["pid"] for e in joiners}]
+        all_ready = (max(ready) - max(starts.values())
+                     if None not in ready and None not in starts.values() else None)
         kill_last = timeline.slowest(kill)[1] if kill else {}
         join_last = timeline.slowest(join)[1] if join else {}
         survivor = min(survivors)
@@ -163,6 +182,7 @@ def run_ours(size: list[str], ranks: int) -> dict:
             f"bytes_minimum_{ranks}_to_{small}": max(e["bytes_minimum"] for e in shrink),
             "join_pause_s": join_last.get("ready_s"),
             "join_formations_to_full": via,
+            "join_all_ready_s": all_ready,
             **_prefixed("join", join_last),
             "joiner_start_to_registered_s": (min(e["t"] for e in joiners) - joined_at
                                              if joiners else None),
@@ -256,8 +276,13 @@ def main() -> None:
                         help="--steady: also ours without commits in the loop")
     parser.add_argument("--full-init", action="store_true",
                         help="every rank builds and initialises the whole model (not on meta)")
+    parser.add_argument("--join-only", action="store_true",
+                        help="only the kill-and-join job (no memory-without-buddies job, "
+                             "no DCP anchor): repeated runs of the recovery and join pause")
     parser.add_argument("--out", type=Path, default=HERE / "runs" / "reshard.json")
     args = parser.parse_args()
+    if args.steady and args.join_only:
+        parser.error("--join-only is a part of the kill-and-join run; --steady has none")
     if args.steady:
         width, layers = (args.width, args.layers) if args.width else (1024, 8)
         ranks = args.ranks or 4
@@ -275,8 +300,10 @@ def main() -> None:
     else:
         result.update(run_ours(size, ranks))
         print(json.dumps(result), flush=True)
-        result[f"rss_mb_max_at_{ranks}_without_buddies"] = rss_without_buddies(size, ranks)
-        result.update(reshard_anchor.run(width, layers, ranks, ranks - 2, not args.full_init))
+        if not args.join_only:
+            result[f"rss_mb_max_at_{ranks}_without_buddies"] = rss_without_buddies(size, ranks)
+            result.update(reshard_anchor.run(width, layers, ranks, ranks - 2,
+                                             not args.full_init))
     for key, value in result.items():
         print(f"{key:>40}: {value:.3f}" if isinstance(value, float) else f"{key:>40}: {value}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
