@@ -5,8 +5,7 @@ Owns the cluster-facing half of ``ElasticState(parallelize=...)``: the mesh of a
 over all ranks, or ``("replicate", "shard")`` HSDP when the world is a multiple of
 ``shard_degree``, else 1-D FSDP over all ranks until it is again), calling the user's
 ``parallelize(mesh)`` at every formation, choosing the newest commit that some live rank holds
-of every shard, moving the missing rows point to point (``elastic.state.sharded``) and loading
-them with ``set_state_dict``; at commits, the host copy and the buddy copies on a group of their
+of every shard, and resharding it into the new objects (``sharded_reshard``); at commits, the host copy and the buddy copies on a group of their
 own. Must not know how durable sharded checkpoints are written: that is the writer and loader
 hooks' business (``checkpoint/``).
 """
@@ -32,15 +31,14 @@ from elastic.cluster.links.process_group import ProcessGroup
 from elastic.cluster.rounds.places import shard_count
 from elastic.cluster.rounds.topology import Topology
 from elastic.foundation.errors import ElasticError, PeerFailureError
-from elastic.foundation.events import EventLog, Stopwatch
+from elastic.foundation.events import EventLog
+from elastic.sharded_reshard import reshard
 from elastic.state import TrainState, snapshot
 from elastic.state.sharded.commits import Choice, ShardCommit, ShardCommits, choose, read_report
 from elastic.state.sharded.copies import BuddyCopyError, BuddyExchange
-from elastic.state.sharded.layout import ShardLostError, TensorSpec, plan_moves
-from elastic.state.sharded.moves import assemble
-from elastic.state.sharded.optimizer_state import make_state
-from elastic.state.sharded.shards import (flat_tensors, forget_meshes, host_copy, load_local,
-                                          local_part, sharded_state_dict, spec_of)
+from elastic.state.sharded.layout import ShardLostError, TensorSpec
+from elastic.state.sharded.shards import (flat_tensors, forget_meshes, host_copy, local_part,
+                                          sharded_state_dict, spec_of)
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +243,10 @@ class ShardedRuntime:
         lap("parallelize_s")
         resharded = None  # the reshard's new shard: this layout's copy of the commit already
         if resharding:
-            resharded = self._reshard(topology, events, lap)
+            assert self._choice is not None
+            resharded = reshard(self._choice, self._commits, *self._model_and_optimizer(),
+                                topology.rank, topology.world_size, self._layout[1],
+                                self._group, events, lap)
         elif loading:
             # nobody holds a commit of the shards, yet the state is at one: a resume from
             # the durable checkpoint whose small state was just synced, the fallback, or a
@@ -312,37 +313,6 @@ class ShardedRuntime:
                 dist.barrier(group=mesh.get_group(dim))
         group.adopt(before)
         return mesh
-
-    def _reshard(self, topology: Topology, events: EventLog,
-                 lap: Callable[[str], None]) -> dict[str, torch.Tensor]:
-        """Moves the chosen commit's missing rows to this rank and loads its new shard; returns
-        that shard (host tensors by flat name, not shared with the live objects)."""
-        choice = self._choice
-        assert choice is not None
-        model, optimizer = self._model_and_optimizer()
-        world, shards, rank = topology.world_size, self._layout[1], topology.rank
-        with Stopwatch() as moving:
-            # the commit overwrites it all: no zero-gradient step first, and nothing written
-            make_state(optimizer, filled=False)
-            model_sd, optim_sd = sharded_state_dict(model, optimizer)
-            flat = flat_tensors(model_sd, optim_sd)
-            lap("state_dict_s")
-            specs = {name: spec_of(value) for name, value in flat.items()}
-            plan = plan_moves(specs, choice.shards, [set(h) for h in choice.holders],
-                              [r % shards for r in range(world)], shards,
-                              owners_alive=choice.owners_alive)
-            held = self._commits.find((choice.version, choice.world, choice.shards))
-            local = assemble(plan, rank, held, specs, shards, rank % shards,
-                             {n: local_part(v) for n, v in flat.items()}, self._group,
-                             self._commits.buffers)
-            lap("moves_s")
-            load_local(model, optimizer, model_sd, optim_sd, local)
-            lap("load_s")
-        events.emit("resharded", version=choice.version, from_world=choice.world,
-                    to_world=world, bytes_moved=plan.moved, bytes_minimum=plan.minimum,
-                    bytes_lost=plan.lost, reshard_s=moving.seconds,
-                    copy_free=held is not None and held.frozen)
-        return local
 
     # -- commits ----------------------------------------------------------------------------
     def before_commit(self) -> None:

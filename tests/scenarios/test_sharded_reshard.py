@@ -109,15 +109,17 @@ def test_fsdp_four_to_two_by_two_kills_that_leave_a_holder_of_every_shard(make_j
     assert _worlds(job, survivors[0])[-1] == 2
 
 
-def _join_at_commit(make_job, extra: list[str], env: dict[str, str]):
-    """4 workers hold after step 14 until a fifth asks to join, then agree on it at a plain
-    ``commit()``: the live shards are that commit (no host copy)."""
+def _join_at_commit(make_job, extra: list[str], env: dict[str, str],
+                    joiner_env: dict[str, str] | None = None):
+    """4 workers hold after step 14 until a fifth (its own ``joiner_env`` added) asks to
+    join, then agree on it at a plain ``commit()``: the live shards are that commit (no host
+    copy)."""
     job = make_job(ARGS + ["--commit-at-join", "14"] + extra, env, script=SCRIPT)
     job.start_together(range(4))
     job.wait_until(lambda: all((job.out / f"holding-{i}").exists() for i in range(4)), 150,
                    "every worker holding after step 14")
     (job.out / "join-started").touch()
-    job.start(4)
+    job.start(4, **(joiner_env or {}))
     return job
 
 
@@ -129,6 +131,22 @@ def test_a_join_agreed_at_a_commit_reshards_from_the_live_shards_and_keeps_the_m
     assert _worlds(job, 0) == [4, 5]
     joined = [e for e in job.events() if e["event"] == "resharded" and e["to_world"] == 5]
     assert sorted(e["copy_free"] for e in joined) == [False] + [True] * 4, joined
+
+
+def test_a_joiner_whose_model_differs_leaves_with_one_line_and_the_job_trains_on(
+        make_job, references):
+    # the joiner's parallelize builds a wider second layer than the job committed: it alone
+    # leaves, saying so in one line, and the four rebuild the join's commit from their live
+    # shards and finish with the math of the uninterrupted run
+    reference = references.start(make_job, SCRIPT, ARGS)
+    job = _join_at_commit(make_job, [], {}, joiner_env={"TEST_NET_WIDTH": "14"})
+    assert job.wait_exit(4) == 1, job.tails()
+    last = (job.out / "worker-4.log").read_text().strip().splitlines()[-1]
+    assert last.startswith("elastic.sharded_reshard.ShardedModelError: "), last
+    assert "model/blocks.1." in last and "same code" in last, last
+    _check(job, reference, list(range(4)))
+    assert _worlds(job, 0) == [4]
+    assert not [e for e in job.events() if e["event"] == "resumed" and e["world_size"] == 5]
 
 
 def test_a_joiner_dying_in_the_formation_of_a_join_agreed_at_a_commit_loses_no_step(

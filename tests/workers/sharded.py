@@ -13,6 +13,8 @@ on membership at step 16 until the world is 4. ``--copy-free`` commits every ste
 advice under FSDP). Writes the whole parameters (gathered inside the last call) and the
 committed history and ledger to ``result-{index}.json``.
 
+``TEST_NET_WIDTH`` changes the second layer's width (13): a worker that builds another model.
+
 A fifth field names the point of the step the kill hits (``kill:2:10:4:backward``; ``after`` when
 absent), the points of issue 39 in order: ``forward`` (before the forward), ``backward``
 (inside the backward, before any parameter's gradient: the peers wait in its reduce-scatter),
@@ -77,9 +79,10 @@ class Regression(Dataset):
 class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
+        width = int(os.environ.get("TEST_NET_WIDTH", "13"))  # another model: another width
         self.blocks = torch.nn.ModuleList([torch.nn.Linear(5, 7, dtype=torch.float64),
-                                           torch.nn.Linear(7, 13, dtype=torch.float64)])
-        self.head = torch.nn.Linear(13, 1, dtype=torch.float64)
+                                           torch.nn.Linear(7, width, dtype=torch.float64)])
+        self.head = torch.nn.Linear(width, 1, dtype=torch.float64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
