@@ -25,19 +25,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from elastic.cluster.links.process_group import ProcessGroup
-from elastic.cluster.rounds.places import shard_count
 from elastic.cluster.rounds.topology import Topology
 from elastic.foundation.errors import ElasticError, PeerFailureError
 from elastic.foundation.events import EventLog
+from elastic.sharded_mesh import mesh_layout, round_mesh
 from elastic.sharded_reshard import reshard
 from elastic.state import TrainState, snapshot
 from elastic.state.sharded.commits import Choice, ShardCommit, ShardCommits, choose, read_report
 from elastic.state.sharded.copies import BuddyCopyError, BuddyExchange
 from elastic.state.sharded.layout import ShardLostError, TensorSpec
-from elastic.state.sharded.shards import (flat_tensors, forget_meshes, host_copy, local_part,
+from elastic.state.sharded.shards import (flat_tensors, host_copy, local_part,
                                           sharded_state_dict, spec_of)
 
 log = logging.getLogger(__name__)
@@ -54,15 +54,6 @@ DurableWriter = Callable[[int, dict[str, Any], dict[str, Any]], None]
 class ShardedStateLostError(ElasticError):
     """Every holder of some shard of the last commit is gone, and no durable sharded checkpoint
     can be loaded instead."""
-
-
-def mesh_layout(world: int, shard_degree: int | None) -> tuple[int, ...]:
-    """The mesh shape of a round: ``(world,)`` for FSDP; ``(world // S, S)`` for HSDP when the
-    world is a multiple of ``S = shard_degree``, else ``(world,)`` (FSDP over every rank, with
-    buddy copies, until the world is a multiple again). Rank ``r`` holds shard ``r % S`` of
-    ``shard_count`` (the rule the rendezvous places members by)."""
-    shards = shard_count(world, shard_degree)
-    return (world,) if shards == world else (world // shards, shards)
 
 
 class ShardedRuntime:
@@ -230,7 +221,7 @@ class ShardedRuntime:
             mark = now
 
         shape = mesh_layout(topology.world_size, self._shard_degree)
-        mesh = self._mesh(shape, group)
+        mesh = round_mesh(shape, group)
         self._specs = {}
         self._exchange = BuddyExchange(self._group, topology.rank, topology.world_size,
                                        self._buddies if len(shape) == 1 else 0, self._nodes)
@@ -300,19 +291,6 @@ class ShardedRuntime:
                     "whole in memory (version %d): restoring it, shards and all",
                     train.version, self._choice.version)
         return True
-
-    def _mesh(self, shape: tuple[int, ...], group: ProcessGroup) -> DeviceMesh:
-        """The round's mesh, its subgroups connected and adopted by ``group``."""
-        names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        before = group.sockets_now()
-        forget_meshes()  # equal meshes of earlier rounds must not be found in torch's caches
-        mesh = init_device_mesh(device, shape, mesh_dim_names=names)
-        if len(shape) > 1:
-            for dim in names:  # gloo connects lazily: a collective on each subgroup
-                dist.barrier(group=mesh.get_group(dim))
-        group.adopt(before)
-        return mesh
 
     # -- commits ----------------------------------------------------------------------------
     def before_commit(self) -> None:
