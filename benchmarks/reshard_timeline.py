@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 
 # the parts of a sharded rebuild, in order, as the ``rebuilt`` event names them
-REBUILD = ("choose_s", "mesh_s", "parallelize_s", "state_dict_s", "moves_s", "load_s",
-           "durable_load_s", "commit_s")
+REBUILD = ("choose_s", "mesh_s", "parallelize_s", "check_s", "state_dict_s", "moves_s",
+           "load_s", "durable_load_s", "commit_s")
 
 
 def read_events(folder: Path) -> list[dict]:

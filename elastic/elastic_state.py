@@ -30,7 +30,7 @@ from elastic.recovery import RunLoop
 from elastic.sharded import Parallelize, ShardedRuntime
 from elastic.sharded_durable import ShardedDurable
 from elastic.foundation.settings import WorkerSettings
-from elastic.setup_check import before_joining
+from elastic.setup_check import before_joining, one_line_on_setup_error
 from elastic.foundation.signals import LeaveRequest, relay_signals
 from elastic.step_collectives import StepCollectives
 from elastic.state import TrainState
@@ -286,7 +286,8 @@ class ElasticState(CollectiveCommit):
         final_write = self._settings.timeouts.final_write
         try:
             outcome.initial_version = self._train.version
-            result = loop.run(call)
+            with one_line_on_setup_error(self._settings):  # a mistake found at a formation
+                result = loop.run(call)
         except ElasticError as exc:
             drop_causes(exc, events, self._settings.debug)
             raise

@@ -1,22 +1,20 @@
-"""Sharded state (FSDP2 / HSDP) in an elastic job: the objects of each formation, their commits
-in host memory, and the N -> M reshard between formations.
+"""Sharded state (FSDP2 / HSDP) in an elastic job: the objects of each formation and their
+commits in host memory.
 
-Owns the cluster-facing half of ``ElasticState(parallelize=...)``: the mesh of a round (1-D FSDP
-over all ranks, or ``("replicate", "shard")`` HSDP when the world is a multiple of
-``shard_degree``, else 1-D FSDP over all ranks until it is again), calling the user's
-``parallelize(mesh)`` at every formation, choosing the newest commit that some live rank holds
-of every shard, and resharding it into the new objects (``sharded_reshard``); at commits, the host copy and the buddy copies on a group of their
-own. Must not know how durable sharded checkpoints are written: that is the writer and loader
+Owns the cluster-facing half of ``ElasticState(parallelize=...)``: calling the user's
+``parallelize(mesh)`` at every formation on the round's mesh (``sharded_mesh``), choosing the
+newest commit that some live rank holds of every shard and filling the new objects from it
+(``sharded_reshard``, after ``sharded_models`` found every rank's model alike) or from a
+durable checkpoint; at commits, the host copy and the buddy copies on a group of their own.
+Must not know how durable sharded checkpoints are written: that is the writer and loader
 hooks' business (``checkpoint/``).
 """
 
 from __future__ import annotations
 
 import gc
-import importlib
 import logging
 import os
-import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -31,8 +29,10 @@ from elastic.cluster.links.process_group import ProcessGroup
 from elastic.cluster.rounds.topology import Topology
 from elastic.foundation.errors import ElasticError, PeerFailureError
 from elastic.foundation.events import EventLog
+from elastic.sharded_imports import AheadImports
 from elastic.sharded_mesh import mesh_layout, round_mesh
-from elastic.sharded_reshard import reshard
+from elastic.sharded_models import check_built
+from elastic.sharded_reshard import Seat, reshard
 from elastic.state import TrainState, snapshot
 from elastic.state.sharded.commits import Choice, ShardCommit, ShardCommits, choose, read_report
 from elastic.state.sharded.copies import BuddyCopyError, BuddyExchange
@@ -98,7 +98,7 @@ class ShardedRuntime:
         self.restoring = False  # while parallelize runs: the formation then fills its objects
         self.durable_loader: DurableLoader | None = None
         self.durable_writer: DurableWriter | None = None
-        self._importing: threading.Thread | None = None  # prepare's import, until prepared
+        self._imports = AheadImports()
 
     @property
     def shard_degree(self) -> int | None:
@@ -106,27 +106,14 @@ class ShardedRuntime:
 
     # -- the run loop's side --------------------------------------------------------------
     def prepare(self) -> None:
-        """As this worker registers: imports, on a thread, what FSDP2's first ``fully_shard``
-        in a process would (``torch._dynamo``), so that registering is not delayed (workers
-        that start together still form one first round). ``wait_prepared`` waits for it."""
-        self._importing = threading.Thread(target=importlib.import_module,
-                                           args=("torch._dynamo",),
-                                           name="elastic-fsdp-imports", daemon=True)
-        self._importing.start()
+        """As this worker registers: starts the imports of FSDP2's first formation on a thread
+        (``sharded_imports``)."""
+        self._imports.start()
 
     def wait_prepared(self, timeout: timedelta) -> None:
-        """Waits for ``prepare``'s import, ``timeout`` at most, so that ``run``'s ``gc.freeze``
-        takes its objects too and the full collections (``settle``'s at every formation, the
-        collector's own in training) never scan them. A joiner into a running job asks to
-        join only after it, so the running ranks never wait for its import; past the bound
-        ``parallelize`` waits for it instead (Python's import lock)."""
-        importing, self._importing = self._importing, None
-        if importing is None:
-            return
-        importing.join(timeout.total_seconds())
-        if importing.is_alive():
-            log.info("importing torch._dynamo took over %.0f s; going on without it",
-                     timeout.total_seconds())
+        """Waits for ``prepare``'s imports, ``timeout`` at most (before ``run``'s
+        ``gc.freeze``, which then takes their objects too)."""
+        self._imports.wait(timeout)
 
     def settle(self) -> None:
         """Before leaving a round: waits for the buddy copies in flight (a failed one leaves
@@ -209,9 +196,8 @@ class ShardedRuntime:
     def rebuild(self, topology: Topology, train: TrainState, events: EventLog,
                 group: ProcessGroup) -> None:
         """Builds this round's objects with ``parallelize``, fills them with the chosen commit
-        (resharded) and commits them as this layout's copy of it. The mesh's subgroups join
-        ``group``'s release and failure detection. The ``rebuilt`` event says where the time
-        went (choosing the commit, the mesh, ``parallelize``, the reshard, the commit)."""
+        (resharded) and commits them as this layout's copy of it; the mesh's subgroups join
+        ``group``'s release and failure detection; the ``rebuilt`` event times each part."""
         phases, mark = self._phases, time.monotonic()
 
         def lap(name: str) -> None:
@@ -236,34 +222,14 @@ class ShardedRuntime:
         if resharding:
             assert self._choice is not None
             resharded = reshard(self._choice, self._commits, *self._model_and_optimizer(),
-                                topology.rank, topology.world_size, self._layout[1],
-                                self._group, events, lap)
-        elif loading:
-            # nobody holds a commit of the shards, yet the state is at one: a resume from
-            # the durable checkpoint whose small state was just synced, the fallback, or a
-            # durable checkpoint newer than every commit held whole (restored entire)
-            lost, self._fallback = self._fallback, None
-            small = self.durable_loader(self.objects, lost is not None)
-            if small is not None:
-                train.load_committed(small)
-                train.restore()
-                if lost is not None:
-                    log.warning("%s Resumed from the newest durable sharded checkpoint "
-                                "(version %d): the steps since it are lost.", lost, train.version)
-            elif lost is not None:  # else a fresh model would train on under the commit's step
-                raise ShardedStateLostError(
-                    f"{lost} The checkpoint URL holds no durable sharded checkpoint to resume "
-                    "from: restart the job from scratch, and keep more copies "
-                    "(ElasticState(buddies=...)) or commit(durable=True) early.")
-            elif self._choice is not None:
-                raise ShardedStateLostError(
-                    f"the durable sharded checkpoint of version {train.version} that the small "
-                    "state was synced from could not be loaded for its shards: check that "
-                    "the checkpoint URL is readable and was not pruned meanwhile.")
-            else:  # nothing filled the objects built as ``restoring``: built anew
-                self.objects = {}
-                gc.collect()  # the first build's memory goes before the second's comes
-                self.objects = self._build(mesh, restoring=False)
+                                Seat(topology.rank, topology.world_size, self._layout[1],
+                                     self._group), events, lap)
+        else:  # nothing to check against but each other
+            check_built(self._model_and_optimizer()[0], topology.rank, topology.world_size,
+                        self._group)
+            lap("check_s")
+        if loading:
+            self._load_durable(train, mesh)
             lap("durable_load_s")
         # after a reshard the old layout still holds the commit: its copies in the new one
         # travel while training goes on; a first formation or a durable load waits for them
@@ -271,6 +237,35 @@ class ShardedRuntime:
         lap("commit_s")
         events.emit("rebuilt", to_world=topology.world_size, **phases)
         self._phases = {}
+
+    def _load_durable(self, train: TrainState, mesh: DeviceMesh) -> None:
+        """Fills the objects from the newest durable sharded checkpoint, when nobody holds a
+        commit of the shards yet the state is at one: a resume, the fallback after a lost
+        shard, or a durable checkpoint newer than every commit held whole (restored entire).
+        Raises ``ShardedStateLostError`` when none stands in for what was lost."""
+        assert self.durable_loader is not None
+        lost, self._fallback = self._fallback, None
+        small = self.durable_loader(self.objects, lost is not None)
+        if small is not None:
+            train.load_committed(small)
+            train.restore()
+            if lost is not None:
+                log.warning("%s Resumed from the newest durable sharded checkpoint "
+                            "(version %d): the steps since it are lost.", lost, train.version)
+        elif lost is not None:  # else a fresh model would train on under the commit's step
+            raise ShardedStateLostError(
+                f"{lost} The checkpoint URL holds no durable sharded checkpoint to resume "
+                "from: restart the job from scratch, and keep more copies "
+                "(ElasticState(buddies=...)) or commit(durable=True) early.")
+        elif self._choice is not None:
+            raise ShardedStateLostError(
+                f"the durable sharded checkpoint of version {train.version} that the small "
+                "state was synced from could not be loaded for its shards: check that "
+                "the checkpoint URL is readable and was not pruned meanwhile.")
+        else:  # nothing filled the objects built as ``restoring``: built anew
+            self.objects = {}
+            gc.collect()  # the first build's memory goes before the second's comes
+            self.objects = self._build(mesh, restoring=False)
 
     def _build(self, mesh: DeviceMesh, restoring: bool) -> dict[str, Any]:
         """The user's ``parallelize(mesh)``, with ``restoring`` set while it runs."""

@@ -72,7 +72,8 @@ class DurableCommitsFailedError(ElasticError):
 
 
 class SetupError(ElasticError):
-    """A mistake in the job's setup, found before the worker joined: no restart fixes it."""
+    """A mistake in the job's setup (its settings, or the code its workers run), found before
+    the worker trained: no restart fixes it."""
 
 
 class CheckpointUnusableError(SetupError):

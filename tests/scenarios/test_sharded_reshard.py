@@ -142,11 +142,29 @@ def test_a_joiner_whose_model_differs_leaves_with_one_line_and_the_job_trains_on
     job = _join_at_commit(make_job, [], {}, joiner_env={"TEST_NET_WIDTH": "14"})
     assert job.wait_exit(4) == 1, job.tails()
     last = (job.out / "worker-4.log").read_text().strip().splitlines()[-1]
-    assert last.startswith("elastic.sharded_reshard.ShardedModelError: "), last
-    assert "model/blocks.1." in last and "same code" in last, last
+    assert last.startswith("elastic: error: this worker's parallelize(mesh) built another "
+                           "model than the one the job committed (model/blocks.1."), last
+    assert "same code" in last, last
+    seen = [e for e in job.events() if e["event"] == "failure_detected"
+            and "built another model" in e.get("error", "")]
+    assert len(seen) == 4, seen  # each of the four was told, and re-formed
     _check(job, reference, list(range(4)))
     assert _worlds(job, 0) == [4]
     assert not [e for e in job.events() if e["event"] == "resumed" and e["world_size"] == 5]
+
+
+def test_a_worker_whose_model_differs_from_the_others_at_the_start_leaves_and_two_train_on(
+        make_job, references):
+    reference = references.start(make_job, SCRIPT, ARGS)
+    job = make_job(ARGS, {}, script=SCRIPT)
+    for index in range(3):
+        job.start(index, START_BARRIER="3", **({"TEST_NET_WIDTH": "14"} if index == 2 else {}))
+    assert job.wait_exit(2) == 1, job.tails()
+    last = (job.out / "worker-2.log").read_text().strip().splitlines()[-1]
+    assert last.startswith("elastic: error: this worker's parallelize(mesh) built another "
+                           "model than most of the job's ranks (model/blocks.1."), last
+    _check(job, reference, [0, 1], resharded=False)
+    assert _worlds(job, 0) == [2]
 
 
 def test_a_joiner_dying_in_the_formation_of_a_join_agreed_at_a_commit_loses_no_step(
