@@ -55,6 +55,7 @@ from elastic.launch.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 WORKER = str(HERE / "reshard_worker.py")
 WAIT_S = 900
+POLL_S = 0.25  # how often the waits read the records (the figures come from those)
 
 
 class Job:
@@ -90,10 +91,16 @@ class Job:
         self.etcd.stop()
 
 
+def _wait_for(predicate, timeout: float, what: str):
+    """``harness.wait_for`` at a slow poll: every figure here is read from the workers' own
+    records, so a fast poll would only take CPU from the ranks whose pause it measures."""
+    return harness.wait_for(predicate, timeout, what, poll_s=POLL_S)
+
+
 def _first_at(job: Job, world: int, after: float) -> dict:
-    return harness.wait_for(lambda: next((p for p in job.progress()
-                                          if p["t"] > after and p["world"] == world), None),
-                            WAIT_S, f"a step at world {world}")
+    return _wait_for(lambda: next((p for p in job.progress()
+                                   if p["t"] > after and p["world"] == world), None),
+                     WAIT_S, f"a step at world {world}")
 
 
 def _splits(job: Job, pids: set[int], starts: dict[int, float], world: int,
@@ -119,8 +126,8 @@ def run_ours(size: list[str], ranks: int) -> dict:
     job = Job(size, 1, ranks - 2, None)
     try:
         job.start(ranks)
-        harness.wait_for(lambda: harness.steps_of(job.out, 12, ranks), WAIT_S,
-                         f"{ranks} workers at step 12")
+        _wait_for(lambda: harness.steps_of(job.out, 12, ranks), WAIT_S,
+                  f"{ranks} workers at step 12")
         rss_at_full = max(p["rss_mb"] for p in job.progress() if p["world"] == ranks)
         pids = {p["rank"]: p["pid"] for p in job.progress() if p["world"] == ranks}
         times = [p["t"] for p in job.progress() if p["pid"] == pids[0]]
@@ -131,24 +138,24 @@ def run_ours(size: list[str], ranks: int) -> dict:
         small = ranks - 2
         first_small = _first_at(job, small, killed_at)
         survivors = set(pids.values()) - {pids[1], pids[4]}
-        harness.wait_for(lambda: all(timeline.resumed_at(job.events(), pid, small, killed_at)
-                                     for pid in survivors), WAIT_S, "every survivor resumed")
-        harness.wait_for(lambda: harness.steps_of(job.out, first_small["step"] + 12, small),
-                         WAIT_S, f"12 steps at {small}")
+        _wait_for(lambda: all(timeline.resumed_at(job.events(), pid, small, killed_at)
+                              for pid in survivors), WAIT_S, "every survivor resumed")
+        _wait_for(lambda: harness.steps_of(job.out, first_small["step"] + 12, small),
+                  WAIT_S, f"12 steps at {small}")
         kill = _splits(job, survivors, {pid: killed_at for pid in survivors}, small,
                        "failure_detected")
         shrink = [e for e in job.events() if e["event"] == "resharded" and e["t"] > killed_at]
         joined_at = time.time()
         job.start(2)
         first_full = _first_at(job, ranks, joined_at)
-        harness.wait_for(lambda: all(timeline.resumed_at(job.events(), pid, ranks, joined_at)
-                                     for pid in survivors), WAIT_S, "every survivor back")
+        _wait_for(lambda: all(timeline.resumed_at(job.events(), pid, ranks, joined_at)
+                              for pid in survivors), WAIT_S, "every survivor back")
         # every survivor's first step since the join (the steps at ``ranks`` before the kill
         # do not count): the pause is the last survivor's, none left out
-        harness.wait_for(lambda: all(any(p["pid"] == pid and p["world"] == ranks
-                                         and p["t"] > joined_at for p in job.progress())
-                                     for pid in survivors),
-                         WAIT_S, f"every survivor's first step at {ranks}")
+        _wait_for(lambda: all(any(p["pid"] == pid and p["world"] == ranks
+                                  and p["t"] > joined_at for p in job.progress())
+                              for pid in survivors),
+                  WAIT_S, f"every survivor's first step at {ranks}")
         events = job.events()
         # the pause of the formation that reached ``ranks``: joiners that asked apart reach
         # it through a formation at ``small + 1`` and steps there, which are not a pause
@@ -210,8 +217,8 @@ def run_plain_job(size: list[str], buddies: int, ranks: int, steps: int) -> Job:
 def rss_without_buddies(size: list[str], ranks: int) -> float:
     job = run_plain_job(size, 0, ranks, 14)
     try:
-        harness.wait_for(lambda: harness.steps_of(job.out, 12, ranks), WAIT_S,
-                         f"{ranks} workers at step 12")
+        _wait_for(lambda: harness.steps_of(job.out, 12, ranks), WAIT_S,
+                  f"{ranks} workers at step 12")
         return max(p["rss_mb"] for p in job.progress() if p["world"] == ranks)
     finally:
         job.stop()
@@ -224,8 +231,8 @@ def elastic_stamps(size: list[str], ranks: int, steps: int, commit_every: int = 
     loop took on the training thread."""
     job = run_plain_job(size + ["--commit-every", str(commit_every)], 1, ranks, steps)
     try:
-        harness.wait_for(lambda: harness.steps_of(job.out, steps, ranks), WAIT_S,
-                         f"{ranks} workers at step {steps}")
+        _wait_for(lambda: harness.steps_of(job.out, steps, ranks), WAIT_S,
+                  f"{ranks} workers at step {steps}")
         mine = [p for p in job.progress() if p["rank"] == 0 and p["world"] == ranks]
         commits = {p["commit_s"] for p in mine if p.get("commit_s") is not None}
         return [p["t"] for p in mine], sorted(commits)

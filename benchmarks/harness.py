@@ -36,13 +36,14 @@ def read_progress(out: Path) -> list[dict]:
     return sorted(lines, key=lambda p: p["t"])
 
 
-def wait_for(predicate, timeout: float, what: str):
+def wait_for(predicate, timeout: float, what: str, poll_s: float = POLL_S):
+    """``predicate()``'s first true value, asked every ``poll_s`` seconds until ``timeout``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(POLL_S)
+        time.sleep(poll_s)
     raise TimeoutError(f"timed out waiting for {what}")
 
 
