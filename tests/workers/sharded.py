@@ -13,7 +13,9 @@ on membership at step 16 until the world is 4. ``--copy-free`` commits every ste
 advice under FSDP). Writes the whole parameters (gathered inside the last call) and the
 committed history and ledger to ``result-{index}.json``.
 
-``TEST_NET_WIDTH`` changes the second layer's width (13): a worker that builds another model.
+``TEST_NET_WIDTH`` changes the second layer's width (13): a worker that builds another model;
+``TEST_NET_WIDTH_AT=L:W`` only in the worker of ``elastic run``'s local rank L. Without
+``TEST_WORKER_INDEX`` (under ``elastic run``) a worker's index is its local rank.
 
 A fifth field names the point of the step the kill hits (``kill:2:10:4:backward``; ``after`` when
 absent), the points of issue 39 in order: ``forward`` (before the forward), ``backward``
@@ -80,6 +82,9 @@ class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         width = int(os.environ.get("TEST_NET_WIDTH", "13"))  # another model: another width
+        at, _, wider = os.environ.get("TEST_NET_WIDTH_AT", "").partition(":")
+        if at and at == os.environ.get("LOCAL_RANK"):
+            width = int(wider)
         self.blocks = torch.nn.ModuleList([torch.nn.Linear(5, 7, dtype=torch.float64),
                                            torch.nn.Linear(7, width, dtype=torch.float64)])
         self.head = torch.nn.Linear(width, 1, dtype=torch.float64)
@@ -157,7 +162,7 @@ def main() -> None:
                    help="after this step, wait for a joiner, then commit()")
     args = p.parse_args()
     out = Path(args.out)
-    index = int(os.environ["TEST_WORKER_INDEX"])
+    index = int(os.environ.get("TEST_WORKER_INDEX", os.environ.get("LOCAL_RANK", "0")))
     data = Regression(args.samples)
     sampler = ElasticSampler(data, seed=7, global_batch_size=args.global_batch)
 
