@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from elastic.foundation.errors import PeerFailureError, SetupError
+from elastic.state.feed import feed_payload
 from elastic.state.sharded.layout import TensorSpec
 from elastic.state.sharded.shards import MODEL, flat_tensors, spec_of
 
-_MAX_TEXT = 64 * 1024 * 1024  # bytes of a model's description that a rank accepts from a peer
 _FIX = ("start every worker of the job with the same code and arguments, and build the same "
         "model at any world size.")
 
@@ -60,13 +60,13 @@ def check_models(specs: Mapping[str, TensorSpec], committed: Mapping[str, Tensor
                  rank: int, world: int, group: Any) -> None:
     """Agrees that every rank's model tensors (from ``specs``) are the commit's (``committed``
     on the ranks that hold it, None elsewhere) or, where no rank holds a commit, those most
-    ranks built: one all-gather of two digests; only when some rank differs, two broadcasts
-    of the job's model described as text.
+    ranks built: one all-gather of two digests; only when some rank differs, the job's model
+    described by one rank (``feed_payload``: data, never code, its size bounded).
 
     Raises:
         ShardedModelError: this rank's model differs from the job's (every rank's on a tie).
         PeerFailureError: another rank's does, and it leaves; or a peer sent a malformed
-            description.
+            description (``PayloadFormatError`` when it is not a payload at all).
     """
     mine = torch.tensor([_digest(specs), _digest(committed) if committed is not None else -1],
                         dtype=torch.int64)
@@ -75,8 +75,10 @@ def check_models(specs: Mapping[str, TensorSpec], committed: Mapping[str, Tensor
     verdict = decide([(int(row[0]), int(row[1])) for row in rows])
     if not verdict.wrong:
         return
-    told = _describe(committed if verdict.committed else specs) if rank == verdict.source else ""
-    theirs = _difference(specs, _parse(_broadcast_text(told, verdict.source, group)))
+    job = _model_only(committed if verdict.committed else specs)
+    told = {name: [spec.rows, spec.row_bytes, int(spec.sharded)] for name, spec in job.items()}
+    fed = feed_payload(told if rank == verdict.source else None, verdict.source, group=group)
+    theirs = _difference(specs, _read(fed.payload))
     if verdict.tie:
         groups = {digest: [r for r, row in enumerate(rows) if int(row[0]) == digest]
                   for digest in {int(row[0]) for row in rows}}
@@ -108,7 +110,8 @@ def _model_only(specs: Mapping[str, TensorSpec] | None) -> dict[str, TensorSpec]
 
 
 def _describe(specs: Mapping[str, TensorSpec] | None) -> str:
-    """One line per model tensor, ``name rows row_bytes sharded``, by name."""
+    """One line per model tensor, ``name rows row_bytes sharded``, by name: what the digest
+    is taken of."""
     return "\n".join(f"{name} {spec.rows} {spec.row_bytes} {int(spec.sharded)}"
                      for name, spec in sorted(_model_only(specs).items()))
 
@@ -117,42 +120,18 @@ def _digest(specs: Mapping[str, TensorSpec]) -> int:
     return zlib.crc32(_describe(specs).encode())
 
 
-def _parse(text: str) -> dict[str, TensorSpec]:
-    """``_describe``'s text read back.
+def _read(told: Any) -> dict[str, TensorSpec]:
+    """The job's model as the source described it (``{name: [rows, row_bytes, sharded]}``).
 
     Raises:
-        PeerFailureError: it is not such a text (the peer that sent it is broken).
+        PeerFailureError: it is not such a description (the peer that sent it is broken).
     """
-    specs = {}
     try:
-        for line in filter(None, text.splitlines()):
-            name, rows, row_bytes, sharded = line.rsplit(" ", 3)
-            specs[name] = TensorSpec(int(rows), int(row_bytes), sharded == "1")
-    except ValueError:
-        raise PeerFailureError("a peer described the job's model in a malformed text: "
+        return {str(name): TensorSpec(int(rows), int(row_bytes), bool(sharded))
+                for name, (rows, row_bytes, sharded) in told.items()}
+    except (AttributeError, TypeError, ValueError):
+        raise PeerFailureError("a peer described the job's model in a malformed form: "
                                "re-forming without trusting it") from None
-    return specs
-
-
-def _broadcast_text(text: str, source: int, group: Any) -> str:
-    """``text`` of rank ``source`` (its rank in ``group``, a group of every rank of the round),
-    on every rank: its length, then its UTF-8 bytes (no pickle: what a peer sends is only
-    ever parsed as text).
-
-    Raises:
-        PeerFailureError: the length announced is negative or past ``_MAX_TEXT``.
-    """
-    data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else None
-    size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64)
-    dist.broadcast(size, source, group=group)
-    if not 0 <= int(size) <= _MAX_TEXT:
-        raise PeerFailureError(f"rank {source} announced a model description of {int(size)} "
-                               f"bytes: re-forming without trusting it")
-    if data is None:
-        data = torch.empty(int(size), dtype=torch.uint8)
-    if int(size):
-        dist.broadcast(data, source, group=group)
-    return bytes(data.tolist()).decode(errors="replace")
 
 
 def _difference(mine: Mapping[str, TensorSpec], theirs: Mapping[str, TensorSpec]) -> str:

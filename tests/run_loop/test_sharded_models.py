@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from elastic.foundation.errors import PeerFailureError
-from elastic.sharded_models import _describe, _difference, _parse, decide
+from elastic.sharded_models import _difference, _model_only, _read, decide
 from elastic.state.sharded.layout import TensorSpec
 
 pytestmark = pytest.mark.unit
@@ -42,8 +42,9 @@ def test_ranks_that_all_agree_leave_no_one_wrong():
     assert decide([(5, -1), (5, -1)]).wrong == []
 
 
-def test_a_model_described_as_text_reads_back_without_its_optimizer_entries():
-    back = _parse(_describe(SPECS))
+def test_a_model_described_as_data_reads_back_without_its_optimizer_entries():
+    told = {n: [s.rows, s.row_bytes, int(s.sharded)] for n, s in _model_only(SPECS).items()}
+    back = _read(told)
     assert back == {"model/a.bias": TensorSpec(13, 8), "model/a.weight": TensorSpec(13, 56)}
 
 
@@ -57,4 +58,6 @@ def test_the_difference_names_the_first_tensor_that_differs_in_words():
 
 def test_a_malformed_description_from_a_peer_is_a_peer_failure_not_a_crash():
     with pytest.raises(PeerFailureError, match="malformed"):
-        _parse("model/a.weight thirteen 56 1")
+        _read({"model/a.weight": ["thirteen", 56, 1]})
+    with pytest.raises(PeerFailureError, match="malformed"):
+        _read(["model/a.weight", 13, 56, 1])
