@@ -193,8 +193,6 @@ def run_ours(size: list[str], ranks: int) -> dict:
             **_prefixed("join", join_last),
             "joiner_start_to_registered_s": (min(e["t"] for e in joiners) - joined_at
                                              if joiners else None),
-            "joiners_warmed": [(e["bytes"], e["warm_s"]) for e in events
-                               if e["event"] == "memory_warmed" and e["t"] > joined_at],
             f"join_to_first_step_at_{ranks}_s": first_full["t"] - joined_at,
             f"reshard_{small}_to_{ranks}_s": max((e["reshard_s"] for e in grow), default=None),
             f"bytes_moved_{small}_to_{ranks}": max((e["bytes_moved"] for e in grow), default=0),

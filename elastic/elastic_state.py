@@ -17,7 +17,6 @@ from datetime import timedelta
 from typing import Any
 
 from elastic.cluster.cluster import Cluster
-from elastic.cluster.rounds.rank_bytes import RankBytes
 from elastic.cluster.rounds.topology import Topology
 from elastic.collective_commit import CollectiveCommit
 from elastic.console_story import ConsoleStory
@@ -271,11 +270,7 @@ class ElasticState(CollectiveCommit):
             # its imports are frozen with the rest; a first round may have closed with this
             # worker in it, and the others give up forming its group after ``form``
             timeouts = self._settings.timeouts
-            self._sharded.rank_bytes = RankBytes(self._cluster.client, self._cluster.keys)
-            touched, warm_s = self._sharded.wait_prepared(min(timeouts.local_start,
-                                                              timeouts.form / 2))
-            if touched:
-                events.emit("memory_warmed", bytes=touched, warm_s=warm_s)
+            self._sharded.wait_prepared(min(timeouts.local_start, timeouts.form / 2))
         gc.freeze()  # keeps the full collections after a failure cheap
         loop = RunLoop(self._cluster, self._train, self._durable, self._leave_requested,
                        self._on_formed, self._settings.timeouts.sync, self._sharded)

@@ -26,11 +26,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from elastic.cluster.links.process_group import ProcessGroup
-from elastic.cluster.rounds.rank_bytes import RankBytes
 from elastic.cluster.rounds.topology import Topology
 from elastic.foundation.errors import ElasticError, PeerFailureError
 from elastic.foundation.events import EventLog
-from elastic.sharded_ahead import AheadWork
+from elastic.sharded_imports import AheadImports
 from elastic.sharded_mesh import mesh_layout, round_mesh
 from elastic.sharded_models import check_built
 from elastic.sharded_reshard import Seat, reshard
@@ -38,7 +37,7 @@ from elastic.state import TrainState, snapshot
 from elastic.state.sharded.commits import Choice, ShardCommit, ShardCommits, choose, read_report
 from elastic.state.sharded.copies import BuddyCopyError, BuddyExchange
 from elastic.state.sharded.layout import ShardLostError, TensorSpec
-from elastic.state.sharded.shards import (flat_tensors, host_bytes, host_copy, local_part,
+from elastic.state.sharded.shards import (flat_tensors, host_copy, local_part,
                                           sharded_state_dict, spec_of)
 
 log = logging.getLogger(__name__)
@@ -99,8 +98,7 @@ class ShardedRuntime:
         self.restoring = False  # while parallelize runs: the formation then fills its objects
         self.durable_loader: DurableLoader | None = None
         self.durable_writer: DurableWriter | None = None
-        self.rank_bytes: RankBytes | None = None  # one rank's host bytes, for joiners
-        self._ahead = AheadWork()
+        self._imports = AheadImports()
 
     @property
     def shard_degree(self) -> int | None:
@@ -108,15 +106,14 @@ class ShardedRuntime:
 
     # -- the run loop's side --------------------------------------------------------------
     def prepare(self) -> None:
-        """As this worker registers: starts FSDP2's imports on a thread (``sharded_ahead``)."""
-        self._ahead.start()
+        """As this worker registers: starts the imports of FSDP2's first formation on a thread
+        (``sharded_imports``)."""
+        self._imports.start()
 
-    def wait_prepared(self, timeout: timedelta) -> tuple[int, float]:
-        """Within ``timeout``, waits for ``prepare``'s imports (``gc.freeze`` then takes them
-        too) and touches twice the bytes ``rank_bytes`` records (live shards and a reshard's
-        copy); returns them and the seconds taken. The next commit lets them go."""
-        nbytes = self.rank_bytes.read() if self.rank_bytes is not None else None
-        return self._ahead.wait(timeout, 2 * (nbytes or 0))
+    def wait_prepared(self, timeout: timedelta) -> None:
+        """Waits for ``prepare``'s imports, ``timeout`` at most (before ``run``'s
+        ``gc.freeze``, which then takes their objects too)."""
+        self._imports.wait(timeout)
 
     def settle(self) -> None:
         """Before leaving a round: waits for the buddy copies in flight (a failed one leaves
@@ -240,8 +237,6 @@ class ShardedRuntime:
         lap("commit_s")
         events.emit("rebuilt", to_world=topology.world_size, **phases)
         self._phases = {}
-        if topology.rank == 0 and self.rank_bytes is not None:
-            self.rank_bytes.publish(host_bytes(self._live))
 
     def _load_durable(self, train: TrainState, mesh: DeviceMesh) -> None:
         """Fills the objects from the newest durable sharded checkpoint, when nobody holds a
@@ -295,12 +290,11 @@ class ShardedRuntime:
     # -- commits ----------------------------------------------------------------------------
     def before_commit(self) -> None:
         """Waits for the last commit's buddy copies: the commit after it starts only once it
-        is held whole. Lets the memory touched ahead go (the formation is over).
+        is held whole.
 
         Raises:
             PeerFailureError: a copy failed (a peer died); the run loop re-forms.
         """
-        self._ahead.release()
         exchange = self._exchange
         if exchange is None:
             return

@@ -92,11 +92,6 @@ def local_part(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def host_bytes(parts: Mapping[str, torch.Tensor]) -> int:
-    """The bytes of those of ``parts`` that live in host memory."""
-    return sum(p.numel() * p.element_size() for p in parts.values() if p.device.type == "cpu")
-
-
 def host_copy(flat: Mapping[str, torch.Tensor], buffers: ShardBuffers | None = None
               ) -> HostShard:
     """This rank's local part of every tensor, copied to host memory taken from ``buffers``

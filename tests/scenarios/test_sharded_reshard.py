@@ -81,10 +81,6 @@ def _kill_then_join(make_job, references, extra: list[str], fault: str,
     assert joined and all(r for _, r in joined), joined
     # the cold joiner's run() froze the imports it made ahead before its first formation
     assert job.result(4)["imports_frozen"] == [True]
-    # and touched memory ahead, as much as rank 0's bytes_per_rank record asked; the first
-    # workers found no record
-    warmed = [e for e in job.events() if e["event"] == "memory_warmed"]
-    assert [e["pid"] for e in warmed] == [job.procs[4].pid] and warmed[0]["bytes"] > 0, warmed
 
 
 def test_fsdp_four_to_three_by_a_kill_and_back_to_four_by_a_join_keeps_the_math(

@@ -16,8 +16,6 @@ Layout under ``/elastic/{job_id}/``:
 - ``rounds/{n}/store/channel``: round ``n``'s agreement channel: rank 0's address and the
   round's secret (``channel_book.py``), written before the store's address.
 - ``commit``: the newest commit version and the newest durable checkpoint, for ``elastic status``.
-- ``bytes_per_rank``: one rank's host bytes of sharded state at the newest formation, written
-  by its rank 0, read by a worker before it first asks to join (``rank_bytes.py``).
 - ``config``: the job's configuration, written by the first launcher.
 - ``fence``: the job's fencing epoch for durable commits, created once by compare-and-swap.
 - ``control/coordinator``: lease-bound, the member that reads everyone's records and closes
@@ -134,10 +132,6 @@ class JobKeys:
         return f"{self.prefix}commit"
 
     @property
-    def bytes_per_rank(self) -> str:
-        return f"{self.prefix}bytes_per_rank"
-
-    @property
     def config(self) -> str:
         return f"{self.prefix}config"
 
@@ -152,9 +146,8 @@ class JobKeys:
     @property
     def coordinated(self) -> KeyRange:
         """What the coordinator watches: the keys after ``control/`` (members, the round
-        counter, the rounds). ``control/`` reaches it by its own member's watch;
-        ``bytes_per_rank``, ``commit`` and ``config``, which sort before it, are none of its
-        business."""
+        counter, the rounds). ``control/`` reaches it by its own member's watch; ``commit`` and
+        ``config``, which sort before it, are none of its business."""
         return KeyRange.after_prefix(self.control, self.prefix)
 
     @property
