@@ -21,6 +21,7 @@ streams etcd opened (its ``/metrics``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -58,23 +59,32 @@ def measure(how: str, etcd: EmbeddedEtcd, clients: list[EtcdClient], leases: lis
             interval_s: float, seconds: float) -> dict[str, float | str]:
     renew = (lambda c, lease: c.refresh(lease)) if how == "one stream" else per_renewal_stream
     stop, counts = threading.Event(), [0] * len(clients)
+    in_flight = [threading.Lock() for _ in clients]
 
     def keep(i: int) -> None:
         while not stop.wait(interval_s):  # the renewal period, as a member's keepalive
-            renew(clients[i], leases[i])
-            counts[i] += 1
+            with in_flight[i]:
+                renew(clients[i], leases[i])
+                counts[i] += 1
+
+    def snapshot() -> tuple[float, float, float, int]:
+        """Both ends of the window with no renewal in flight, so that a stream etcd opened
+        and the renewal it served fall on the same side."""
+        with contextlib.ExitStack() as held:
+            for lock in in_flight:
+                held.enter_context(lock)
+            return (etcd_cpu_s(etcd.process.pid), own_cpu_s(), streams_opened(etcd.url),
+                    sum(counts))
 
     threads = [threading.Thread(target=keep, args=(i,), daemon=True) for i in range(len(clients))]
     for thread in threads:
         thread.start()
     stop.wait(1.0)  # warm-up: every stream opened, every thread in its period
-    etcd0, own0, streams0, done0 = (etcd_cpu_s(etcd.process.pid), own_cpu_s(),
-                                    streams_opened(etcd.url), sum(counts))
+    etcd0, own0, streams0, done0 = snapshot()
     started = time.monotonic()
     stop.wait(seconds)  # the window measured, not a synchronisation
     elapsed = time.monotonic() - started
-    etcd1, own1, streams1, done1 = (etcd_cpu_s(etcd.process.pid), own_cpu_s(),
-                                    streams_opened(etcd.url), sum(counts))
+    etcd1, own1, streams1, done1 = snapshot()
     stop.set()
     for thread in threads:
         thread.join(timeout=10)
