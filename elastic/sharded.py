@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.hooks import RemovableHandle
 
 from elastic.cluster.links.process_group import ProcessGroup
 from elastic.cluster.rounds.topology import Topology
@@ -37,8 +38,8 @@ from elastic.state import TrainState, snapshot
 from elastic.state.sharded.commits import Choice, ShardCommit, ShardCommits, choose, read_report
 from elastic.state.sharded.copies import BuddyCopyError, BuddyExchange
 from elastic.state.sharded.layout import ShardLostError, TensorSpec
-from elastic.state.sharded.shards import (flat_tensors, host_copy, local_part,
-                                          sharded_state_dict, spec_of)
+from elastic.state.sharded.shards import (flat_tensors, hold_every_tensor, host_copy,
+                                          local_part, sharded_state_dict, spec_of)
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ class ShardedRuntime:
         # durable checkpoint, and says so once it has
         self._specs: dict[str, TensorSpec] = {}  # this formation's tensors
         self._live: dict[str, torch.Tensor] = {}  # their live local parts on this rank
+        self._step_hook: RemovableHandle | None = None  # holds the optimizer's next step
+        # until the formation's own copy is taken (``_commit_later``)
         self._phases: dict[str, float] = {}  # this formation's seconds, for the rebuilt event
         self.objects: dict[str, Any] = {}
         self.restoring = False  # while parallelize runs: the formation then fills its objects
@@ -124,6 +127,7 @@ class ShardedRuntime:
         the round's side group too: the formation's destroy frees it on a thread of its own
         (``ProcessGroup.destroy``), not the next ``choose`` on this one."""
         exchange, self._exchange, self._copied = self._exchange, None, None
+        self._drop_step_hook()
         if exchange is not None:
             try:
                 exchange.settle(self._timeout, self._released, self._released_wait)
@@ -218,7 +222,7 @@ class ShardedRuntime:
             self._fallback is not None or train.version > 0)
         self.objects = self._build(mesh, resharding or loading)
         lap("parallelize_s")
-        resharded = None  # the reshard's new shard: this layout's copy of the commit already
+        resharded = None  # the reshard's new shard, with its host copy when it made one
         if resharding:
             assert self._choice is not None
             resharded = reshard(self._choice, self._commits, *self._model_and_optimizer(),
@@ -232,8 +236,14 @@ class ShardedRuntime:
             self._load_durable(train, mesh)
             lap("durable_load_s")
         # after a reshard the old layout still holds the commit: its copies in the new one
-        # travel while training goes on; a first formation or a durable load waits for them
-        self._commit(train, wait=resharded is None, copy=resharded)
+        # travel while training goes on (the own one too, when the reshard wrote the objects
+        # in place); a first formation or a durable load waits for them
+        if resharded is None:
+            self._commit(train, wait=True)
+        elif resharded.host_copy is not None:
+            self._commit(train, wait=False, copy=resharded.host_copy, flat=resharded.flat)
+        else:
+            self._commit_later(train, resharded.flat)
         lap("commit_s")
         events.emit("rebuilt", to_world=topology.world_size, **phases)
         self._phases = {}
@@ -302,6 +312,8 @@ class ShardedRuntime:
             exchange.wait(self._timeout)
         except BuddyCopyError as exc:
             raise PeerFailureError(str(exc)) from exc
+        finally:
+            self._drop_step_hook()
 
     def confirm_copies(self) -> None:
         """An agreement that followed ``before_commit`` on every rank was reached: the copies
@@ -332,23 +344,16 @@ class ShardedRuntime:
         user): a check by address, with no state dict taken."""
         if not self._live or not all(t.device.type == "cpu" for t in self._live.values()):
             return False
-        model, optimizer = self._model_and_optimizer()
-        recorded = {t.data_ptr() for t in self._live.values()}
-        now = [*model.parameters(), *(v for state in optimizer.state.values()
-                                      for v in state.values() if isinstance(v, torch.Tensor))]
-        return all(local_part(t).data_ptr() in recorded for t in now)
+        return hold_every_tensor(self._live, *self._model_and_optimizer())
 
     def _commit(self, train: TrainState, wait: bool, copy: dict[str, torch.Tensor] | None = None,
-                send: Callable[[], bool] = lambda: True) -> None:
+                send: Callable[[], bool] = lambda: True,
+                flat: dict[str, torch.Tensor] | None = None) -> None:
         """Commits this rank's shards of the live objects and sends them to the buddies;
-        ``copy``: a host copy of those shards made already (a formation's reshard)."""
-        model, optimizer = self._model_and_optimizer()
-        flat = flat_tensors(*sharded_state_dict(model, optimizer))
+        ``copy``: a host copy of those shards made already (a formation's reshard); ``flat``:
+        the objects' state by flat name, when the caller took it already."""
+        self._take_live(flat)
         world, shards, own = self._layout
-        if flat.keys() != self._specs.keys():  # a formation's shapes stay until the next
-            self._specs = {name: spec_of(value) for name, value in flat.items()}
-        # the live local tensors: optimizer.step() updates them in place
-        self._live = {name: local_part(value).detach() for name, value in flat.items()}
         commit = ShardCommit(train.version, world, shards, own, self._specs,
                              snapshot(train.committed()),
                              {own: host_copy(self._live, self._commits.buffers) if copy is None
@@ -364,6 +369,45 @@ class ShardedRuntime:
         elif send():
             self._exchange.start(commit, self._commits)
             self._copied = commit
+
+    def _commit_later(self, train: TrainState, flat: dict[str, torch.Tensor]) -> None:
+        """The formation's commit after a reshard written into the live objects in place: the
+        exchange's thread copies their shards to host memory before sending them, while the
+        first step runs up to its optimizer step, which waits for that copy (a hook). Until
+        the copy lands the commit holds no shard of its own (none is reported) and a failure
+        rebuilds from the old layout's copy of the same version."""
+        self._take_live(flat)
+        world, shards, own = self._layout
+        commit = ShardCommit(train.version, world, shards, own, self._specs,
+                             snapshot(train.committed()))
+        self._commits.add(commit)
+        exchange = self._exchange
+        assert exchange is not None
+        exchange.start(commit, self._commits, own_from=self._live)
+        self._copied = commit
+        timeout = self._timeout
+
+        def wait_own(*_: Any) -> None:
+            try:
+                exchange.wait_own(timeout)
+            except BuddyCopyError as exc:
+                raise PeerFailureError(str(exc)) from exc
+
+        self._step_hook = self._model_and_optimizer()[1].register_step_pre_hook(wait_own)
+
+    def _drop_step_hook(self) -> None:
+        hook, self._step_hook = self._step_hook, None
+        if hook is not None:
+            hook.remove()
+
+    def _take_live(self, flat: dict[str, torch.Tensor] | None) -> None:
+        """Records the live local tensors (``optimizer.step()`` updates them in place) and the
+        formation's specs, from ``flat`` or a state dict taken now."""
+        if flat is None:
+            flat = flat_tensors(*sharded_state_dict(*self._model_and_optimizer()))
+        if flat.keys() != self._specs.keys():  # a formation's shapes stay until the next
+            self._specs = {name: spec_of(value) for name, value in flat.items()}
+        self._live = {name: local_part(value).detach() for name, value in flat.items()}
 
     def write_durable(self, train: TrainState) -> None:
         """Hands this rank's shards of the commit just taken to the durable writer hook (set

@@ -1,6 +1,8 @@
 """The N -> M reshard of a formation: this rank's new shard of the chosen commit, built from the
 rows it holds and the rows live holders send it, loaded into the objects ``parallelize`` built,
-once every rank is found to have built the committed model (``sharded_models``).
+once every rank is found to have built the committed model (``sharded_models``). Objects on the
+CPU receive their shard in place; on a GPU it lands in host memory first and is loaded from
+there (that host copy then serves as the formation's commit).
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from elastic.state.sharded.commits import Choice, ShardCommits
 from elastic.state.sharded.layout import plan_moves
 from elastic.state.sharded.moves import assemble
 from elastic.state.sharded.optimizer_state import make_state
-from elastic.state.sharded.shards import (flat_tensors, load_local, local_part,
-                                          sharded_state_dict, spec_of)
+from elastic.state.sharded.shards import (flat_tensors, hold_every_tensor, load_local,
+                                          local_part, sharded_state_dict, spec_of)
 
 
 @dataclass(frozen=True)
@@ -32,12 +34,22 @@ class Seat:
     group: Any
 
 
+@dataclass(frozen=True)
+class Resharded:
+    """This rank's new shard: ``flat``, the objects' state by flat name (DTensors and plain
+    tensors); ``host_copy``, the shard in host memory apart from the objects (not shared with
+    them), or None when it was written into the objects in place and nowhere else."""
+
+    flat: dict[str, torch.Tensor]
+    host_copy: dict[str, torch.Tensor] | None
+
+
 def reshard(choice: Choice, commits: ShardCommits, model: torch.nn.Module,
             optimizer: torch.optim.Optimizer, seat: Seat, events: EventLog,
-            lap: Callable[[str], None]) -> dict[str, torch.Tensor]:
+            lap: Callable[[str], None]) -> Resharded:
     """Moves the chosen commit's missing rows to this rank and loads its new shard into
-    ``model`` and ``optimizer``; returns that shard (host tensors by flat name, not shared
-    with the live objects). ``lap(name)`` closes each part's time.
+    ``model`` and ``optimizer``: in place when their local parts live on the CPU and are
+    theirs, else through host memory. ``lap(name)`` closes each part's time.
 
     Raises:
         ShardedModelError: this rank built another model than the commit's.
@@ -57,13 +69,17 @@ def reshard(choice: Choice, commits: ShardCommits, model: torch.nn.Module,
         plan = plan_moves(specs, choice.shards, [set(h) for h in choice.holders],
                           [r % shards for r in range(world)], shards,
                           owners_alive=choice.owners_alive)
-        local = assemble(plan, rank, held, specs, shards, rank % shards,
-                         {n: local_part(v) for n, v in flat.items()}, seat.group,
-                         commits.buffers)
+        parts = {n: local_part(v).detach() for n, v in flat.items()}
+        in_place = (all(p.device.type == "cpu" for p in parts.values())
+                    and hold_every_tensor(parts, model, optimizer))
+        local = assemble(plan, rank, held, specs, shards, rank % shards, parts, seat.group,
+                         commits.buffers, into=parts if in_place else None)
         lap("moves_s")
-        load_local(model, optimizer, model_sd, optim_sd, local)
-        lap("load_s")
+        if not in_place:
+            load_local(model, optimizer, model_sd, optim_sd, local)
+            lap("load_s")
     events.emit("resharded", version=choice.version, from_world=choice.world, to_world=world,
                 bytes_moved=plan.moved, bytes_minimum=plan.minimum, bytes_lost=plan.lost,
-                reshard_s=moving.seconds, copy_free=held is not None and held.frozen)
-    return local
+                reshard_s=moving.seconds, copy_free=held is not None and held.frozen,
+                in_place=in_place)
+    return Resharded(flat, None if in_place else local)

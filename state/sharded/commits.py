@@ -154,13 +154,19 @@ class ShardCommits:
         with self._lock:
             commit.in_flight = True
 
+    def hold(self, commit: ShardCommit, shards: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Records shards of ``commit`` copied after it was added (its own, copied off the
+        training thread); a shard it had borrowed is its own now (kept once it is whole)."""
+        with self._lock:
+            commit.held.update(shards)
+            commit.borrowed.difference_update(shards)
+
     def add_copies(self, commit: ShardCommit, copies: dict[int, dict[str, torch.Tensor]]
                    ) -> None:
         """Records the buddies' shards of ``commit`` once all of them arrived: its exchange
-        ended well; a shard it had borrowed is its own now (kept once it is whole)."""
+        ended well."""
+        self.hold(commit, copies)
         with self._lock:
-            commit.held.update(copies)
-            commit.borrowed.difference_update(copies)
             commit.in_flight = False
 
     def drop_newer(self, version: int) -> None:

@@ -1,7 +1,9 @@
 """The buddy copies of a commit: each rank sends its own shard to its buddies and receives the
 shards of the ranks it is a buddy of, point to point on a group of their own.
 
-The exchange runs on a thread (``BuddyExchange.start``), so training goes on while it travels;
+The exchange runs on a thread (``BuddyExchange.start``), so training goes on while it travels
+(after a reshard done in place, the thread first copies the commit's own shard out of the live
+objects, and the next optimizer step waits for that copy: ``wait_own``);
 every rank posts its sends and receives tensor by tensor in the same order, and waits for the
 oldest ones whenever more than ``max_in_flight`` bytes are under way. The received shards
 land in memory recycled from dropped commits (``ShardCommits.buffers``) and are recorded only
@@ -14,13 +16,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from elastic.state.errors import SyncError
+from elastic.state.sharded.buffers import shapes_of
 from elastic.state.sharded.commits import ShardCommit, ShardCommits
 from elastic.state.sharded.layout import buddy_ranks, shard_range
 
@@ -62,15 +66,35 @@ class BuddyExchange:
         self._max_in_flight = max_in_flight
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._own_copied = threading.Event()
+        self._own_copied.set()
 
-    def start(self, commit: ShardCommit, commits: ShardCommits) -> None:
-        """Starts sending ``commit``'s own shard (the previous exchange must be waited for)."""
+    def start(self, commit: ShardCommit, commits: ShardCommits,
+              own_from: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Starts sending ``commit``'s own shard (the previous exchange must be waited for).
+
+        Args:
+            own_from: the live local parts (on the CPU) to copy ``commit``'s own shard from
+                first, on the thread, when it holds none yet; nothing may write them until
+                ``wait_own`` returned.
+        """
         assert self._thread is None, "wait() for the previous exchange first"
         self._error = None
+        if own_from is not None:
+            self._own_copied.clear()
         commits.sending(commit)  # before the thread: its shards are not reused from now on
-        self._thread = threading.Thread(target=self._run, args=(commit, commits),
+        self._thread = threading.Thread(target=self._run, args=(commit, commits, own_from),
                                         name="elastic-buddy-copies", daemon=True)
         self._thread.start()
+
+    def wait_own(self, timeout: timedelta) -> None:
+        """Returns once the own shard that ``start`` copies (if any) is copied.
+
+        Raises:
+            BuddyCopyError: it was not copied within ``timeout``.
+        """
+        if not self._own_copied.wait(timeout.total_seconds()):
+            raise BuddyCopyError(f"the commit's own shard was not copied within {timeout}.")
 
     def wait(self, timeout: timedelta) -> None:
         """Returns once the exchange in flight (if any) completed.
@@ -103,8 +127,17 @@ class BuddyExchange:
         if self._error is not None:
             raise BuddyCopyError(f"a buddy copy failed: {self._error}") from self._error
 
-    def _run(self, commit: ShardCommit, commits: ShardCommits) -> None:
+    def _run(self, commit: ShardCommit, commits: ShardCommits,
+             own_from: Mapping[str, torch.Tensor] | None) -> None:
         try:
+            if own_from is not None:
+                try:
+                    own = commits.buffers.take(shapes_of(own_from))
+                    for name, part in own_from.items():
+                        own[name].copy_(part)
+                    commits.hold(commit, {commit.own: own})
+                finally:
+                    self._own_copied.set()
             self.exchange(commit, commits)
         except (RuntimeError, ValueError) as exc:  # torch's DistError family: a peer failed
             self._error = exc

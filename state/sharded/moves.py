@@ -22,8 +22,10 @@ def _rows(spec: TensorSpec, shards: int, shard: int) -> tuple[int, int]:
 
 def assemble(plan: Plan, rank: int, commit: ShardCommit | None, specs: Mapping[str, TensorSpec],
              new_shards: int, new_shard: int, templates: Mapping[str, torch.Tensor],
-             group: Any = None, buffers: ShardBuffers | None = None) -> dict[str, torch.Tensor]:
-    """This rank's new shard of every tensor, on host.
+             group: Any = None, buffers: ShardBuffers | None = None,
+             into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """This rank's new shard of every tensor, on host: in ``into`` when given, else in host
+    memory from ``buffers``.
 
     Args:
         plan: the move, computed alike on every rank (``layout.plan_moves``).
@@ -34,9 +36,15 @@ def assemble(plan: Plan, rank: int, commit: ShardCommit | None, specs: Mapping[s
         templates: this rank's new local parts (shape and dtype), by flat name.
         group: a gloo group of the new round's ranks (its timeout bounds every wait).
         buffers: where the new shard's host memory comes from (default: new memory).
+        into: host tensors shaped as ``templates`` to write the new shard into instead (the
+            live objects' own, when they live on the CPU).
     """
     shapes = shapes_of(templates)
-    out = buffers.take(shapes) if buffers is not None else carve(shapes, pinned=False)
+    out: dict[str, torch.Tensor]
+    if into is not None:
+        out = into
+    else:
+        out = buffers.take(shapes) if buffers is not None else carve(shapes, pinned=False)
     works = []
     for tag, piece in enumerate(plan.pieces):
         spec = specs[piece.name]

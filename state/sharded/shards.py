@@ -5,7 +5,8 @@ the optimizer's state as DTensors (FSDP2 ``Shard(0)`` on the shard dimension of 
 plain tensors (Adam's ``step``: the same on every rank). Owns naming them flat
 (``model/<fqn>``, ``optim/<fqn>/<key>``), copying this rank's local parts to recycled host
 memory (pinned when they live on a GPU) with each tensor's ``TensorSpec``, and writing local parts
-back into the objects of a new formation (``load_local``). Torch only.
+back into the objects of a new formation (``load_local``; or in place, where
+``hold_every_tensor`` finds that the local parts are the objects' own). Torch only.
 """
 
 from __future__ import annotations
@@ -90,6 +91,20 @@ def spec_of(value: torch.Tensor) -> TensorSpec:
 
 def local_part(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
+
+
+def hold_every_tensor(parts: Mapping[str, torch.Tensor], model: torch.nn.Module,
+                      optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``parts`` (local parts) are the objects' own tensors and hold every parameter
+    and optimizer state tensor of ``model`` and ``optimizer``, none created or replaced since
+    they were taken: writing ``parts`` then writes the objects, all of them. A check by
+    address, with no state dict taken."""
+    now = [*model.parameters(), *(v for state in optimizer.state.values()
+                                  for v in state.values() if isinstance(v, torch.Tensor))]
+    owned = {local_part(t).data_ptr() for t in [*now, *model.buffers()]}
+    recorded = {t.data_ptr() for t in parts.values()}
+    return (all(local_part(t).data_ptr() in recorded for t in now)
+            and all(t.data_ptr() in owned for t in parts.values() if t.numel()))
 
 
 def host_copy(flat: Mapping[str, torch.Tensor], buffers: ShardBuffers | None = None

@@ -1,14 +1,19 @@
 """The host memory of sharded commits, over real FSDP2 on a gloo group of two ranks: a commit's
 own copy and its received buddy copy land in memory that commits dropped earlier, never in
 memory a kept commit still holds, and a rollback restores a commit made in recycled memory
-exactly; a formation's tensor specs are read once, not at every commit."""
+exactly; a formation's tensor specs are read once, not at every commit; a reshard writes the
+new objects in place and their commit's own copy, taken on a thread, is the formation's state,
+not the first step's."""
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
 
 from elastic.cluster.links.process_group import ProcessGroup
 from elastic.cluster.rounds.topology import Topology
@@ -133,7 +138,8 @@ def test_sharded_commits_reuse_dropped_memory_and_never_touch_a_kept_commit(tmp_
         assert result["received_new"][3:] == [False] * (COMMITS - 3), result["received_new"]
 
 
-def _live_commit_checks(rank: int, world: int) -> dict:
+def _one_step_committed(rank: int, world: int) -> tuple[ShardedRuntime, TrainState]:
+    """A formation of round 1, one step, and its commit with the buddy copies landed."""
     runtime = ShardedRuntime(_parallelize, None, 1, TIMEOUT, timedelta(seconds=2))
     train = TrainState(step=0)
     train.commit()
@@ -141,6 +147,11 @@ def _live_commit_checks(rank: int, world: int) -> dict:
     _train_step(runtime, 0)
     _commit(runtime, train)
     runtime.before_commit()
+    return runtime, train
+
+
+def _live_commit_checks(rank: int, world: int) -> dict:
+    runtime, train = _one_step_committed(rank, world)
     after_steps = []
     for seed in (1, 2):  # steps apply in place: the tensors recorded stay the live ones
         _train_step(runtime, seed)
@@ -170,3 +181,52 @@ def test_the_live_shards_serve_as_a_commit_only_while_they_are_the_tensors_last_
     for result in run_in_group(_live_commit_checks, 2, tmp_path).values():
         assert result == {"after_steps": [True, True], "replaced": False,
                           "recorded_again": True, "new_state": False}
+
+
+def _own_copy_after_an_in_place_reshard(rank: int, world: int) -> dict:
+    runtime, train = _one_step_committed(rank, world)
+    runtime.settle()
+    # the formation's own copy is held back until the first step has started, and then for
+    # as long as it would take that step to end if nothing held it
+    started, stepped = threading.Event(), threading.Event()
+    buffers = runtime._commits.buffers
+    take = buffers.take
+
+    def held_back(*args, **kwargs):
+        started.wait(TIMEOUT.total_seconds())
+        stepped.wait(2.0)
+        return take(*args, **kwargs)
+
+    buffers.take = held_back  # type: ignore[method-assign]
+    events = EventLog(None, f"rank{rank}")
+    resharded: list[dict] = []
+    events.listen(lambda e: resharded.append(dict(e)) if e["event"] == "resharded" else None)
+    topology, group = _round(rank, world, 2)
+    runtime.choose(topology, train, group)
+    runtime.rebuild(topology, train, events, group)
+    formation = {n: t.clone() for n, t in runtime._live.items()}
+    pre = register_optimizer_step_pre_hook(lambda *_: started.set())
+    post = register_optimizer_step_post_hook(lambda *_: stepped.set())
+    try:
+        _train_step(runtime, 1)
+    finally:
+        pre.remove()
+        post.remove()
+    runtime.before_commit()  # the formation's copies landed
+    runtime.confirm_copies()  # and every rank waited for them: the commit is whole
+    newest = _kept(runtime)[-1]
+    own = newest.held.get(newest.own, {})
+    return {"in_place": [e["in_place"] for e in resharded],
+            "own_is_the_formation": bool(own) and all(torch.equal(own[n], formation[n])
+                                                       for n in formation),
+            "the_step_moved_on": any(not torch.equal(runtime._live[n], formation[n])
+                                     for n in formation),
+            "own_apart": not _storages(own) & _storages(runtime._live),
+            "buddy_held": sorted(newest.held)}
+
+
+def test_a_reshard_in_place_commits_the_formations_state_though_its_copy_lands_after_the_step(
+        tmp_path):
+    for result in run_in_group(_own_copy_after_an_in_place_reshard, 2, tmp_path).values():
+        assert result == {"in_place": [True], "own_is_the_formation": True,
+                          "the_step_moved_on": True, "own_apart": True, "buddy_held": [0, 1]}

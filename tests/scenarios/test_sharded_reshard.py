@@ -3,7 +3,8 @@
 Real etcd, real worker processes (tests/workers/sharded.py), gloo on loopback, float64, AdamW.
 Each elastic job ends with the parameters and the committed loss curve of an uninterrupted
 world-1 run of the same script (<= 1e-12), every sample of every epoch in the committed ledger
-exactly once, a ``resharded`` event per re-formation, and no process left.
+exactly once, a ``resharded`` event per re-formation (its moves written into the new objects in
+place), and no process left.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def _check(job, reference, survivors: list[int], steps: int = STEPS,
     moves = [e for e in job.events() if e["event"] == "resharded"]
     assert moves or not resharded
     assert all(e["bytes_moved"] == e["bytes_minimum"] for e in moves)
+    assert all(e["in_place"] for e in moves)  # the objects live on the CPU: no load
 
 
 def _fired(job, index: int) -> bool:

@@ -170,6 +170,31 @@ def test_a_kill_while_a_join_formation_commit_travels_rebuilds_the_last_whole_co
 
 
 @pytest.mark.unit
+def test_a_formation_commit_counts_a_shard_only_once_its_own_copy_landed_off_the_step():
+    # three ranks hold version 6 whole (buddy: the next rank); a join reshards it in place to
+    # four, and each formation commit holds no shard until its thread copied the live one
+    ranks = [ShardCommits(max_held=2) for _ in range(3)]
+    for rank, commits in enumerate(ranks):
+        six = _commit(6, 3, rank, ((rank - 1) % 3,))
+        six.whole = True
+        commits.add(six)
+    ranks.append(ShardCommits(max_held=2))  # the joiner
+    for rank, commits in enumerate(ranks):
+        commits.add(ShardCommit(6, 4, 4, rank, SPECS, {"version": 6, "objects": {}}))
+    first = ranks[1].find((6, 4, 4))
+    ranks[1].hold(first, {1: {n: _shard(n, 4, 1) for n in SPECS}})
+    # a failure now (none of the others copied): the old layout's copies are rebuilt
+    choice = choose([read_report(c.report().tolist()) for c in ranks])
+    assert (choice.version, choice.world) == (6, 3)
+    for rank, commits in enumerate(ranks):
+        if rank != 1:
+            commits.hold(commits.find((6, 4, 4)), {rank: {n: _shard(n, 4, rank) for n in SPECS}})
+    choice = choose([read_report(c.report().tolist()) for c in ranks])
+    assert (choice.version, choice.world) == (6, 4)
+    assert choice.holders == tuple(frozenset({rank}) for rank in range(4))
+
+
+@pytest.mark.unit
 def test_a_whole_commit_stays_until_a_newer_one_is_confirmed_whole_then_goes():
     commits = ShardCommits(max_held=2)
     three = _commit(3, 2, 0, (1,))
