@@ -45,16 +45,15 @@ def assemble(plan: Plan, rank: int, commit: ShardCommit | None, specs: Mapping[s
         out = into
     else:
         out = buffers.take(shapes) if buffers is not None else carve(shapes, pinned=False)
-    works = []
-    for tag, piece in enumerate(plan.pieces):
-        spec = specs[piece.name]
+    works, local = [], []
+    for tag, piece in enumerate(plan.pieces):  # every transfer is posted first: a peer's
+        spec = specs[piece.name]  # receives then do not wait for this rank's own copies
         if piece.dst == rank:
             first = _rows(spec, new_shards, new_shard)[0]
             target = out[piece.name]
             view = target[piece.start - first: piece.stop - first] if spec.sharded else target
             if piece.src == rank:
-                assert commit is not None
-                view.copy_(_held_rows(commit, spec, piece))
+                local.append((view, piece))
             elif view.numel():
                 works.append(dist.irecv(view, piece.src, group=group, tag=tag))
         elif piece.src == rank:
@@ -62,6 +61,9 @@ def assemble(plan: Plan, rank: int, commit: ShardCommit | None, specs: Mapping[s
             rows = _held_rows(commit, spec, piece).contiguous().cpu()  # live rows may be on a GPU
             if rows.numel():
                 works.append(dist.isend(rows, piece.dst, group=group, tag=tag))
+    for view, piece in local:
+        assert commit is not None
+        view.copy_(_held_rows(commit, specs[piece.name], piece))
     for work in works:
         work.wait()
     return out
