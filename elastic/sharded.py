@@ -95,7 +95,7 @@ class ShardedRuntime:
         self._specs: dict[str, TensorSpec] = {}  # this formation's tensors
         self._live: dict[str, torch.Tensor] = {}  # their live local parts on this rank
         self._step_hook: RemovableHandle | None = None  # holds the optimizer's next step
-        # until the formation's own copy is taken (``_commit_later``)
+        # until the formation's own copy is taken (``_commit``)
         self._phases: dict[str, float] = {}  # this formation's seconds, for the rebuilt event
         self.objects: dict[str, Any] = {}
         self.restoring = False  # while parallelize runs: the formation then fills its objects
@@ -240,10 +240,9 @@ class ShardedRuntime:
         # in place); a first formation or a durable load waits for them
         if resharded is None:
             self._commit(train, wait=True)
-        elif resharded.host_copy is not None:
-            self._commit(train, wait=False, copy=resharded.host_copy, flat=resharded.flat)
         else:
-            self._commit_later(train, resharded.flat)
+            self._commit(train, wait=False, copy=resharded.host_copy, flat=resharded.flat,
+                         copy_later=resharded.host_copy is None)
         lap("commit_s")
         events.emit("rebuilt", to_world=topology.world_size, **phases)
         self._phases = {}
@@ -348,52 +347,46 @@ class ShardedRuntime:
 
     def _commit(self, train: TrainState, wait: bool, copy: dict[str, torch.Tensor] | None = None,
                 send: Callable[[], bool] = lambda: True,
-                flat: dict[str, torch.Tensor] | None = None) -> None:
-        """Commits this rank's shards of the live objects and sends them to the buddies;
-        ``copy``: a host copy of those shards made already (a formation's reshard); ``flat``:
-        the objects' state by flat name, when the caller took it already."""
-        self._take_live(flat)
-        world, shards, own = self._layout
-        commit = ShardCommit(train.version, world, shards, own, self._specs,
-                             snapshot(train.committed()),
-                             {own: host_copy(self._live, self._commits.buffers) if copy is None
-                                   else copy})
-        self._commits.add(commit)
-        assert self._exchange is not None
-        if wait:
-            try:
-                self._exchange.exchange(commit, self._commits)
-            except RuntimeError as exc:
-                raise PeerFailureError(f"buddy copies at formation failed: {exc}") from exc
-            self._copied = commit
-        elif send():
-            self._exchange.start(commit, self._commits)
-            self._copied = commit
+                flat: dict[str, torch.Tensor] | None = None, copy_later: bool = False) -> None:
+        """Commits this rank's shards of the live objects and sends them to the buddies.
 
-    def _commit_later(self, train: TrainState, flat: dict[str, torch.Tensor]) -> None:
-        """The formation's commit after a reshard written into the live objects in place: the
-        exchange's thread copies their shards to host memory before sending them, while the
-        first step runs up to its optimizer step, which waits for that copy (a hook). Until
-        the copy lands the commit holds no shard of its own (none is reported) and a failure
-        rebuilds from the old layout's copy of the same version."""
+        Args:
+            copy: a host copy of those shards made already (a formation's reshard).
+            flat: the objects' state by flat name, when the caller took it already.
+            copy_later: after a reshard written into the live objects in place: the
+                exchange's thread copies them to host memory before sending them, while the
+                first step runs up to its optimizer step, which waits for that copy (a hook).
+                Until the copy lands the commit holds no shard of its own (none is reported),
+                and a failure rebuilds from the old layout's copy of the same version.
+        """
         self._take_live(flat)
         world, shards, own = self._layout
+        held = {} if copy_later else {own: host_copy(self._live, self._commits.buffers)
+                                      if copy is None else copy}
         commit = ShardCommit(train.version, world, shards, own, self._specs,
-                             snapshot(train.committed()))
+                             snapshot(train.committed()), held)
         self._commits.add(commit)
         exchange = self._exchange
         assert exchange is not None
-        exchange.start(commit, self._commits, own_from=self._live)
-        self._copied = commit
-        timeout = self._timeout
-
-        def wait_own(*_: Any) -> None:
+        if wait:
             try:
-                exchange.wait_own(timeout)
-            except BuddyCopyError as exc:
-                raise PeerFailureError(str(exc)) from exc
+                exchange.exchange(commit, self._commits)
+            except RuntimeError as exc:
+                raise PeerFailureError(f"buddy copies at formation failed: {exc}") from exc
+            self._copied = commit
+        elif copy_later or send():
+            exchange.start(commit, self._commits, own_from=self._live if copy_later else None)
+            self._copied = commit
+        if copy_later:
+            timeout = self._timeout
 
-        self._step_hook = self._model_and_optimizer()[1].register_step_pre_hook(wait_own)
+            def wait_own(*_: Any) -> None:
+                try:
+                    exchange.wait_own(timeout)
+                except BuddyCopyError as exc:
+                    raise PeerFailureError(str(exc)) from exc
+
+            self._step_hook = self._model_and_optimizer()[1].register_step_pre_hook(wait_own)
 
     def _drop_step_hook(self) -> None:
         hook, self._step_hook = self._step_hook, None

@@ -158,15 +158,14 @@ class ShardCommits:
         """Records shards of ``commit`` copied after it was added (its own, copied off the
         training thread); a shard it had borrowed is its own now (kept once it is whole)."""
         with self._lock:
-            commit.held.update(shards)
-            commit.borrowed.difference_update(shards)
+            _hold(commit, shards)
 
     def add_copies(self, commit: ShardCommit, copies: dict[int, dict[str, torch.Tensor]]
                    ) -> None:
         """Records the buddies' shards of ``commit`` once all of them arrived: its exchange
         ended well."""
-        self.hold(commit, copies)
         with self._lock:
+            _hold(commit, copies)
             commit.in_flight = False
 
     def drop_newer(self, version: int) -> None:
@@ -203,6 +202,11 @@ class ShardCommits:
                 values += [commit.version, commit.world, commit.shards, commit.own, len(held),
                            *held]
         return torch.tensor(values + [-1] * (width - len(values)), dtype=torch.int64)
+
+
+def _hold(commit: ShardCommit, shards: dict[int, dict[str, torch.Tensor]]) -> None:
+    commit.held.update(shards)
+    commit.borrowed.difference_update(shards)  # borrowed no more: its own now
 
 
 def _borrow(commit: ShardCommit, same: ShardCommit) -> None:

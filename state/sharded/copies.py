@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from elastic.state.errors import SyncError
-from elastic.state.sharded.buffers import shapes_of
 from elastic.state.sharded.commits import ShardCommit, ShardCommits
 from elastic.state.sharded.layout import buddy_ranks, shard_range
+from elastic.state.sharded.shards import host_copy
 
 DEFAULT_IN_FLIGHT = 64 << 20
 
@@ -132,10 +132,7 @@ class BuddyExchange:
         try:
             if own_from is not None:
                 try:
-                    own = commits.buffers.take(shapes_of(own_from))
-                    for name, part in own_from.items():
-                        own[name].copy_(part)
-                    commits.hold(commit, {commit.own: own})
+                    commits.hold(commit, {commit.own: host_copy(own_from, commits.buffers)})
                 finally:
                     self._own_copied.set()
             self.exchange(commit, commits)

@@ -39,11 +39,9 @@ def assemble(plan: Plan, rank: int, commit: ShardCommit | None, specs: Mapping[s
         into: host tensors shaped as ``templates`` to write the new shard into instead (the
             live objects' own, when they live on the CPU).
     """
-    shapes = shapes_of(templates)
-    out: dict[str, torch.Tensor]
-    if into is not None:
-        out = into
-    else:
+    out = into
+    if out is None:
+        shapes = shapes_of(templates)
         out = buffers.take(shapes) if buffers is not None else carve(shapes, pinned=False)
     works, local = [], []
     for tag, piece in enumerate(plan.pieces):  # every transfer is posted first: a peer's

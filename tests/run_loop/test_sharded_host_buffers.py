@@ -12,8 +12,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                   register_optimizer_step_pre_hook)
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from elastic.cluster.links.process_group import ProcessGroup
 from elastic.cluster.rounds.topology import Topology
@@ -186,15 +185,14 @@ def test_the_live_shards_serve_as_a_commit_only_while_they_are_the_tensors_last_
 def _own_copy_after_an_in_place_reshard(rank: int, world: int) -> dict:
     runtime, train = _one_step_committed(rank, world)
     runtime.settle()
-    # the formation's own copy is held back until the first step has started, and then for
-    # as long as it would take that step to end if nothing held it
-    started, stepped = threading.Event(), threading.Event()
+    # the formation's own copy is held back until the first step either waits for it (the
+    # hook) or, if nothing held it, has ended
+    go = threading.Event()
     buffers = runtime._commits.buffers
     take = buffers.take
 
     def held_back(*args, **kwargs):
-        started.wait(TIMEOUT.total_seconds())
-        stepped.wait(2.0)
+        go.wait(TIMEOUT.total_seconds())
         return take(*args, **kwargs)
 
     buffers.take = held_back  # type: ignore[method-assign]
@@ -205,13 +203,19 @@ def _own_copy_after_an_in_place_reshard(rank: int, world: int) -> dict:
     runtime.choose(topology, train, group)
     runtime.rebuild(topology, train, events, group)
     formation = {n: t.clone() for n, t in runtime._live.items()}
-    pre = register_optimizer_step_pre_hook(lambda *_: started.set())
-    post = register_optimizer_step_post_hook(lambda *_: stepped.set())
+    exchange = runtime._exchange
+    wait_own = exchange.wait_own
+
+    def waiting(timeout):
+        go.set()
+        wait_own(timeout)
+
+    exchange.wait_own = waiting  # type: ignore[method-assign]
+    stepped = register_optimizer_step_post_hook(lambda *_: go.set())
     try:
         _train_step(runtime, 1)
     finally:
-        pre.remove()
-        post.remove()
+        stepped.remove()
     runtime.before_commit()  # the formation's copies landed
     runtime.confirm_copies()  # and every rank waited for them: the commit is whole
     newest = _kept(runtime)[-1]
