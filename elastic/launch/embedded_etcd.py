@@ -201,10 +201,9 @@ class EmbeddedEtcd:
             if self.process.poll() is not None:
                 return False
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=probe_s,
-                                            context=self._health_context()) as reply:
-                    if json.loads(reply.read()).get("health") == "true":
-                        return True
+                answer = self._answer(probe_s)
+                if answer is not None:
+                    return answer
             except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
                 pass
             # Nothing to wait on but the server's exit: pause on that until the next probe.
@@ -212,6 +211,31 @@ class EmbeddedEtcd:
                 self.process.wait(timeout=self._timeouts.poll.total_seconds())
             except subprocess.TimeoutExpired:
                 continue
+        return False
+
+    def _answer(self, probe_s: float) -> bool | None:
+        """True when the server at ``url`` is healthy and is this one; False when another etcd
+        answers there (it took the port between ``free_port`` and the bind, and answers as
+        healthy while this one is still on its way to failing to bind); None while it is not
+        healthy yet. This one is serving when its peer port (plain HTTP, where no other etcd
+        listens) lists it as a member with this client URL: etcd serves nothing until it bound
+        every listener.
+
+        Raises:
+            urllib.error.URLError: a port did not answer (yet; this one exits when its client
+                port was taken).
+        """
+        with urllib.request.urlopen(f"{self.url}/health", timeout=probe_s,
+                                    context=self._health_context()) as reply:
+            if json.loads(reply.read()).get("health") != "true":
+                return None
+        peer = f"http://{HOST}:{self._peer_port}"
+        with urllib.request.urlopen(f"{peer}/members", timeout=probe_s) as reply:
+            members = json.loads(reply.read())
+        if any(peer in m.get("peerURLs", []) and self.url in m.get("clientURLs", [])
+               for m in members):
+            return True
+        log.warning("another etcd answers on port %d", self.client_port)
         return False
 
     def stop(self) -> None:
