@@ -16,7 +16,7 @@ import pytest
 
 from elastic.cluster.etcd.client import EtcdClient
 from elastic.cluster.rounds.keys import JobKeys
-from tests.support.cli import WORKERS, events, wait_until, worker_pids
+from tests.support.cli import WORKERS, events, is_alive, wait_until, worker_pids
 
 pytestmark = pytest.mark.timeout(120)
 WORKER = str(WORKERS / "elastic_worker.py")
@@ -124,7 +124,7 @@ def test_workers_whose_launcher_dies_under_a_node_lease_end_with_it_and_leave_th
     try:
         run.proc.kill()
         run.wait(10)
-        wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pids), 10,
+        wait_until(lambda: not any(is_alive(pid) for pid in pids), 10,
                    "the killed launcher's workers to end with it", [])
         wait_until(lambda: not member_leases(client, keys), 30,
                    "the workers' registrations to go with the launcher's lease", [])

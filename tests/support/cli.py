@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from elastic.launch.warm_start import reap_adopted
 from tests.support.harness import loopback_env
 from tests.support.polling import poll_until
 
@@ -79,7 +80,8 @@ def is_alive(pid: int) -> bool:
 
 
 def kill_everything(clis: list[Cli], log_dirs: list[Path]) -> None:
-    """Kills the CLI processes (their groups) and every worker they started, by PID."""
+    """Kills the CLI processes (their groups) and every worker they started, by PID, and reaps
+    those this process adopted."""
     for cli in clis:
         if cli.proc.poll() is None:
             try:
@@ -97,3 +99,4 @@ def kill_everything(clis: list[Cli], log_dirs: list[Path]) -> None:
                     os.killpg(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+    reap_adopted()  # workers of a killed launcher, adopted when this process is a subreaper
