@@ -24,19 +24,24 @@ $(STAMP): pyproject.toml
 	@echo "==> installed; next time this step is skipped"
 
 PYTEST := $(PY) -m pytest -p no:cacheprovider
+# The tiers that start processes run in two pytest processes (pytest-xdist), a file each at a
+# time: most of a test's time is spent waiting on its workers, so two keep two cores busy.
+# `make test WORKERS=0` runs them in this process alone.
+WORKERS ?= 2
+PARALLEL = -n $(WORKERS) --dist loadfile
 
 test: docs
-	$(PYTEST) --durations=15 tests
+	$(PYTEST) $(PARALLEL) --durations=15 tests
 
 # One tier each (tests/conftest.py gives every test its marker).
 test-unit: install
 	$(PYTEST) -q -m unit tests
 
 test-integration: install
-	$(PYTEST) --durations=15 -m integration tests
+	$(PYTEST) $(PARALLEL) --durations=15 -m integration tests
 
 test-scenario: install
-	$(PYTEST) --durations=15 -m scenario tests
+	$(PYTEST) $(PARALLEL) --durations=15 -m scenario tests
 
 # `make bench NAME=recovery [ARGS="--reps 3"]`; `make bench` lists the names.
 bench: install
