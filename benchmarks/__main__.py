@@ -1,15 +1,18 @@
-"""The benchmarks' one entry point: ``python -m benchmarks NAME [ARGS...]`` (``make bench
-NAME=...``) runs the benchmark NAME with the settings of its claim in ``RESULTS.md`` and writes
-``benchmarks/results/NAME.json`` (the latest, overwritten) and its plot where it has one.
+"""The benchmarks' one entry point: ``python -m benchmarks NAME [--out PATH] [ARGS...]``
+(``make bench NAME=...``) runs the benchmark NAME with the settings of its claim in
+``RESULTS.md`` and writes its result to ``PATH``, by default ``benchmarks/results/NAME.json``
+(the latest, overwritten), and its plot where it has one.
 
 Owns the registry of benchmarks (a name, its script, the arguments of its claim, how the script
-hands back its result); the scripts themselves stay runnable on their own. ARGS after NAME are
-passed to the script after the registered ones (argparse keeps the last of a repeated option).
+hands back its result); the scripts themselves stay runnable on their own. ARGS after NAME,
+but ``--out``, are passed to the script after the registered ones (argparse keeps the last of a
+repeated option).
 ``python -m benchmarks`` alone lists the names.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -134,11 +137,11 @@ REGISTRY: dict[str, Benchmark] = {
 }
 
 
-def run(name: str, extra: list[str]) -> int:
-    """Runs benchmark ``name``, writes ``results/NAME.json`` (and its plot); the script's exit
-    status (the result is written only when it is 0)."""
+def run(name: str, extra: list[str], out: Path | None = None) -> int:
+    """Runs benchmark ``name``, writes its result to ``out`` (default ``results/NAME.json``)
+    and its plot; the script's exit status (the result is written only when it is 0)."""
     bench = REGISTRY[name]
-    out = RESULTS / f"{name}.json"
+    out = (out or RESULTS / f"{name}.json").absolute()
     command = [sys.executable, str(HERE / bench.script), *bench.args, *extra]
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as scratch:
         target = Path(scratch) / ("result.json" if bench.result == "file" else "out")
@@ -158,9 +161,9 @@ def run(name: str, extra: list[str]) -> int:
             result = {p.name: json.loads(p.read_text()) for p in sorted(target.glob("*.json"))}
         else:
             result = json.loads(target.read_text())
-    RESULTS.mkdir(exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"==> wrote {out.relative_to(REPO)}")
+    print(f"==> wrote {out.relative_to(REPO) if out.is_relative_to(REPO) else out}")
     if bench.plot:
         plot = [sys.executable, str(HERE / bench.plot[0]),
                 *(a.replace("{result}", str(out)) for a in bench.plot[1:])]
@@ -171,7 +174,8 @@ def run(name: str, extra: list[str]) -> int:
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "--list"):
         width = max(map(len, REGISTRY))
-        print("usage: python -m benchmarks NAME [ARGS...]   (make bench NAME=... ARGS=...)")
+        print("usage: python -m benchmarks NAME [--out PATH] [ARGS...]   "
+              "(make bench NAME=... ARGS=...)")
         for name, bench in REGISTRY.items():
             print(f"  {name:<{width}}  {bench.about}")
         return 0
@@ -180,7 +184,11 @@ def main(argv: list[str]) -> int:
         print(f"no benchmark named {name!r}: pick one of {', '.join(REGISTRY)} "
               "(python -m benchmarks lists them)", file=sys.stderr)
         return 2
-    return run(name, extra)
+    where = argparse.ArgumentParser(prog=f"python -m benchmarks {name}", add_help=False,
+                                    allow_abbrev=False)
+    where.add_argument("--out", type=Path, help="where the result goes")
+    known, rest = where.parse_known_args(extra)
+    return run(name, rest, known.out)
 
 
 if __name__ == "__main__":
