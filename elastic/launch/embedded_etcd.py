@@ -141,13 +141,12 @@ class EmbeddedEtcd:
 
     def _args(self, binary: str, peer_port: int) -> list[str]:
         """The server's command line (a test server adds TLS flags here)."""
-        member_dir = Path(self.data_dir) / f"member-{self.client_port}"
+        member_dir, peer = Path(self.data_dir) / f"member-{self.client_port}", _peer_url(peer_port)
         return [
             binary, "--name", "elastic", "--data-dir", str(member_dir),
             "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-            "--listen-peer-urls", f"http://{HOST}:{peer_port}",
-            "--initial-advertise-peer-urls", f"http://{HOST}:{peer_port}",
-            "--initial-cluster", f"elastic=http://{HOST}:{peer_port}",
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"elastic={peer}",
             "--listen-metrics-urls", f"http://{HOST}:{free_port()}",
             "--log-level", "warn",
         ]
@@ -229,7 +228,7 @@ class EmbeddedEtcd:
                                     context=self._health_context()) as reply:
             if json.loads(reply.read()).get("health") != "true":
                 return None
-        peer = f"http://{HOST}:{self._peer_port}"
+        peer = _peer_url(self._peer_port)
         with urllib.request.urlopen(f"{peer}/members", timeout=probe_s) as reply:
             members = json.loads(reply.read())
         if any(peer in m.get("peerURLs", []) and self.url in m.get("clientURLs", [])
@@ -293,3 +292,8 @@ class EmbeddedEtcd:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _peer_url(port: int) -> str:
+    """The URL of the member's peer listener on ``port`` (plain HTTP, loopback)."""
+    return f"http://{HOST}:{port}"

@@ -4,16 +4,12 @@
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from benchmarks import __main__ as runner  # noqa: E402
+from benchmarks import __main__ as runner
 
 
 @pytest.fixture
