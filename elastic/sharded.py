@@ -94,8 +94,8 @@ class ShardedRuntime:
         # durable checkpoint, and says so once it has
         self._specs: dict[str, TensorSpec] = {}  # this formation's tensors
         self._live: dict[str, torch.Tensor] = {}  # their live local parts on this rank
-        self._step_hook: RemovableHandle | None = None  # holds the optimizer's next step
-        # until the formation's own copy is taken (``_commit``)
+        self._step_hooks: list[RemovableHandle] = []  # hold the optimizer's next step (and
+        # its state dict) until the formation's last pieces landed and its own copy is taken
         self._phases: dict[str, float] = {}  # this formation's seconds, for the rebuilt event
         self.objects: dict[str, Any] = {}
         self.restoring = False  # while parallelize runs: the formation then fills its objects
@@ -127,7 +127,7 @@ class ShardedRuntime:
         the round's side group too: the formation's destroy frees it on a thread of its own
         (``ProcessGroup.destroy``), not the next ``choose`` on this one."""
         exchange, self._exchange, self._copied = self._exchange, None, None
-        self._drop_step_hook()
+        self._drop_step_hooks()
         if exchange is not None:
             try:
                 exchange.settle(self._timeout, self._released, self._released_wait)
@@ -242,7 +242,7 @@ class ShardedRuntime:
             self._commit(train, wait=True)
         else:
             self._commit(train, wait=False, copy=resharded.host_copy, flat=resharded.flat,
-                         copy_later=resharded.host_copy is None)
+                         copy_later=resharded.host_copy is None, landing=resharded.rest)
         lap("commit_s")
         events.emit("rebuilt", to_world=topology.world_size, **phases)
         self._phases = {}
@@ -312,7 +312,7 @@ class ShardedRuntime:
         except BuddyCopyError as exc:
             raise PeerFailureError(str(exc)) from exc
         finally:
-            self._drop_step_hook()
+            self._drop_step_hooks()
 
     def confirm_copies(self) -> None:
         """An agreement that followed ``before_commit`` on every rank was reached: the copies
@@ -347,7 +347,8 @@ class ShardedRuntime:
 
     def _commit(self, train: TrainState, wait: bool, copy: dict[str, torch.Tensor] | None = None,
                 send: Callable[[], bool] = lambda: True,
-                flat: dict[str, torch.Tensor] | None = None, copy_later: bool = False) -> None:
+                flat: dict[str, torch.Tensor] | None = None, copy_later: bool = False,
+                landing: Callable[[], None] | None = None) -> None:
         """Commits this rank's shards of the live objects and sends them to the buddies.
 
         Args:
@@ -358,6 +359,8 @@ class ShardedRuntime:
                 first step runs up to its optimizer step, which waits for that copy (a hook).
                 Until the copy lands the commit holds no shard of its own (none is reported),
                 and a failure rebuilds from the old layout's copy of the same version.
+            landing: with ``copy_later``: lands the reshard's deferred pieces (the
+                optimizer's moments) into the live objects, on that thread, before the copy.
         """
         self._take_live(flat)
         world, shards, own = self._layout
@@ -375,7 +378,8 @@ class ShardedRuntime:
                 raise PeerFailureError(f"buddy copies at formation failed: {exc}") from exc
             self._copied = commit
         elif copy_later or send():
-            exchange.start(commit, self._commits, own_from=self._live if copy_later else None)
+            exchange.start(commit, self._commits, own_from=self._live if copy_later else None,
+                           landing=landing if copy_later else None)
             self._copied = commit
         if copy_later:
             timeout = self._timeout
@@ -386,11 +390,15 @@ class ShardedRuntime:
                 except BuddyCopyError as exc:
                     raise PeerFailureError(str(exc)) from exc
 
-            self._step_hook = self._model_and_optimizer()[1].register_step_pre_hook(wait_own)
+            optimizer = self._model_and_optimizer()[1]
+            # whatever reads or writes the optimizer's state through it waits too
+            self._step_hooks = [optimizer.register_step_pre_hook(wait_own),
+                                optimizer.register_state_dict_pre_hook(wait_own),
+                                optimizer.register_load_state_dict_pre_hook(wait_own)]
 
-    def _drop_step_hook(self) -> None:
-        hook, self._step_hook = self._step_hook, None
-        if hook is not None:
+    def _drop_step_hooks(self) -> None:
+        hooks, self._step_hooks = self._step_hooks, []
+        for hook in hooks:
             hook.remove()
 
     def _take_live(self, flat: dict[str, torch.Tensor] | None) -> None:

@@ -1,8 +1,10 @@
 """The N -> M reshard of a formation: this rank's new shard of the chosen commit, built from the
 rows it holds and the rows live holders send it, loaded into the objects ``parallelize`` built,
 once every rank is found to have built the committed model (``sharded_models``). Objects on the
-CPU receive their shard in place; on a GPU it lands in host memory first and is loaded from
-there (that host copy then serves as the formation's commit).
+CPU receive their shard in place, and the optimizer's moments may land after the formation
+(``Resharded.rest``), while the first step's forward and backward run; on a GPU the shard
+lands in host memory first, whole, and is loaded from there (that host copy then serves as
+the formation's commit).
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import torch
 from elastic.foundation.events import EventLog, Stopwatch
 from elastic.sharded_models import check_models
 from elastic.state.sharded.commits import Choice, ShardCommits
-from elastic.state.sharded.layout import plan_moves
+from elastic.state.sharded.layout import TensorSpec, plan_moves
 from elastic.state.sharded.moves import assemble
 from elastic.state.sharded.optimizer_state import make_state
-from elastic.state.sharded.shards import (flat_tensors, hold_every_tensor, load_local,
-                                          local_part, sharded_state_dict, spec_of)
+from elastic.state.sharded.shards import (OPTIM, flat_tensors, hold_every_tensor,
+                                          load_local, local_part, sharded_state_dict, spec_of)
 
 
 @dataclass(frozen=True)
@@ -38,10 +40,14 @@ class Seat:
 class Resharded:
     """This rank's new shard: ``flat``, the objects' state by flat name (DTensors and plain
     tensors); ``host_copy``, the shard in host memory apart from the objects (not shared with
-    them), or None when it was written into the objects in place and nowhere else."""
+    them), or None when it was written into the objects in place and nowhere else; ``rest``
+    lands the pieces left for later (the optimizer's moments, in place only): every rank
+    calls it, on one thread, before the optimizer's next step and before the shard is read
+    or copied (it raises torch's ``DistError`` family when a peer failed)."""
 
     flat: dict[str, torch.Tensor]
     host_copy: dict[str, torch.Tensor] | None
+    rest: Callable[[], None]
 
 
 def reshard(choice: Choice, commits: ShardCommits, model: torch.nn.Module,
@@ -72,14 +78,31 @@ def reshard(choice: Choice, commits: ShardCommits, model: torch.nn.Module,
         parts = {n: local_part(v).detach() for n, v in flat.items()}
         in_place = (all(p.device.type == "cpu" for p in parts.values())
                     and hold_every_tensor(parts, model, optimizer))
-        local = assemble(plan, rank, held, specs, shards, rank % shards, parts, seat.group,
-                         commits.buffers, into=parts if in_place else None)
+        later = _moments(specs)  # alike on every rank, whichever way each one lands them
+        local, rest = assemble(plan, rank, held, specs, shards, rank % shards, parts,
+                               seat.group, commits.buffers, into=parts if in_place else None,
+                               defer=later.__contains__)
+        if not in_place:  # loaded from host memory: whole first
+            rest()
+            rest = _landed
         lap("moves_s")
         if not in_place:
             load_local(model, optimizer, model_sd, optim_sd, local)
             lap("load_s")
     events.emit("resharded", version=choice.version, from_world=choice.world, to_world=world,
                 bytes_moved=plan.moved, bytes_minimum=plan.minimum, bytes_lost=plan.lost,
+                bytes_deferred=sum((p.stop - p.start) * specs[p.name].row_bytes
+                                   for p in plan.pieces
+                                   if in_place and p.moves and p.name in later),
                 reshard_s=moving.seconds, copy_free=held is not None and held.frozen,
                 in_place=in_place)
-    return Resharded(flat, None if in_place else local)
+    return Resharded(flat, None if in_place else local, rest)
+
+
+def _landed() -> None:
+    """Nothing left to land."""
+
+
+def _moments(specs: dict[str, TensorSpec]) -> frozenset[str]:
+    """The optimizer's sharded state tensors (Adam's moments): read first by its next step."""
+    return frozenset(n for n, spec in specs.items() if n.startswith(OPTIM) and spec.sharded)

@@ -2,8 +2,9 @@
 shards of the ranks it is a buddy of, point to point on a group of their own.
 
 The exchange runs on a thread (``BuddyExchange.start``), so training goes on while it travels
-(after a reshard done in place, the thread first copies the commit's own shard out of the live
-objects, and the next optimizer step waits for that copy: ``wait_own``);
+(after a reshard done in place, the thread first lands what the reshard left for later and
+copies the commit's own shard out of the live objects, and the next optimizer step waits for
+both: ``wait_own``);
 every rank posts its sends and receives tensor by tensor in the same order, and waits for the
 oldest ones whenever more than ``max_in_flight`` bytes are under way. The received shards
 land in memory recycled from dropped commits (``ShardCommits.buffers``) and are recorded only
@@ -68,33 +69,42 @@ class BuddyExchange:
         self._error: BaseException | None = None
         self._own_copied = threading.Event()
         self._own_copied.set()
+        self._own_error: BaseException | None = None
 
     def start(self, commit: ShardCommit, commits: ShardCommits,
-              own_from: Mapping[str, torch.Tensor] | None = None) -> None:
+              own_from: Mapping[str, torch.Tensor] | None = None,
+              landing: Callable[[], None] | None = None) -> None:
         """Starts sending ``commit``'s own shard (the previous exchange must be waited for).
 
         Args:
             own_from: the live local parts (on the CPU) to copy ``commit``'s own shard from
                 first, on the thread, when it holds none yet; nothing may write them until
                 ``wait_own`` returned.
+            landing: with ``own_from``: lands the rest of those parts (a reshard's deferred
+                pieces, on this exchange's group) before they are copied.
         """
         assert self._thread is None, "wait() for the previous exchange first"
-        self._error = None
+        self._error = self._own_error = None
         if own_from is not None:
             self._own_copied.clear()
         commits.sending(commit)  # before the thread: its shards are not reused from now on
-        self._thread = threading.Thread(target=self._run, args=(commit, commits, own_from),
+        self._thread = threading.Thread(target=self._run,
+                                        args=(commit, commits, own_from, landing),
                                         name="elastic-buddy-copies", daemon=True)
         self._thread.start()
 
     def wait_own(self, timeout: timedelta) -> None:
-        """Returns once the own shard that ``start`` copies (if any) is copied.
+        """Returns once the own shard that ``start`` copies (if any) landed and is copied.
 
         Raises:
-            BuddyCopyError: it was not copied within ``timeout``.
+            BuddyCopyError: it was not within ``timeout``, or its landing failed (a peer
+                failed: the live parts are incomplete).
         """
         if not self._own_copied.wait(timeout.total_seconds()):
             raise BuddyCopyError(f"the commit's own shard was not copied within {timeout}.")
+        if self._own_error is not None:
+            raise BuddyCopyError(f"the reshard's last pieces did not land: {self._own_error}"
+                                 ) from self._own_error
 
     def wait(self, timeout: timedelta) -> None:
         """Returns once the exchange in flight (if any) completed.
@@ -128,11 +138,17 @@ class BuddyExchange:
             raise BuddyCopyError(f"a buddy copy failed: {self._error}") from self._error
 
     def _run(self, commit: ShardCommit, commits: ShardCommits,
-             own_from: Mapping[str, torch.Tensor] | None) -> None:
+             own_from: Mapping[str, torch.Tensor] | None,
+             landing: Callable[[], None] | None) -> None:
         try:
             if own_from is not None:
                 try:
+                    if landing is not None:
+                        landing()
                     commits.hold(commit, {commit.own: host_copy(own_from, commits.buffers)})
+                except (RuntimeError, ValueError) as exc:
+                    self._own_error = exc
+                    raise
                 finally:
                     self._own_copied.set()
             self.exchange(commit, commits)

@@ -202,7 +202,6 @@ def _own_copy_after_an_in_place_reshard(rank: int, world: int) -> dict:
     topology, group = _round(rank, world, 2)
     runtime.choose(topology, train, group)
     runtime.rebuild(topology, train, events, group)
-    formation = {n: t.clone() for n, t in runtime._live.items()}
     exchange = runtime._exchange
     wait_own = exchange.wait_own
 
@@ -211,11 +210,18 @@ def _own_copy_after_an_in_place_reshard(rank: int, world: int) -> dict:
         wait_own(timeout)
 
     exchange.wait_own = waiting  # type: ignore[method-assign]
+    formation = {}  # the formation's state, whole: once the runtime's own hook let the step go
+
+    def seen(*_):
+        formation.update({n: t.clone() for n, t in runtime._live.items()})
+
+    before = runtime.objects["optimizer"].register_step_pre_hook(seen)
     stepped = register_optimizer_step_post_hook(lambda *_: go.set())
     try:
         _train_step(runtime, 1)
     finally:
         stepped.remove()
+        before.remove()
     runtime.before_commit()  # the formation's copies landed
     runtime.confirm_copies()  # and every rank waited for them: the commit is whole
     newest = _kept(runtime)[-1]

@@ -280,11 +280,34 @@ def _exchange_then_reshard(rank: int, world: int) -> dict[str, list]:
     holders = [owners - {1} for owners in holders_of(world, world, 1)]
     plan = plan_moves(SPECS, world, holders, [0, 1, 2], 3)
     templates = {n: _shard(n, world, rank) for n in SPECS}
-    got = assemble(plan, rank, None if rank == 1 else commit, SPECS, 3, rank,
+    got, _ = assemble(plan, rank, None if rank == 1 else commit, SPECS, 3, rank,
                    {n: torch.empty_like(t) for n, t in templates.items()})
     return {"held": sorted(commit.held), "copies_right": copies_right,
             "rebuilt": all(torch.equal(got[n], templates[n]) for n in SPECS),
             "sent": [p.src for p in plan.sent_by(rank)]}
+
+
+def _reshard_in_two(rank: int, world: int) -> dict[str, bool]:
+    """Reshards 3 -> 3 with rank 1 holding nothing (its rows come from the others), tensor
+    ``b`` deferred: what each rank's new shard holds before and after the rest lands."""
+    holders = [{0}, {2}, {2}]  # rank 2 holds its buddy rank 1's shard
+    plan = plan_moves(SPECS, world, holders, [0, 1, 2], 3)
+    commit = None if rank == 1 else _commit(7, world, rank, (1,) if rank == 2 else ())
+    into = {n: torch.full_like(_shard(n, world, rank), float("nan")) for n in SPECS}
+    got, rest = assemble(plan, rank, commit, SPECS, 3, rank, into, into=into,
+                         defer={"b"}.__contains__)
+    first = {n: torch.equal(got[n], _shard(n, world, rank)) for n in SPECS}
+    untouched = bool(torch.isnan(got["b"]).all())
+    rest()
+    return {"first": first, "b_untouched": untouched,
+            "after": all(torch.equal(got[n], _shard(n, world, rank)) for n in SPECS)}
+
+
+def test_deferred_tensors_land_only_when_the_rest_is_landed_and_then_whole(tmp_path):
+    results = run_in_group(_reshard_in_two, 3, tmp_path)
+    for rank in range(3):
+        assert results[rank] == {"first": {"a": True, "b": False, "step": True},
+                                 "b_untouched": True, "after": True}
 
 
 def test_buddy_copies_land_on_the_next_rank_and_a_holderless_rank_is_rebuilt_from_them(
