@@ -71,7 +71,9 @@ def read_checkpoint(storage: Storage, ref: CheckpointRef) -> LoadedCheckpoint:
 def newest_readable(candidates: list[CheckpointRef], read: Callable[[CheckpointRef], T],
                     skipped: list[str], url: str) -> T:
     """``read`` of the newest of ``candidates`` that reads, skipping (with a warning) newer ones
-    that are corrupt or cannot be read.
+    that are corrupt. A newer one that the storage failed to read is never skipped: it may be
+    intact, and resuming from an older one would lose its steps for good (a later save of the
+    same steps is refused, and retention then prunes it).
 
     Args:
         candidates: complete checkpoints, oldest first.
@@ -80,21 +82,16 @@ def newest_readable(candidates: list[CheckpointRef], read: Callable[[CheckpointR
         url: the root URL (for the final message).
 
     Raises:
-        CheckpointNotFoundError: none reads, and none failed for the storage.
-        CheckpointReadError: the storage failed while reading every one that was not corrupt.
+        CheckpointNotFoundError: none reads: every one is corrupt, or there is none.
+        CheckpointReadError: the storage failed while reading the newest one not corrupt.
     """
-    unread: CheckpointReadError | None = None
     for candidate in reversed(candidates):
         try:
             return read(candidate)
-        except (CheckpointCorruptError, CheckpointReadError) as exc:
+        except CheckpointCorruptError as exc:
             logger.warning("skipping checkpoint %s: %s; falling back to an older one",
                            candidate.url, exc)
             skipped.append(f"{candidate.url}: {exc}")
-            if isinstance(exc, CheckpointReadError):
-                unread = unread or exc
-    if unread is not None:  # may read fine later: never "not found", which starts over
-        raise unread
     raise CheckpointNotFoundError(
         f"no readable checkpoint under {url}"
         + (f"; skipped: {'; '.join(skipped)}" if skipped else "")

@@ -147,7 +147,8 @@ class ShardedCheckpoints:
             state_dict: this rank's state dict of the new formation (DTensors); load it into
                 the model and optimizer afterwards (``set_state_dict``).
             ref: the checkpoint; None takes the newest sharded one that verifies, skipping
-                (with a warning) newer ones that are torn, corrupt or unreadable.
+                (with a warning) newer ones that are torn or corrupt (one that the storage
+                fails to read stops the load: it may be intact).
 
         Returns:
             The checkpoint loaded: its ref, metadata, and as ``state_dict`` the ``payload``

@@ -238,8 +238,13 @@ class CheckpointStore:
     def discard_step(self, step: int) -> None:
         """Removes ``step``'s files unless they are a published checkpoint."""
         with self._lock:
-            if all(ref.step != step for ref in self._scan().valid):  # never a published one
-                self._storage.discard(self._storage.join(step_dir_name(step)))
+            self._discard_unpublished(step)
+
+    def _discard_unpublished(self, step: int) -> None:
+        """Removes ``step``'s directory unless it holds a published checkpoint (another
+        writer's, when this one lost a race or was fenced)."""
+        if all(ref.step != step for ref in self._scan().valid):
+            self._storage.discard(self._storage.join(step_dir_name(step)))
 
     storage = property(lambda self: self._storage, doc="The root and its retried I/O.")
     storage_options = property(lambda self: self._storage_options,
@@ -319,11 +324,17 @@ class CheckpointStore:
             f"Earlier checkpoints are intact; training can go on and save again.") from exc
 
     def _clean_up(self, step: int, own: str | None) -> None:
-        """Removes an unpublished write's payload ``own`` (None: every rank's, the directory)."""
+        """Removes an unpublished write's payload ``own`` (None: every rank's, the directory,
+        unless a newer writer published the step meanwhile)."""
+        if own is None:
+            try:
+                self._discard_unpublished(step)
+            except CheckpointError as exc:  # unlisted, nothing is removed: retention will
+                logger.warning("left step %d's unpublished files in place: %s", step, exc)
+            return
         step_dir = self._storage.join(step_dir_name(step))
-        self._storage.discard(step_dir if own is None else f"{step_dir}/{own}")
-        if own is not None:
-            self._storage.remove_empty_dir(step_dir)
+        self._storage.discard(f"{step_dir}/{own}")
+        self._storage.remove_empty_dir(step_dir)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -352,7 +363,8 @@ class CheckpointStore:
 
         Args:
             ref: The checkpoint to read. ``None`` reads the newest one that verifies, skipping
-                (with a warning) newer ones that are torn, corrupt or cannot be read.
+                (with a warning) newer ones that are torn or corrupt; a newer one that the
+                storage fails to read stops the load (it may be intact).
 
         Returns:
             The checkpoint's state dict (tensors on the CPU) and metadata.
@@ -362,7 +374,7 @@ class CheckpointStore:
             CheckpointCorruptError: ``ref`` was given and does not verify or decode.
             CheckpointUnsafeError: ``ref`` was given and its payload would run code.
             CheckpointReadError: the storage failed while reading ``ref``, or (``ref`` None)
-                while reading every checkpoint that did not turn out corrupt.
+                while reading the newest checkpoint that did not turn out corrupt.
             CheckpointError: The storage failed while listing.
         """
         if ref is not None:

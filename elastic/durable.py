@@ -253,8 +253,8 @@ class DurableCommits:
         return (refs[-1].step if refs else 0), next_epoch(refs)
 
     def load_latest(self, live: Mapping[str, Any]) -> Mapping[str, Any] | None:
-        """Reads the newest checkpoint that verifies and reads (older ones, with a warning, if
-        newer are corrupt or their reads fail).
+        """Reads the newest checkpoint that verifies (older ones, with a warning, if newer are
+        corrupt; a newer one whose read fails is not skipped: it may be intact).
 
         Args:
             live: the committed payload of this worker, to check the loaded one against.
@@ -264,8 +264,8 @@ class DurableCommits:
 
         Raises:
             CheckpointIncompatibleError: a model's keys or shapes differ from the live ones.
-            CheckpointError: the storage failed while listing, or while reading every
-                checkpoint, or did not answer in time (``_answered``).
+            CheckpointError: the storage failed while listing, or while reading the newest
+                checkpoint that is not corrupt, or did not answer in time (``_answered``).
         """
         try:
             loaded = self._answered(self._newest, "loading the newest checkpoint of")

@@ -251,9 +251,10 @@ class RunLoop:
             try:
                 if self._sharded is not None:
                     self._sharded.choose(topology, self._train, cluster.group)
-                src, moved = self._sync_newest(topology)
+                src, moved, from_durable = self._sync_newest(topology)
                 if self._sharded is not None:
-                    self._sharded.rebuild(topology, self._train, cluster.events, cluster.group)
+                    self._sharded.rebuild(topology, self._train, cluster.events, cluster.group,
+                                          from_durable)
             except PayloadFormatError as exc:  # the source is broken or hostile: none of it ran
                 raise PeerFailureError(f"refused the state sent in round {topology.round}: "
                                        f"{exc}") from exc
@@ -269,11 +270,12 @@ class RunLoop:
                             moved=moved > 0, bytes=moved, sync_s=synced.seconds)
         self._on_formed(topology)
 
-    def _sync_newest(self, topology: Topology) -> tuple[int, int]:
+    def _sync_newest(self, topology: Topology) -> tuple[int, int, bool]:
         """Finds the newest holder (a durable checkpoint newer than every commit is read by
         rank 0 first) and sends its commit to the ranks that lack that very commit; the others
         (the survivors of a round, holding the same commit) take no part and only roll back.
-        Returns the source rank and the bytes of state this rank sent or received.
+        Returns the source rank, the bytes of state this rank sent or received, and whether
+        the state came from a durable checkpoint.
 
         Raises:
             CheckpointResumeError: rank 0 could not read the checkpoint URL and no rank holds
@@ -291,7 +293,7 @@ class RunLoop:
         moved = self._train.sync(source.rank, timeout=self._sync_timeout,
                                  receivers=source.receivers)
         self._lineage = topology.lineage
-        return source.rank, moved
+        return source.rank, moved, source.from_durable
 
     def _read_durable(self, topology: Topology) -> _Found:
         """On rank 0: lists the checkpoint URL once, takes the round's fencing token (claimed

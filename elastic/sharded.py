@@ -198,10 +198,12 @@ class ShardedRuntime:
         self._fallback = str(exc)
 
     def rebuild(self, topology: Topology, train: TrainState, events: EventLog,
-                group: ProcessGroup) -> None:
+                group: ProcessGroup, from_durable: bool = False) -> None:
         """Builds this round's objects with ``parallelize``, fills them with the chosen commit
         (resharded) and commits them as this layout's copy of it; the mesh's subgroups join
-        ``group``'s release and failure detection; the ``rebuilt`` event times each part."""
+        ``group``'s release and failure detection; the ``rebuilt`` event times each part.
+        ``from_durable``: the small state was synced from a durable checkpoint at this
+        formation, so its shards must come from one too."""
         phases, mark = self._phases, time.monotonic()
 
         def lap(name: str) -> None:
@@ -233,7 +235,7 @@ class ShardedRuntime:
                         self._group)
             lap("check_s")
         if loading:
-            self._load_durable(train, mesh)
+            self._load_durable(train, mesh, from_durable)
             lap("durable_load_s")
         # after a reshard the old layout still holds the commit: its copies in the new one
         # travel while training goes on (the own one too, when the reshard wrote the objects
@@ -247,7 +249,7 @@ class ShardedRuntime:
         events.emit("rebuilt", to_world=topology.world_size, **phases)
         self._phases = {}
 
-    def _load_durable(self, train: TrainState, mesh: DeviceMesh) -> None:
+    def _load_durable(self, train: TrainState, mesh: DeviceMesh, from_durable: bool) -> None:
         """Fills the objects from the newest durable sharded checkpoint, when nobody holds a
         commit of the shards yet the state is at one: a resume, the fallback after a lost
         shard, or a durable checkpoint newer than every commit held whole (restored entire).
@@ -266,11 +268,14 @@ class ShardedRuntime:
                 f"{lost} The checkpoint URL holds no durable sharded checkpoint to resume "
                 "from: restart the job from scratch, and keep more copies "
                 "(ElasticState(buddies=...)) or commit(durable=True) early.")
-        elif self._choice is not None:
+        elif self._choice is not None or from_durable:  # else the shards would start fresh
+            # under the step and sampler of the checkpoint the small state came from
             raise ShardedStateLostError(
                 f"the durable sharded checkpoint of version {train.version} that the small "
-                "state was synced from could not be loaded for its shards: check that "
-                "the checkpoint URL is readable and was not pruned meanwhile.")
+                "state was synced from could not be loaded for its shards, and no older one "
+                "verifies (see the warnings above): check that the checkpoint URL is readable "
+                "and was not pruned meanwhile, or restore its files; to start over, give the "
+                "job a new checkpoint URL.")
         else:  # nothing filled the objects built as ``restoring``: built anew
             self.objects = {}
             gc.collect()  # the first build's memory goes before the second's comes

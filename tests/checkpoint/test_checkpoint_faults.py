@@ -20,6 +20,8 @@ from elastic.checkpoint import (
     CheckpointWriteError,
     check_compatible,
 )
+from elastic.checkpoint.manifest import DCP_FORMAT
+from elastic.checkpoint.payload import file_entry
 
 pytestmark = pytest.mark.timeout(60)
 URL = "faultmem://run"
@@ -260,3 +262,23 @@ def test_a_stale_writer_s_higher_step_never_becomes_the_latest_or_outlives_reten
     assert store.latest().step == 11
     assert [ref.step for ref in store.list()] == [10, 11]  # gen 1's step 12 went first
     assert torch.equal(store.load().state_dict["w"], torch.full((2,), 2.0))
+
+
+def test_a_fenced_writer_of_shards_leaves_a_newer_generations_checkpoint_of_its_step(
+        tmp_path) -> None:
+    # generations 1 and 2 both commit step 10; the stale one opened it first, the newer one
+    # published, then the stale one is fenced at its own publish
+    url = str(tmp_path / "ckpt")
+    stale, newer = CheckpointStore(url), CheckpointStore(url)
+    stale.open_step(10, {"generation": 1})
+    newer.open_step(10, {"generation": 2})
+    step_dir = tmp_path / "ckpt" / "000000000010"  # where the newer writer's DCP writes
+    step_dir.mkdir(parents=True, exist_ok=True)
+    (step_dir / "__0_0.distcp").write_bytes(b"shard of generation 2")
+    files = {"__0_0.distcp": file_entry(newer.storage,
+                                        newer.storage.join("000000000010/__0_0.distcp"))}
+    newer.publish_files(10, files, {"generation": 2}, DCP_FORMAT)
+    with pytest.raises(CheckpointFencedError):
+        stale.publish_files(10, files, {"generation": 1}, DCP_FORMAT)
+    assert [(r.step, r.generation) for r in CheckpointStore(url).list()] == [(10, 2)]
+    assert (step_dir / "__0_0.distcp").read_bytes() == b"shard of generation 2"

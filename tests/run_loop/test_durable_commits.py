@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from elastic.checkpoint import (CheckpointFencedError, CheckpointIncompatibleError,
+                                CheckpointReadError,
                                 CheckpointStorageError, CheckpointStore, CheckpointWriteError)
 from elastic.cluster.etcd.client import EtcdClient
 from elastic.cluster.fencing import claim_fencing_epoch
@@ -156,8 +157,10 @@ def test_a_durable_commit_while_storage_hangs_is_skipped_after_the_retry_bound(f
     assert durable.survey()[0] == 1
 
 
-def test_a_failed_read_of_the_newest_checkpoint_costs_a_warning_and_loads_the_one_before(
+def test_a_failed_read_of_the_newest_checkpoint_is_an_error_never_a_resume_from_an_older_one(
         faulty_fs, caplog):
+    # it may be intact: resuming from the one before would lose its steps for good (a later
+    # save of them is refused, and retention prunes it)
     durable = DurableCommits(URL)
     for version in (1, 2):
         durable.write(payload(float(version)), version, {"epoch": version})
@@ -165,10 +168,12 @@ def test_a_failed_read_of_the_newest_checkpoint_costs_a_warning_and_loads_the_on
     faulty_fs.plan.read_target = PAYLOAD_FILES
     faulty_fs.plan.read_failures = 1  # an input/output error: not worth another try
     faulty_fs.plan.read_error = lambda: OSError(errno.EIO, "injected: input/output error")
-    loaded = durable.load_latest(payload(0.0))
+    with pytest.raises(CheckpointReadError, match="000000000002.*injected"):
+        durable.load_latest(payload(0.0))
     assert faulty_fs.plan.reads_failed == 1
-    assert torch.equal(loaded["objects"]["model"]["w"], torch.full((64, 1024), 1.0))
-    assert "falling back to an older one" in caplog.text and "injected" in caplog.text
+    assert "falling back to an older one" not in caplog.text
+    assert torch.equal(durable.load_latest(payload(0.0))["objects"]["model"]["w"],
+                       torch.full((64, 1024), 2.0))  # once the storage answers: the newest
     durable.close()
 
 

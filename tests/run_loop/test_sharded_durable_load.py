@@ -137,3 +137,37 @@ def test_a_lost_shard_resumes_from_the_durable_checkpoint_with_one_line_saying_w
         assert len(warnings) == 1
         assert "version 2" in warnings[0] and "durable sharded checkpoint (version 1)" in \
             warnings[0] and "lost" in warnings[0]
+
+
+def _resume_past_corrupt_shards(rank: int, world: int, url: str) -> str:
+    import torch.distributed as dist
+
+    durable = DurableCommits(url)
+    durable.sharded = True
+    runtime = ShardedRuntime(_parallelize, None, 1, TIMEOUT, timedelta(seconds=2))
+    runtime.durable_loader = ShardedDurable(durable, lambda: None, dict).load
+    train = TrainState(step=3)
+    _write_durable_at_step_3(durable, train)  # the small state now at its version, as at a
+    if rank == 0:  # resume that read it; one flipped byte in every rank's shard file
+        for shard in Path(url).glob("*/*.distcp"):
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            shard.write_bytes(bytes(data))
+    dist.barrier()
+    topology = Topology(round=1, rank=rank, world_size=world, member_id=f"m{rank}", rank0="m0",
+                        master_addr="127.0.0.1", master_port=0, store_prefix="", lineage=1)
+    group = ProcessGroup("gloo", TIMEOUT, frozenset(), timedelta(seconds=10))
+    runtime.choose(topology, train, group)
+    try:  # rank 0 read the small state from the checkpoint and synced it
+        runtime.rebuild(topology, train, EventLog(None, f"rank{rank}"), group, from_durable=True)
+    except ShardedStateLostError as exc:
+        return str(exc)
+    return f"trained on at step {train.step} with a fresh model"
+
+
+def test_a_resume_whose_sharded_checkpoint_has_corrupt_shards_stops_in_one_line(
+        tmp_path: Path):
+    results = run_in_group(_resume_past_corrupt_shards, 2, tmp_path, str(tmp_path / "ckpt"))
+    for message in results.values():
+        assert "version 1" in message and "could not be loaded for its shards" in message
+
