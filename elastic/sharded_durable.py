@@ -14,12 +14,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from elastic.checkpoint import CheckpointError, CheckpointNotFoundError, ShardedCheckpoints
 from elastic.durable import DurableCommits
 from elastic.foundation.errors import EtcdUnavailableError, FencingContestedError
 from elastic.foundation.events import EventLog
+from elastic.state.sync import transport_device
 from elastic.state.sharded.optimizer_state import make_state
 
 log = logging.getLogger(__name__)
@@ -46,7 +49,15 @@ class ShardedDurable:
         started = time.monotonic()
         shards = ShardedCheckpoints(self._durable.store)  # the round's (default) group
         try:
-            meta = self._durable.publish_metadata(self._metadata())
+            meta, failed = self._durable.publish_metadata(self._metadata()), None
+        except (CheckpointError, EtcdUnavailableError, FencingContestedError) as exc:
+            meta, failed = {}, exc  # on the rank armed with the fencing token only
+        if not _on_every_rank(failed is None):  # or the others would wait in the save for it
+            self._durable.record_failure(version, failed or CheckpointError(
+                "the rank that publishes could not ready the write (see its log); the next "
+                "durable commit tries again."))
+            return
+        try:
             ref = shards.save(version, state, meta, self._durable.before_publish, payload)
         except (CheckpointError, EtcdUnavailableError, FencingContestedError) as exc:
             self._durable.record_failure(version, exc)
@@ -86,3 +97,10 @@ class ShardedDurable:
                         epoch=loaded.ref.epoch, sharded=True,
                         from_world=loaded.ref.world_size)
         return loaded.state_dict
+
+
+def _on_every_rank(ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank of the round's (default) group; collective."""
+    flag = torch.tensor([int(ok)], dtype=torch.int64, device=transport_device(None))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

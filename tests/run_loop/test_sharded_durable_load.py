@@ -171,3 +171,26 @@ def test_a_resume_whose_sharded_checkpoint_has_corrupt_shards_stops_in_one_line(
     for message in results.values():
         assert "version 1" in message and "could not be loaded for its shards" in message
 
+
+def _write_when_rank_0_cannot_ready_it(rank: int, world: int, url: str) -> tuple[str, str]:
+    from elastic.foundation.errors import EtcdUnavailableError
+
+    durable = DurableCommits(url)
+    durable.sharded = True
+    if rank == 0:  # the rank armed with the fencing token: its claim of the epoch fails
+        def unreachable(metadata):
+            raise EtcdUnavailableError("etcd did not answer the fencing epoch's claim")
+        durable.publish_metadata = unreachable  # type: ignore[method-assign]
+    _write_durable_at_step_3(durable, TrainState(step=3))
+    # both ranks are back in training: the next collective is the next step's
+    step = torch.tensor([rank], dtype=torch.int64)
+    torch.distributed.all_reduce(step)
+    return type(durable.last_error).__name__, f"step collective {int(step)}"
+
+
+def test_a_sharded_write_that_rank_0_cannot_ready_is_skipped_by_every_rank_together(
+        tmp_path: Path):
+    results = run_in_group(_write_when_rank_0_cannot_ready_it, 2, tmp_path,
+                           str(tmp_path / "ckpt"), timeout_s=120)
+    assert results == {0: ("EtcdUnavailableError", "step collective 1"),
+                       1: ("CheckpointError", "step collective 1")}
