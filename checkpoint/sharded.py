@@ -23,13 +23,14 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
+from elastic.checkpoint.dcp_reader import SafeMetadataReader
 from elastic.checkpoint.errors import (CheckpointCorruptError, CheckpointError,
                                        CheckpointIncompatibleError, CheckpointReadError,
                                        CheckpointWriteError)
@@ -177,15 +178,17 @@ class ShardedCheckpoints:
             raise CheckpointIncompatibleError(
                 f"checkpoint {ref.url} is not sharded (format {ref.manifest.payload_format!r}); "
                 "load it with CheckpointStore.load.")
-        problems = [p for p in self._all_gathered(self._verify_share(ref)) if p is not None]
+        reader = SafeMetadataReader(ref.url, **self._store.storage_options)
+        index: list[Metadata] = []  # DCP's, as this rank read it
+        problems = [p for p in self._all_gathered(self._verify_share(ref, reader, index))
+                    if p is not None]
         unread = [why for kind, why in problems if kind == "unread"]
         if unread:
             raise CheckpointReadError(f"reading checkpoint {ref.url} failed: {'; '.join(unread)}."
                                       " Check that the storage is reachable.")
         if problems:
             raise CheckpointCorruptError("; ".join(why for _, why in problems))
-        reader = FsspecReader(ref.url, **self._store.storage_options)
-        _check_fits(ref, reader.read_metadata(), state_dict)
+        _check_fits(ref, index[0], state_dict)
         try:
             dcp.load(state_dict, storage_reader=reader, planner=_WeightsOnlyLoadPlanner(),
                      process_group=self._group)
@@ -214,7 +217,7 @@ class ShardedCheckpoints:
         storage = self._store.storage
         step_dir = storage.join(step_dir_name(step))
         try:
-            index = FsspecReader(url, **self._store.storage_options).read_metadata()
+            index = SafeMetadataReader(url, **self._store.storage_options).read_metadata()
             names = sorted({info.relative_path for info in index.storage_data.values()}
                            | {DCP_METADATA})
             share = {n: file_entry(storage, f"{step_dir}/{n}")
@@ -227,15 +230,22 @@ class ShardedCheckpoints:
                 pickle.UnpicklingError, CheckpointError) as exc:  # an unreadable index, too
             return f"rank {self._rank}: {exc!r}"  # every rank still reaches the all-gather
 
-    def _verify_share(self, ref: CheckpointRef) -> tuple[str, str] | None:
+    def _verify_share(self, ref: CheckpointRef, reader: SafeMetadataReader,
+                      index: list[Metadata]) -> tuple[str, str] | None:
+        """This rank's share of the files checked against the manifest, then DCP's index read
+        into ``index``: what went wrong, or None (every rank still reaches the all-gather)."""
         storage = self._store.storage
         step_dir = storage.join(step_dir_name(ref.step))
         names = sorted(ref.manifest.files)
         try:
             for name in names[self._rank::self._world]:
                 verify_payload(storage, f"{step_dir}/{name}", ref.manifest.files[name])
+            index.append(reader.read_metadata())
         except CheckpointCorruptError as exc:
             return "corrupt", f"checkpoint {ref.url}: {exc}"
+        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError,
+                ImportError) as exc:
+            return "corrupt", f"checkpoint {ref.url}: its DCP index does not decode: {exc}"
         except (OSError, CheckpointError) as exc:
             return "unread", f"rank {self._rank}: {exc!r}"
         return None

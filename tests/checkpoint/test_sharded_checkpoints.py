@@ -110,3 +110,10 @@ def _rank_of_torn_write(rank: int, world: int, tmp: Path, url: str, results) -> 
     from tests.support import gloo_group  # noqa: PLC0415  (imported in the rank process)
     gloo_group._child(workers.die_before_the_manifest, rank, world,
                       str(tmp / "gloo-file-store"), (url,), results)
+
+
+def test_a_crafted_dcp_index_is_refused_unrun_and_the_load_falls_back_to_the_one_before(
+        tmp_path):
+    got = run_in_group(workers.crafted_index_then_load, 1, tmp_path, str(tmp_path / "ckpt"),
+                       timeout_s=LOADED)[0]
+    assert got == {"code_ran": False, "loaded": 1}

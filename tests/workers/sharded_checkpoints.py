@@ -119,3 +119,42 @@ def corrupt_then_load(rank: int, world: int, url: str) -> dict[str, Any]:
     fsdp_model.apply(model, opt, state)
     return {"named": named, "fallback": fallback.ref.step,
             "wrong": fsdp_model.differences(at_1, fsdp_model.full_state(model, opt))}
+
+
+class _Crafted:
+    """What a crafted ``.metadata`` holds: a call of a function when it is unpickled."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+        return os.rename, (self.marker + ".absent", self.marker)  # any call: this one, harmless
+
+
+def crafted_index_then_load(rank: int, world: int, url: str) -> dict[str, Any]:
+    """Saves steps 1 and 2; a writer of the URL replaces step 2's DCP index with a pickle that
+    calls a function (a file renamed), and its manifest's entry to match; then loads."""
+    import hashlib
+    import json
+    import pickle
+
+    model, opt = fsdp_model.build(world, seed=0)
+    shards = ShardedCheckpoints(CheckpointStore(url))
+    for step in (1, 2):
+        fsdp_model.train(model, opt, rank, 1)
+        shards.save(step, fsdp_model.sharded_state(model, opt))
+    marker = os.path.join(url, "code-ran")
+    open(marker + ".absent", "w").close()
+    crafted = pickle.dumps(_Crafted(marker))
+    step_dir = os.path.join(url, "000000000002")
+    with open(os.path.join(step_dir, ".metadata"), "wb") as f:
+        f.write(crafted)
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        manifest = json.load(f)
+    manifest["files"][".metadata"] = {"size": len(crafted),
+                                      "sha256": hashlib.sha256(crafted).hexdigest()}
+    with open(os.path.join(step_dir, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    with warnings.catch_warnings(record=True):
+        loaded = shards.load(fsdp_model.sharded_state(model, opt))
+    return {"code_ran": os.path.exists(marker), "loaded": loaded.ref.step}
