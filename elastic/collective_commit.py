@@ -191,7 +191,8 @@ class CollectiveCommit:
         if cluster is None or cluster.topology is None:
             return None
         self._step_collectives.wait(cluster.group.device_index,
-                                    lambda: cluster.group.is_released, cluster.group.timeout)
+                                    lambda: cluster.group.is_released, cluster.group.timeout,
+                                    cluster.settings.timeouts.wake)
         return MembershipAgreement.start(cluster, self._leave_requested)
 
     def _report_progress(self, version: int) -> None:

@@ -52,41 +52,57 @@ class StepCollectives:
             self._pending = []
 
     def wait(self, device_index: int | None, is_released: Callable[[], bool],
-             timeout: timedelta) -> None:
+             timeout: timedelta, look_every: timedelta) -> None:
         """Returns once the step's collectives completed; raises if any of them failed.
 
         Args:
             device_index: the round's GPU (an NCCL group's), or None on CPU.
             is_released: whether the round's group was released (a peer failed).
             timeout: the longest wait for the tracked collectives (the collective timeout).
+            look_every: how often a wait for a tracked collective looks at ``is_released``
+                (a release need not wake it).
 
         Raises:
             PeerFailureError: the group was released, NCCL reported an error, or a tracked
                 collective did not complete within ``timeout``.
             Exception: what a failed tracked collective raised (the run loop classifies it).
         """
-        if device_index is not None and torch.cuda.is_available():
-            device = torch.device("cuda", device_index)
-            torch.cuda.current_stream(device).synchronize()
-            _raise_nccl_error(device)
         with self._lock:
             pending, self._pending = self._pending, []
         deadline = time.monotonic() + timeout.total_seconds()
         for future in pending:
-            _wait_for(future, deadline - time.monotonic(), timeout)
+            _wait_for(future, deadline, timeout, is_released, look_every)
+        if device_index is not None and torch.cuda.is_available():
+            # after the futures: an NCCL work's future completes once it is enqueued, and its
+            # wait() made this stream wait for it, as DDP does for its all-reduces; the
+            # stream's end is where they are known to have run
+            device = torch.device("cuda", device_index)
+            torch.cuda.current_stream(device).synchronize()
+            _raise_nccl_error(device)
         if is_released():
-            raise PeerFailureError("the process group was released before this step's "
-                                   "collectives were known to have completed")
+            raise PeerFailureError(_RELEASED)
 
 
-def _wait_for(future: torch.futures.Future, timeout_s: float, timeout: timedelta) -> None:
-    """Waits for ``future`` for at most ``timeout_s``; raises what it failed with."""
+_RELEASED = ("the process group was released before this step's collectives were known to "
+             "have completed")
+
+
+def _wait_for(future: torch.futures.Future, deadline: float, timeout: timedelta,
+              is_released: Callable[[], bool], look_every: timedelta) -> None:
+    """Waits for ``future`` until ``deadline`` at most, or until the group is released;
+    raises what it failed with."""
     done = threading.Event()
     future.add_done_callback(lambda _: done.set())
-    if not done.wait(max(timeout_s, 0.0)):
-        raise PeerFailureError(f"an asynchronous collective of this step did not complete "
-                               f"within the collective timeout ({timeout}); a peer is stuck, or "
-                               f"it is only slow: then raise ELASTIC_COLLECTIVE_TIMEOUT.")
+    while not done.is_set():
+        if is_released():
+            raise PeerFailureError(_RELEASED)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise PeerFailureError(
+                f"an asynchronous collective of this step did not complete within the "
+                f"collective timeout ({timeout}); a peer is stuck, or it is only slow: then "
+                f"raise ELASTIC_COLLECTIVE_TIMEOUT.")
+        done.wait(min(left, look_every.total_seconds()))
     future.wait()
 
 

@@ -13,6 +13,7 @@ from elastic.step_collectives import StepCollectives
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.unit]
 LONG = timedelta(seconds=10)
+LOOK = timedelta(milliseconds=20)
 
 
 def test_the_wait_returns_only_once_a_tracked_future_completed_on_another_thread():
@@ -20,7 +21,7 @@ def test_the_wait_returns_only_once_a_tracked_future_completed_on_another_thread
     collectives.track(future)
     later = threading.Timer(0.2, lambda: (completed.append(True), future.set_result(None)))
     later.start()
-    collectives.wait(None, lambda: False, LONG)
+    collectives.wait(None, lambda: False, LONG, LOOK)
     assert completed == [True]
     later.join()
 
@@ -30,27 +31,39 @@ def test_a_tracked_collective_that_failed_fails_the_wait_with_its_error():
     collectives.track(future)
     future.set_exception(RuntimeError("Connection closed by peer"))
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
-        collectives.wait(None, lambda: False, LONG)
-    collectives.wait(None, lambda: False, LONG)  # waited for once: the next vote is free
+        collectives.wait(None, lambda: False, LONG, LOOK)
+    collectives.wait(None, lambda: False, LONG, LOOK)  # waited for once: the next vote is free
 
 
 def test_a_released_group_fails_the_wait_as_a_peer_failure():
     with pytest.raises(PeerFailureError, match="released"):
-        StepCollectives().wait(None, lambda: True, LONG)
+        StepCollectives().wait(None, lambda: True, LONG, LOOK)
+
+
+def test_a_release_that_does_not_wake_a_tracked_collective_still_fails_the_wait_at_once():
+    collectives, looks = StepCollectives(), []
+    collectives.track(torch.futures.Future())  # the release did not wake it: never completes
+
+    def released() -> bool:  # released once the wait has begun
+        looks.append(True)
+        return len(looks) > 1
+
+    with pytest.raises(PeerFailureError, match="released"):
+        collectives.wait(None, released, LONG, LOOK)
 
 
 def test_a_tracked_collective_that_never_completes_fails_the_wait_at_the_timeout():
     collectives = StepCollectives()
     collectives.track(torch.futures.Future())
     with pytest.raises(PeerFailureError, match="ELASTIC_COLLECTIVE_TIMEOUT"):
-        collectives.wait(None, lambda: False, timedelta(milliseconds=50))
+        collectives.wait(None, lambda: False, timedelta(milliseconds=50), LOOK)
 
 
 def test_forget_drops_what_a_broken_round_tracked():
     collectives = StepCollectives()
     collectives.track(torch.futures.Future())
     collectives.forget()
-    collectives.wait(None, lambda: False, timedelta(milliseconds=50))
+    collectives.wait(None, lambda: False, timedelta(milliseconds=50), LOOK)
 
 
 def test_track_names_what_it_takes_when_given_something_else():
