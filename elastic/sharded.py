@@ -38,8 +38,8 @@ from elastic.state import TrainState, snapshot
 from elastic.state.sharded.commits import Choice, ShardCommit, ShardCommits, choose, read_report
 from elastic.state.sharded.copies import BuddyCopyError, BuddyExchange
 from elastic.state.sharded.layout import ShardLostError, TensorSpec
-from elastic.state.sharded.shards import (flat_tensors, hold_every_tensor, host_copy,
-                                          local_part, sharded_state_dict, spec_of)
+from elastic.state.sharded.shards import (MODEL, flat_tensors, hold_every_tensor,
+                                          host_copy, local_part, sharded_state_dict, spec_of)
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +337,7 @@ class ShardedRuntime:
         (valid until the next step is applied); nothing is copied or sent."""
         world, shards, own = self._layout
         self._commits.add(ShardCommit(train.version, world, shards, own, self._specs,
-                                      snapshot(train.committed()), {own: self._live},
+                                      snapshot(train.committed()), {own: self._stable_live()},
                                       live=True))
 
     def can_commit_live(self) -> bool:
@@ -383,7 +383,8 @@ class ShardedRuntime:
                 raise PeerFailureError(f"buddy copies at formation failed: {exc}") from exc
             self._copied = commit
         elif copy_later or send():
-            exchange.start(commit, self._commits, own_from=self._live if copy_later else None,
+            exchange.start(commit, self._commits,
+                           own_from=self._stable_live() if copy_later else None,
                            landing=landing if copy_later else None)
             self._copied = commit
         if copy_later:
@@ -405,6 +406,13 @@ class ShardedRuntime:
         hooks, self._step_hooks = self._step_hooks, []
         for hook in hooks:
             hook.remove()
+
+    def _stable_live(self) -> dict[str, torch.Tensor]:
+        """The live local tensors as a commit may hold them while training goes on: those
+        only ``optimizer.step()`` writes (parameters, optimizer state) as they are, the
+        module's buffers (a forward writes them: batch norm's statistics) copied now."""
+        return {name: tensor.clone() if name.startswith(MODEL) and not self._specs[name].sharded
+                else tensor for name, tensor in self._live.items()}
 
     def _take_live(self, flat: dict[str, torch.Tensor] | None) -> None:
         """Records the live local tensors (``optimizer.step()`` updates them in place) and the

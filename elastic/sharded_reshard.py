@@ -74,7 +74,7 @@ def reshard(choice: Choice, commits: ShardCommits, model: torch.nn.Module,
         lap("check_s")
         plan = plan_moves(specs, choice.shards, [set(h) for h in choice.holders],
                           [r % shards for r in range(world)], shards,
-                          owners_alive=choice.owners_alive)
+                          owners_alive=choice.owners_alive, own_of=choice.own)
         parts = {n: local_part(v).detach() for n, v in flat.items()}
         in_place = (all(p.device.type == "cpu" for p in parts.values())
                     and hold_every_tensor(parts, model, optimizer))

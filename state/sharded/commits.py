@@ -84,14 +84,16 @@ class Holding:
 
 @dataclass(frozen=True)
 class Choice:
-    """The commit a formation rebuilds: its key, each shard's holders (ranks of the new round)
-    and whether a rank that trained on each shard lives."""
+    """The commit a formation rebuilds: its key, each shard's holders (ranks of the new round),
+    whether a rank that trained on each shard lives, and for each rank of the new round the
+    shard it trained on in that commit (None: a rank new to its layout)."""
 
     version: int
     world: int
     shards: int
     holders: tuple[frozenset[int], ...]
     owners_alive: tuple[bool, ...]
+    own: tuple[int | None, ...] = ()
 
 
 class ShardCommits:
@@ -249,15 +251,17 @@ def choose(reports: Sequence[Sequence[Holding]]) -> Choice | None:
     for version, world, shards in keys:
         holders: list[set[int]] = [set() for _ in range(shards)]
         alive = [False] * shards
+        own: list[int | None] = [None] * len(reports)
         for rank, rows in enumerate(reports):
             for h in rows:
                 if h.key == (version, world, shards):
                     alive[h.own] = True
+                    own[rank] = h.own
                     for shard in h.held:
                         holders[shard].add(rank)
         if all(holders):
             return Choice(version, world, shards, tuple(frozenset(h) for h in holders),
-                          tuple(alive))
+                          tuple(alive), tuple(own))
     if keys:
         version, world, shards = keys[0]
         raise ShardLostError(f"no live rank holds every shard of any kept commit (newest: "

@@ -222,7 +222,8 @@ def holders_of(world: int, shards: int, copies: int, nodes: Sequence[int] = ()) 
 
 def plan_moves(specs: Mapping[str, TensorSpec], old_shards: int, holders: Sequence[set[int]],
                new_shard_of: Sequence[int], new_shards: int,
-               owners_alive: Sequence[bool] | None = None) -> Plan:
+               owners_alive: Sequence[bool] | None = None,
+               own_of: Sequence[int | None] = ()) -> Plan:
     """The pieces every new rank needs to hold its new shard of every tensor.
 
     Args:
@@ -233,6 +234,8 @@ def plan_moves(specs: Mapping[str, TensorSpec], old_shards: int, holders: Sequen
         new_shards: how many ways the new layout shards.
         owners_alive: for each old shard, whether a rank that trained on it lives (for
             ``lost``); default: all.
+        own_of: for each new rank, the old shard it trained on (None or missing: none); an
+            unsharded tensor (a module's buffer, its rank's own) stays that shard's copy.
 
     Raises:
         ShardLostError: a shard with rows in it has no holder.
@@ -246,8 +249,9 @@ def plan_moves(specs: Mapping[str, TensorSpec], old_shards: int, holders: Sequen
         spec = specs[name]
         lost += _lost_bytes(spec, old_shards, owners_alive)
         for dst, new_shard in enumerate(new_shard_of):
-            if not spec.sharded:  # whole on every holder: from dst itself, or one holder
-                pieces.append(_whole(name, spec, holders, dst, load))
+            if not spec.sharded:  # from dst itself, or one holder
+                own = own_of[dst] if dst < len(own_of) else None
+                pieces.append(_whole(name, spec, holders, dst, load, own))
                 continue
             want = shard_range(spec.rows, new_shards, new_shard)
             for shard in range(old_shards):
@@ -283,11 +287,12 @@ def _lacking(specs: Mapping[str, TensorSpec], old_shards: int, holders: Sequence
 
 
 def _whole(name: str, spec: TensorSpec, holders: Sequence[set[int]], dst: int,
-           load: list[int]) -> Piece:
-    """The piece of an unsharded tensor for ``dst``: its own copy when it holds any shard."""
+           load: list[int], own: int | None) -> Piece:
+    """The piece of an unsharded tensor for ``dst``: its copy of the shard it trained on
+    (``own``; each rank's buffers are its own), else of any shard it holds, else a holder's."""
     mine = [shard for shard, held in enumerate(holders) if dst in held]
     if mine:
-        return Piece(name, 0, spec.rows, mine[0], dst, dst)
+        return Piece(name, 0, spec.rows, own if own in mine else mine[0], dst, dst)
     everyone = set().union(*holders)
     src = _pick(everyone, dst, load, name, 0)
     load[src] += spec.row_bytes

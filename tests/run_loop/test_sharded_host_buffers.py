@@ -7,21 +7,18 @@ not the first step's."""
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from elastic.cluster.links.process_group import ProcessGroup
-from elastic.cluster.rounds.topology import Topology
 from elastic.foundation.events import EventLog
 from elastic.sharded import ShardedRuntime
 from elastic.state import TrainState
 from tests.support.gloo_group import run_in_group
+from tests.support.sharded_runtime import (TIMEOUT, commit_shards, form, hold_back_copies,
+                                           round_of)
 
-TIMEOUT = timedelta(seconds=30)
 COMMITS = 6
 
 
@@ -36,40 +33,12 @@ def _parallelize(mesh):
     return {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=0.05)}
 
 
-def _round(rank: int, world: int, number: int) -> tuple[Topology, ProcessGroup]:
-    topology = Topology(round=number, rank=rank, world_size=world, member_id=f"m{rank}",
-                        rank0="m0", master_addr="127.0.0.1", master_port=0, store_prefix="",
-                        lineage=number)
-    return topology, ProcessGroup("gloo", TIMEOUT, frozenset(), timedelta(seconds=10))
-
-
-def _form(runtime: ShardedRuntime, train: TrainState, rank: int, world: int, number: int) -> None:
-    topology, group = _round(rank, world, number)
-    runtime.choose(topology, train, group)
-    runtime.rebuild(topology, train, EventLog(None, f"rank{rank}"), group)
-
-
 def _train_step(runtime: ShardedRuntime, seed: int) -> None:
     model, optimizer = runtime.objects["model"], runtime.objects["optimizer"]
     x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
     model(x).square().sum().backward()
     optimizer.step()
     optimizer.zero_grad()
-
-
-def _commit(runtime: ShardedRuntime, train: TrainState) -> None:
-    """What ``commit()`` does: wait for the last copies, agree (a barrier: every rank waited
-    for its copies before it), confirm them, take this one and send it."""
-    runtime.before_commit()
-    train.step += 1
-    train.commit()
-
-    def agreed() -> bool:
-        dist.barrier()
-        runtime.confirm_copies()
-        return True
-
-    runtime.commit(train, send_copies=agreed)
 
 
 def _storages(tensors: dict[str, torch.Tensor]) -> set[int]:
@@ -84,7 +53,7 @@ def _commits_in_recycled_memory(rank: int, world: int) -> dict:
     runtime = ShardedRuntime(_parallelize, None, 1, TIMEOUT, timedelta(seconds=2))
     train = TrainState(step=0)
     train.commit()
-    _form(runtime, train, rank, world, 1)
+    form(runtime, train, rank, world, 1)
     seen = []  # (own copy, received copy) of every commit; held so that no address repeats
     specs = []  # every commit's tensor specs, held alike
     bytes_of = {}  # (version, shard) -> a clone of what the commit held there
@@ -92,7 +61,7 @@ def _commits_in_recycled_memory(rank: int, world: int) -> dict:
     shared = []  # received copies that landed in a kept commit's memory
     for number in range(COMMITS):
         _train_step(runtime, number)
-        _commit(runtime, train)
+        commit_shards(runtime, train)
         runtime.before_commit()  # this commit's buddy copy has landed
         kept = _kept(runtime)
         newest = kept[-1]
@@ -110,7 +79,7 @@ def _commits_in_recycled_memory(rank: int, world: int) -> dict:
     newest = _kept(runtime)[-1]
     _train_step(runtime, 99)  # a step that the rollback undoes
     runtime.settle()
-    _form(runtime, train, rank, world, 2)
+    form(runtime, train, rank, world, 2)
     model, optimizer = runtime.objects["model"], runtime.objects["optimizer"]
     from elastic.state.sharded.shards import flat_tensors, local_part, sharded_state_dict
 
@@ -142,9 +111,9 @@ def _one_step_committed(rank: int, world: int) -> tuple[ShardedRuntime, TrainSta
     runtime = ShardedRuntime(_parallelize, None, 1, TIMEOUT, timedelta(seconds=2))
     train = TrainState(step=0)
     train.commit()
-    _form(runtime, train, rank, world, 1)
+    form(runtime, train, rank, world, 1)
     _train_step(runtime, 0)
-    _commit(runtime, train)
+    commit_shards(runtime, train)
     runtime.before_commit()
     return runtime, train
 
@@ -161,7 +130,7 @@ def _live_commit_checks(rank: int, world: int) -> dict:
                       for k, entry in saved["state"].items()}
     optimizer.load_state_dict(saved)
     replaced = runtime.can_commit_live()
-    _commit(runtime, train)  # the next commit records the new ones
+    commit_shards(runtime, train)  # the next commit records the new ones
     runtime.before_commit()
     recorded_again = runtime.can_commit_live()
     optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))]})
@@ -187,19 +156,11 @@ def _own_copy_after_an_in_place_reshard(rank: int, world: int) -> dict:
     runtime.settle()
     # the formation's own copy is held back until the first step either waits for it (the
     # hook) or, if nothing held it, has ended
-    go = threading.Event()
-    buffers = runtime._commits.buffers
-    take = buffers.take
-
-    def held_back(*args, **kwargs):
-        go.wait(TIMEOUT.total_seconds())
-        return take(*args, **kwargs)
-
-    buffers.take = held_back  # type: ignore[method-assign]
+    go = hold_back_copies(runtime)
     events = EventLog(None, f"rank{rank}")
     resharded: list[dict] = []
     events.listen(lambda e: resharded.append(dict(e)) if e["event"] == "resharded" else None)
-    topology, group = _round(rank, world, 2)
+    topology, group = round_of(rank, world, 2)
     runtime.choose(topology, train, group)
     runtime.rebuild(topology, train, events, group)
     exchange = runtime._exchange
