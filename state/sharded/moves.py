@@ -63,7 +63,15 @@ def assemble(plan: Plan, rank: int, commit: ShardCommit | None, specs: Mapping[s
     rest = [(LATER_TAGS + tag, p) for tag, p in enumerate(plan.pieces) if later(p.name)]
     land = _Landing(rank, commit, specs, _rows_of(specs, new_shards, new_shard), out, group)
     land(now)
-    return out, lambda: land(rest)
+
+    def land_rest() -> None:
+        if rest:  # alike on every rank: the plan is
+            # once every rank landed its first pieces: the rest must not take the cores from
+            # a rank still moving those (the pause lasts until the last one is done)
+            dist.barrier(group=group)
+            land(rest)
+
+    return out, land_rest
 
 
 def _rows_of(specs: Mapping[str, TensorSpec], shards: int, shard: int) -> dict[str, int]:
