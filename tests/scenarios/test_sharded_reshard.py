@@ -147,9 +147,12 @@ def test_a_joiner_whose_model_differs_leaves_with_one_line_and_the_job_trains_on
     assert last.startswith("elastic: error: this worker's parallelize(mesh) built another "
                            "model than the one the job committed (model/blocks.1."), last
     assert "same code" in last, last
-    seen = [e for e in job.events() if e["event"] == "failure_detected"
-            and "built another model" in e.get("error", "")]
-    assert len(seen) == 4, seen  # each of the four was told, and re-formed
+    at_five = [e for e in job.events() if e["event"] == "failure_detected"
+               and e.get("world_size") == 5]
+    # each of the four re-formed; the model check told them, unless the joiner's leaving (it
+    # stops at once) reached a rank's watch or its state sync first
+    assert len({e["pid"] for e in at_five}) == 4, at_five
+    assert any("built another model" in e.get("error", "") for e in at_five), at_five
     _check(job, reference, list(range(4)))
     assert _worlds(job, 0) == [4]
     assert not [e for e in job.events() if e["event"] == "resumed" and e["world_size"] == 5]
