@@ -479,6 +479,32 @@ def test_a_member_whose_first_seat_came_before_it_asked_takes_that_seat(client):
             m.leave()
 
 
+def test_a_member_whose_seat_watch_opened_after_its_first_seat_was_written_takes_that_seat(
+        client):
+    # Seen in the rollback matrix on CI: the seat's watch opens from etcd's revision of the
+    # moment it opens, the ``control/`` watch from the registration's. Round 1 closed in
+    # between: the news came, the seat never did; the member asked for round 2 (as a spare,
+    # round 1 being full) and round 1's group waited out the 20 s form timeout for it.
+    config = RendezvousConfig(max_workers=2, timeouts=TIMEOUTS)
+    first = Member(client, "scale-seat-missed", config=config)
+    late = Member(client, "scale-seat-missed", config=config)
+    late.membership._cancel_watches.pop(0)()  # the seat's watch: as if it opened too late
+    left = threading.Event()
+    pool = ThreadPoolExecutor(2)
+    try:
+        formed = pool.submit(first.form, "start")
+        assert poll_until(lambda: late.heard["news"], WAIT_S)  # round 1's news, by watch
+        asked = pool.submit(late.rendezvous.join, "start", 0, 29500, cancelled=left.is_set)
+        topology = asked.result(timeout=10)
+        assert topology is not None and (topology.round, topology.world_size) == (1, 2)
+        assert formed.result(timeout=WAIT_S).round == 1
+    finally:
+        left.set()
+        pool.shutdown(wait=True)
+        for m in (first, late):
+            m.leave()
+
+
 def test_a_newcomer_to_a_world_at_max_workers_asks_as_a_spare_and_takes_a_dead_members_place(
         client):
     # The rollback matrix's spurious re-formation (issue 39): of workers started together, the

@@ -233,9 +233,14 @@ class Rendezvous(RoundFinish):
         """This member's rank in round ``newest`` when it came before ``join`` asked: the
         registration carried the request of round 1, and under load the round closed and the
         watch brought the seat first. Its round waits for it (asking for the next one instead
-        left that round's group waiting out the form timeout)."""
+        left that round's group waiting out the form timeout). A seat of round 1 that the seat's
+        watch missed (it opened after the seat was written, the news came by the ``control/``
+        watch) is read."""
         with self._changed:
             seat = self._seat
+        if newest == FIRST_ROUND and self._last_round == 0 and self._membership.carried \
+                and (seat is None or seat.round < newest):
+            seat = self._seat_of(newest)
         if seat is None or seat.place != "rank" or seat.round != newest \
                 or seat.round <= self._last_round:
             return None
