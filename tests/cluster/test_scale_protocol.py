@@ -12,6 +12,7 @@ import sys
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -535,6 +536,36 @@ def test_a_newcomer_to_a_world_at_max_workers_asks_as_a_spare_and_takes_a_dead_m
         left.set()
         pool.shutdown(wait=True)
         for m in members + ([newcomer] if newcomer else []):
+            m.leave()
+
+
+@pytest.mark.parametrize("standby", [False, True], ids=["newcomer-at-max", "warm-spare"])
+def test_a_spare_beside_a_healthy_round_outwaits_every_rendezvous_deadline(client, standby):
+    # A spare's request is not news: no round forms for it while the world trains on. Its
+    # rendezvous and admit deadlines counted anyway, and it died of RendezvousTimeoutError (at
+    # 300 s and 1800 s by default), its launcher spending a restart on it each time.
+    timeouts = Timeouts.from_env({}, rendezvous=timedelta(seconds=2), admit=timedelta(seconds=3))
+    config = RendezvousConfig(min_workers=2, max_workers=2, timeouts=timeouts)
+    job = f"scale-spare-outwaits-{standby}"
+    members = [Member(client, job, config=config) for _ in range(2)]
+    spare = None
+    left = threading.Event()
+    pool = ThreadPoolExecutor(1)
+    try:
+        form_all(members, "start")
+        spare = Member(client, job, config=replace(config, standby=standby))
+        asked = pool.submit(spare.rendezvous.join, "start", 0, 29500, cancelled=left.is_set)
+        with pytest.raises(FutureTimeout):  # neither a seat nor an error past both deadlines
+            asked.result(timeout=5)
+        client.revoke(members[1].membership.lease)
+        assert members[0].broken.wait(WAIT_S)
+        assert members[0].form("failure").world_size == 2
+        taken = asked.result(timeout=WAIT_S)
+        assert taken is not None and (taken.round, taken.world_size) == (2, 2)
+    finally:
+        left.set()
+        pool.shutdown(wait=True)
+        for m in members + ([spare] if spare else []):
             m.leave()
 
 

@@ -213,7 +213,7 @@ class Rendezvous(RoundFinish):
                                  lease=self._membership.lease)
             if waits and reason != "spare":
                 on_spare()
-            seat = self._wait_for_seat(n, started, cancelled, gone, reported)
+            seat = self._wait_for_seat(n, started, cancelled, gone, reported, waits)
             if seat is None:
                 log.info("round %d closed without %s (or was overtaken); asking for the next",
                          n, self._membership.member_id)
@@ -308,9 +308,11 @@ class Rendezvous(RoundFinish):
 
     def _wait_for_seat(self, n: int, started: float, cancelled: Callable[[], bool],
                        gone: Callable[[int], dict[str, str]],
-                       reported: set[str]) -> Seat | None:
+                       reported: set[str], spare: bool = False) -> Seat | None:
         """Waits for this member's seat in round ``n``; None when round ``n`` closed without
-        it, or was overtaken (the news is of a later round and no plan of ``n`` is left)."""
+        it, or was overtaken (the news is of a later round and no plan of ``n`` is left). A
+        ``spare`` (asked as one) waits while round ``n - 1`` trains unbroken, as long as it
+        does: no round forms for a spare then, and the deadlines count from its break."""
         enough_since = started  # when the round last had min_workers (checked past the timeout)
         # A member of round n - 1 looks at its connections again every heartbeat: one to a dead
         # member can end a moment after it asked (the dead one's heartbeat process held a copy).
@@ -330,6 +332,8 @@ class Rendezvous(RoundFinish):
             if news.round == n - 1 and news.done:
                 raise RendezvousClosedError(f"The job finished in round {n - 1}; nothing to join.")
             self._report_gone(n, gone(n), reported)
+            if spare and news.round == n - 1 and not news.broken:
+                started = enough_since = time.monotonic()
             enough_since = self._requests.check_limits(n, started, enough_since, time.monotonic())
             with self._changed:
                 if self._epoch == epoch:
