@@ -30,7 +30,8 @@ from elastic.cluster.rounds.records import RecordError
 from elastic.cluster.rounds.rendezvous import Rendezvous, RendezvousConfig
 from elastic.cluster.rounds.topology import Topology
 from elastic.cluster.rounds.tracker import RoundTracker
-from elastic.foundation.errors import FencedError, LeaveInterrupt, RendezvousClosedError
+from elastic.foundation.errors import (EtcdUnavailableError, FencedError, LeaveInterrupt,
+                                       RendezvousClosedError)
 from tests.support.polling import poll_until
 from tests.support.limited_etcd import MAX_TXN_OPS
 from elastic.foundation.timeouts import Timeouts
@@ -536,6 +537,41 @@ def test_a_newcomer_to_a_world_at_max_workers_asks_as_a_spare_and_takes_a_dead_m
         left.set()
         pool.shutdown(wait=True)
         for m in members + ([newcomer] if newcomer else []):
+            m.leave()
+
+
+def test_a_member_whose_wait_failed_after_it_asked_takes_the_seat_of_that_round_on_retry(
+        client):
+    # A member of round 1 asks for round 2; its wait fails (etcd unreachable for a moment) and
+    # the run loop forms again. Round 2 closed with it meanwhile and its news came, its seat
+    # not (the seat's watch opening again after the outage): it asked for round 3, and round
+    # 2's group waited out the 20 s form timeout for it.
+    job = "scale-retry-seat"
+    first, second = Member(client, job), Member(client, job)
+    left = threading.Event()
+    pool = ThreadPoolExecutor(2)
+    try:
+        form_all([first, second], "start")
+        second.membership._cancel_watches.pop(0)()  # the seat's watch, not open again yet
+        asked: list[int] = []
+
+        def gone(n: int) -> dict[str, str]:  # fails once its request is written
+            asked.append(n)
+            if len(asked) == 2:
+                raise EtcdUnavailableError("etcd unreachable for a moment")
+            return {}
+
+        with pytest.raises(EtcdUnavailableError):
+            second.rendezvous.join("change", 0, 29500, gone=gone)
+        assert (first.form("change").round, asked) == (2, [2, 2])
+        assert poll_until(lambda: second.rendezvous._news_now().round == 2, WAIT_S)
+        retried = pool.submit(second.rendezvous.join, "change", 0, 29500, cancelled=left.is_set)
+        topology = retried.result(timeout=10)
+        assert topology is not None and (topology.round, topology.world_size) == (2, 2)
+    finally:
+        left.set()
+        pool.shutdown(wait=True)
+        for m in (first, second):
             m.leave()
 
 

@@ -73,6 +73,7 @@ class Rendezvous(RoundFinish):
         self._news: RoundNews | None = None  # the newest news seen (by watch or one read)
         self._seat: Seat | None = None  # this member's newest seat, as the watch brought it
         self._last_round = 0  # the last round this member was in
+        self._asked = 0  # the last round this member wrote a join request for (join)
         # The join request of round 1 that its registration was asked to carry (stored form).
         self._carried: str | None = None
         membership.add_listener(self._on_events)
@@ -197,7 +198,9 @@ class Rendezvous(RoundFinish):
             n = self._newest_told() + 1
             early = self._early_seat(n - 1)
             if early is not None:
-                return self._take(early)
+                self._check_not_cut(early)
+                if early.place == "rank" and early.round == n - 1:
+                    return self._take(early)
             if self._last_round and n - 1 > self._last_round:  # it went on: without this one?
                 went_on = self.read_plan(self._last_round + 1)
                 me = self._membership.member_id
@@ -211,6 +214,7 @@ class Rendezvous(RoundFinish):
             if n != FIRST_ROUND or carried != request or not self._membership.carried:
                 self._client.put(self._keys.join(n, self._membership.member_id), request,
                                  lease=self._membership.lease)
+            self._asked = n
             if waits and reason != "spare":
                 on_spare()
             seat = self._wait_for_seat(n, started, cancelled, gone, reported, waits)
@@ -230,19 +234,21 @@ class Rendezvous(RoundFinish):
         return Topology.of(seat, self._membership.member_id, self._keys.store(seat.round))
 
     def _early_seat(self, newest: int) -> Seat | None:
-        """This member's rank in round ``newest`` when it came before ``join`` asked: the
-        registration carried the request of round 1, and under load the round closed and the
-        watch brought the seat first. Its round waits for it (asking for the next one instead
-        left that round's group waiting out the form timeout). A seat of round 1 that the seat's
-        watch missed (it opened after the seat was written, the news came by the ``control/``
-        watch) is read."""
+        """This member's seat in a round after its last one that came before ``join`` asked
+        for the next (``join`` takes a rank in round ``newest``, and stops at a cut): the
+        registration carried the request of round 1 and under load the round closed and the
+        watch brought the seat first, or a wait for round ``newest`` failed (etcd unreachable)
+        after its request was written and the round closed before the retry. Its round waits
+        for it (asking for the next one instead left that round's group waiting out the form
+        timeout). When ``newest`` is the round it asked for and the watch brought no seat of
+        it (the seat's watch opened, or opened again, after the seat was written; the news
+        came by the ``control/`` watch), the seat is read."""
         with self._changed:
             seat = self._seat
-        if newest == FIRST_ROUND and self._last_round == 0 and self._membership.carried \
-                and (seat is None or seat.round < newest):
+        asked = self._asked or (FIRST_ROUND if self._membership.carried else 0)
+        if newest == asked > self._last_round and (seat is None or seat.round < newest):
             seat = self._seat_of(newest)
-        if seat is None or seat.place != "rank" or seat.round != newest \
-                or seat.round <= self._last_round:
+        if seat is None or seat.round <= self._last_round:
             return None
         return seat
 
