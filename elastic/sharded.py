@@ -164,9 +164,9 @@ class ShardedRuntime:
             return
         if self._choice is None:
             return
-        self._commits.drop_newer(self._choice.version)
-        held = self._commits.find((self._choice.version, self._choice.world,
-                                   self._choice.shards))
+        chosen = (self._choice.version, self._choice.world, self._choice.shards)
+        self._commits.rebuilding(chosen)
+        held = self._commits.find(chosen)
         if held is not None and train.version != self._choice.version:
             log.warning("rolling back to version %d, the newest commit held whole",
                         self._choice.version)

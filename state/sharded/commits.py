@@ -4,7 +4,8 @@ A ``ShardCommit`` is one version of the sharded state in one layout: this rank's
 (copied at the commit) and the shards of the ranks it is a buddy of (received afterwards, in the
 background). ``ShardCommits`` keeps the newest two and, besides them, the newest commit known to
 be whole (its buddy copies held by every rank: a single loss takes no shard of it), so that the
-last such rollback point survives until a newer one is whole. A formation that rebuilds a commit
+last such rollback point survives until a newer one is whole, and the commit the last formation
+rebuilt until its new layout is whole. A formation that rebuilds a commit
 in its own layout (N -> N) commits it under the same key: the new commit borrows the shards the
 old one held (shard ``s`` of one key is the same bytes whoever holds it) until it is whole
 itself. At a formation every rank
@@ -46,7 +47,8 @@ class ShardCommit:
     ``in_flight``: its buddy exchange started and has not ended well (a failed one never
     does), so its shards may still be read or written by a send or receive and are never
     reused. ``borrowed``: the shards of ``held`` taken from the commit of the same key that
-    this one replaced, held until this one is whole.
+    this one replaced, held until this one is whole. ``rebuilt``: the commit the last
+    formation chose, kept until a commit of its version or a newer one is whole.
     """
 
     version: int
@@ -61,6 +63,7 @@ class ShardCommit:
     whole: bool = False
     in_flight: bool = False
     borrowed: set[int] = field(default_factory=set)
+    rebuilt: bool = False
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -97,8 +100,8 @@ class Choice:
 
 
 class ShardCommits:
-    """The newest ``KEEP`` sharded commits of this rank and its newest whole one; safe to add
-    copies from a thread.
+    """The newest ``KEEP`` sharded commits of this rank, its newest whole one and the one the
+    last formation rebuilt; safe to add copies from a thread.
 
     Args:
         max_held: the shards one rank holds of a commit (its own and its buddies'), kept for
@@ -114,7 +117,8 @@ class ShardCommits:
         """Keeps ``commit`` as the newest; commits newer than it or of its version and layout
         (an abandoned future, rolled back), any live commit (valid only while it is the newest:
         its tensors move on with the next step) and all but the newest ``KEEP`` go, except the
-        newest whole commit: it stays until a newer one is whole. The same version in another
+        newest whole commit (it stays until a newer one is whole) and the one a formation
+        rebuilt (``rebuilding``). The same version in another
         layout stays: a formation commits the version it resharded in the new layout, whose
         buddy copies then travel while the old layout still holds it. In the same layout (a
         replacement took a dead rank's place) ``commit`` borrows the held shards of the one it
@@ -138,6 +142,9 @@ class ShardCommits:
             for shard in commit.borrowed:
                 del commit.held[shard]
             commit.borrowed.clear()
+            for kept in self._commits:
+                if kept.rebuilt and kept.version <= commit.version and kept is not commit:
+                    kept.rebuilt = False
             self._keep(_trimmed(self._commits))
 
     def freeze(self) -> None:
@@ -170,9 +177,19 @@ class ShardCommits:
             _hold(commit, copies)
             commit.in_flight = False
 
-    def drop_newer(self, version: int) -> None:
+    def rebuilding(self, key: tuple[int, int, int]) -> None:
+        """A formation chose the commit of ``key`` (``choose``): the commits newer than its
+        version go, and so do its version's other layouts that are not whole (a formation
+        before this one committed them; their copies did not all land). It stays, whatever
+        the count, until a commit of its version in the new layout, or a newer one, is whole:
+        two formations in a row must not trim the one that every rank can still rebuild."""
+        version = key[0]
         with self._lock:
-            self._keep([c for c in self._commits if c.version <= version])
+            kept = [c for c in self._commits if c.version < version or c.key == key
+                    or (c.version == version and c.whole)]
+            for commit in kept:
+                commit.rebuilt = commit.key == key
+            self._keep(kept)
 
     def _keep(self, commits: list[ShardCommit]) -> None:
         """Keeps ``commits``; the shards of those that go are reused unless their exchange is
@@ -221,11 +238,12 @@ def _borrow(commit: ShardCommit, same: ShardCommit) -> None:
 
 
 def _trimmed(commits: list[ShardCommit]) -> list[ShardCommit]:
-    """The newest ``KEEP`` of ``commits`` (oldest first), preceded by the newest whole one when
-    it is older than those: a rank never drops its last whole commit before a newer one is."""
+    """The newest ``KEEP`` of ``commits`` (oldest first), preceded by the newest whole one and
+    the one a formation rebuilt when they are older than those: a rank never drops its last
+    whole commit before a newer one is, nor the commit rebuilt before its new layout is."""
     newest = commits[-KEEP:]
     whole = next((c for c in reversed(commits) if c.whole), None)
-    return newest if whole is None or any(c is whole for c in newest) else [whole, *newest]
+    return [c for c in commits[:-KEEP] if c is whole or c.rebuilt] + newest
 
 
 def read_report(row: Sequence[int]) -> list[Holding]:

@@ -74,7 +74,7 @@ def test_a_same_layout_formation_commit_borrows_every_shard_the_rank_held():
     # dying must still find every shard on rank 5
     commits = ShardCommits(max_held=2)
     commits.add(_commit(5, 6, 5, (0, 1, 2, 3, 4)))
-    commits.drop_newer(5)
+    commits.rebuilding((5, 6, 6))
     commits.add(_commit(5, 6, 5))
     choice = choose([read_report(commits.report().tolist())])
     assert choice is not None and choice.holders == (frozenset({0}),) * 6
@@ -108,6 +108,33 @@ def test_a_formation_commit_in_a_new_layout_keeps_the_old_layout_of_its_version_
 
 
 @pytest.mark.unit
+def test_two_formations_in_a_row_keep_the_commit_they_rebuilt_until_a_new_layout_holds_it():
+    # eight ranks (buddy: the next rank) hold version 5 with its copies landed, version 4 whole.
+    # Old rank 7 dies, then old rank 2 while that formation's copies travel, then old rank 5
+    # while the second one's travel: version 5 at 8 still has a live holder of every shard
+    ranks = {}
+    for rank in range(8):
+        commits = ShardCommits(max_held=2)
+        four = _commit(4, 8, rank, ((rank - 1) % 8,))
+        commits.add(four)
+        commits.add(_commit(5, 8, rank, ((rank - 1) % 8,)))
+        four.whole = True  # confirmed at version 5's agreement
+        ranks[rank] = commits
+    for alive in ([0, 1, 2, 3, 4, 5, 6], [0, 1, 3, 4, 5, 6]):
+        choice = choose([read_report(ranks[old].report().tolist()) for old in alive])
+        assert (choice.version, choice.world) == (5, 8)
+        for new, old in enumerate(alive):
+            ranks[old].rebuilding((choice.version, choice.world, choice.shards))
+            ranks[old].add(_commit(5, len(alive), new))  # its copies never land
+    alive = [0, 1, 3, 4, 6]
+    choice = choose([read_report(ranks[old].report().tolist()) for old in alive])
+    assert (choice.version, choice.world) == (5, 8)
+    # the first formation's layout, found lacking, went: three commits, not four
+    assert [(h.version, h.world) for h in read_report(ranks[0].report().tolist())] == [
+        (4, 8), (5, 8), (5, 6)]
+
+
+@pytest.mark.unit
 def test_a_formation_commit_in_the_same_layout_borrows_the_copies_held_until_it_is_whole():
     # version 3 at 4 ranks rebuilt at 4 (a replacement took a dead rank's place): the same key,
     # and shard s of one key is the same bytes whoever holds it, so the copies stay
@@ -134,7 +161,7 @@ def test_a_second_kill_before_a_same_layout_formation_commit_travels_rebuilds_it
     survivors = {0: ranks[0], 1: ranks[1], 2: ranks[3]}  # new rank -> what it held before
     spare = ShardCommits(max_held=2)
     for rank, commits in {**survivors, 3: spare}.items():
-        commits.drop_newer(5)
+        commits.rebuilding((5, 4, 4))
         commits.add(_commit(5, 4, rank))  # the formation's commit: its copies travel
     # new rank 0 dies before the formation's copies landed: its new shard 0 is still held by
     # new rank 1 (its old copy), and shard 3 by new rank 2 (its old own) besides the spare
@@ -158,7 +185,7 @@ def test_a_kill_while_a_join_formation_commit_travels_rebuilds_the_last_whole_co
     # the formation at 4 rebuilds version 6 from its owners and commits it in the new layout,
     # its copies travelling while training goes on; a joiner (new rank 3) holds only that
     for rank, commits in enumerate(ranks):
-        commits.drop_newer(6)
+        commits.rebuilding((6, 3, 3))
         commits.add(_commit(6, 4, rank))
     joiner = ShardCommits(max_held=2)
     joiner.add(_commit(6, 4, 3))
