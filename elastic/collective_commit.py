@@ -19,7 +19,7 @@ from typing import Any
 from elastic.agreement import MembershipAgreement
 from elastic.cluster.cluster import Cluster
 from elastic.durable import DurableCommits
-from elastic.loop_helpers import samples_done
+from elastic.loop_helpers import BatchInHand, samples_done
 from elastic.sharded import ShardedRuntime
 from elastic.state import StateError, TrainState
 from elastic.step_collectives import StepCollectives
@@ -36,6 +36,7 @@ class CollectiveCommit:
     _durable: DurableCommits | None
     _sharded: ShardedRuntime | None
     _step_collectives: StepCollectives
+    _batch_in_hand: BatchInHand
     _leave_requested: threading.Event
     _warned_not_durable: bool
     _progress_at: float | None
@@ -128,6 +129,7 @@ class CollectiveCommit:
             if self._sharded is not None:
                 self._sharded.confirm_copies()  # every rank waited for them before voting
         yield
+        self._batch_in_hand.record()  # a batches() loop's batch: this step trained it
         if self._sharded is None:
             self._committed(self._train.commit_live(), agreement)
             return

@@ -24,7 +24,7 @@ from elastic.durable import DurableCommits
 from elastic.error_causes import drop_causes
 from elastic.foundation.errors import ElasticError
 from elastic.foundation.events import EventLog
-from elastic.loop_helpers import batches, ddp, print_main
+from elastic.loop_helpers import BatchInHand, batches, ddp, print_main
 from elastic.outcome import RunOutcome
 from elastic.recovery import RunLoop
 from elastic.sharded import Parallelize, ShardedRuntime
@@ -79,6 +79,7 @@ class ElasticState(CollectiveCommit):
         self._progress_at: float | None = None
         self._progress_every_s = self._settings.timeouts.progress.total_seconds()
         self._step_collectives = StepCollectives()
+        self._batch_in_hand = BatchInHand()  # batches()' unrecorded batch (commit_step)
         timeouts = self._settings.timeouts
         self._sharded = ShardedRuntime(parallelize, shard_degree, buddies, timeouts.collective,
                                        timeouts.peer) if parallelize else None
@@ -145,6 +146,7 @@ class ElasticState(CollectiveCommit):
 
     def restore(self) -> None:
         """Rolls the live objects back to the last commit (see ``TrainState.restore``)."""
+        self._batch_in_hand.drop()
         self._train.restore()
 
     def sync(self, src_rank: int, timeout: timedelta | None = None) -> None:
@@ -194,7 +196,7 @@ class ElasticState(CollectiveCommit):
         batch recorded, ``commit()`` every ``commit_every`` batches, ``commit(durable=True)``
         after the last with ``checkpoint_at_end`` (see ``loop_helpers.batches``)."""
         return batches(loader, self.commit, self._train.value_of("epoch"), commit_every,
-                       checkpoint_at_end)
+                       checkpoint_at_end, self._batch_in_hand)
 
     def ddp(self, module: Any, **kwargs: Any) -> Any:
         """``DistributedDataParallel(module, **kwargs)`` for this round (on the module's GPU
@@ -308,6 +310,7 @@ class ElasticState(CollectiveCommit):
         """After every formation: count it and run the user's ``on_reset`` callbacks."""
         self._generation += 1
         self._step_collectives.forget()  # the last round's, rolled back with it
+        self._batch_in_hand.drop()  # so is the batch a loop held
         log.debug("formed round %d as rank %d of %d (generation %d)", topology.round,
                   topology.rank, topology.world_size, self._generation)
         for callback in self._callbacks:

@@ -20,13 +20,37 @@ from elastic.ddp_sync import same_on_every_rank
 from elastic.state import ElasticSampler
 
 
+class BatchInHand:
+    """The batch that a ``batches()`` loop's body holds and its sampler has not recorded yet.
+    A ``commit_step()`` block in the body records it as it leaves: the step it applied is in
+    that commit, so its batch must be too (else a rollback to it trains the batch again)."""
+
+    def __init__(self) -> None:
+        self._held: tuple[ElasticSampler, Any] | None = None
+
+    def hold(self, sampler: ElasticSampler, batch: Any) -> None:
+        self._held = sampler, batch
+
+    def record(self) -> None:
+        """Records the batch in hand in its sampler, once (nothing when none is held)."""
+        held, self._held = self._held, None
+        if held is not None:
+            held[0].record_batch(batch_length(held[1]))
+
+    def drop(self) -> None:
+        """Forgets the batch in hand unrecorded (a rollback: the body never finished it)."""
+        self._held = None
+
+
 def batches(loader: Iterable[Any], commit: Callable[..., Any], epoch: Any = None,
-            commit_every: int | None = None, checkpoint_at_end: bool = False) -> Iterator[Any]:
+            commit_every: int | None = None, checkpoint_at_end: bool = False,
+            hand: BatchInHand | None = None) -> Iterator[Any]:
     """Yields ``loader``'s batches and does the loop's bookkeeping around them.
 
     Before the first batch: ``sampler.set_epoch(epoch)`` when the loader's sampler is an
     ``ElasticSampler`` and ``epoch`` (the state's plain ``epoch``) is an int. After each batch
-    (once the loop's body is done with it): ``sampler.record_batch(len(batch))`` and, every
+    (once the loop's body is done with it, or as a ``commit_step()`` block in the body leaves:
+    ``hand``): ``sampler.record_batch(len(batch))`` and, every
     ``commit_every`` batches of the epoch, ``commit()``. After the last one, with
     ``checkpoint_at_end``: ``commit(durable=True)``, unless the loader yielded nothing this
     time (a loop re-entered at the very end of an epoch, or a finished job resumed: nothing
@@ -44,13 +68,16 @@ def batches(loader: Iterable[Any], commit: Callable[..., Any], epoch: Any = None
     sampler = sampler if isinstance(sampler, ElasticSampler) else None
     if sampler is not None and isinstance(epoch, int) and not isinstance(epoch, bool):
         sampler.set_epoch(epoch)
+    hand = hand or BatchInHand()
     yielded = 0
     for batch in loader:
+        if sampler is not None:
+            hand.hold(sampler, batch)
         yield batch
         yielded += 1
         done = yielded
         if sampler is not None:
-            sampler.record_batch(batch_length(batch))
+            hand.record()  # unless a commit_step() in the body did
             done = sampler.batches_done  # counts the epoch's batches across re-formations
         if commit_every is not None and done % commit_every == 0:
             commit()

@@ -65,3 +65,28 @@ def test_print_main_prints_on_rank_zero_only(capsys):
     print_main(False, "not me")
     print_main(True, "me")
     assert capsys.readouterr().out == "me\n"
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_commit_step_in_the_body_of_batches_commits_the_batch_its_step_trained(accumulate):
+    # batches() records a batch once the body is done with it; a commit_step() in the body
+    # committed the step's update with the sampler before that batch, and every rollback to
+    # it trained the batch again.
+    from elastic import ElasticState
+    data = loader(n=32, batch_size=4)
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = ElasticState(model=model, optimizer=opt, sampler=data.sampler, step=0)
+    state.train_state.commit()
+    for i, (x, _) in enumerate(state.batches(data)):
+        model(x.unsqueeze(1)).pow(2).sum().backward()
+        if (i + 1) % accumulate == 0:
+            with state.commit_step():
+                opt.step()
+                opt.zero_grad()
+                state.step += 1
+        if i == 3:
+            break  # the next step's collective fails: a rollback to the last commit
+    state.train_state.restore()
+    assert (state.step, data.sampler.batches_done, data.sampler.consumed) == (
+        4 // accumulate, 4, 16)
