@@ -91,6 +91,7 @@ class TrainState:
     def __setattr__(self, name: str, value: Any) -> None:
         registry = self.__dict__
         if name in registry.get("_value_names", ()):
+            check_plain(name, value)  # here, not at the first re-formation that sends it
             self._objects()[name] = value
         elif name.startswith("_") or isinstance(getattr(type(self), name, None), property):
             object.__setattr__(self, name, value)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -55,6 +58,44 @@ def test_commit_then_restore_rolls_back_model_optimizer_and_values():
     _assert_tree_equal(saved_model, model.state_dict())
     _assert_tree_equal(saved_opt, opt.state_dict())
     assert state.epoch == 3 and torch.equal(state.lr[1]["w"], torch.ones(2))
+
+
+def test_plain_containers_and_tensors_come_back_as_the_objects_and_kinds_the_loop_holds():
+    # A commit holds plain dicts, and restore() built new values: a Counter or defaultdict
+    # came back a dict (the next `seen[k] += 1` raised KeyError), a namedtuple raised
+    # TypeError at every restore (every formation restores), and a tensor that an optimizer
+    # also trains was replaced, that optimizer training the old one on, never rolled back.
+    best = collections.namedtuple("Best", "loss step")
+    temperature = torch.ones(1, requires_grad=True)
+    opt = torch.optim.SGD([temperature], lr=0.5)
+    state = TrainState(optimizer=opt, seen=collections.Counter(a=1),
+                       by_class=collections.defaultdict(int), best=best(1.5, 3),
+                       temperature=temperature, history=[1.0])
+    seen, history = state.seen, state.history
+    state.commit()
+    (temperature * 2).sum().backward()
+    opt.step()
+    state.seen["a"] += 4
+    state.history.append(2.0)
+    state.best = best(0.5, 9)
+    state.restore()
+    assert state.seen is seen and state.seen == {"a": 1} and state.seen["b"] == 0
+    assert type(state.by_class) is collections.defaultdict and state.by_class[7] == 0
+    assert state.best == best(1.5, 3) and type(state.best) is best
+    assert state.history is history and history == [1.0]
+    assert state.temperature is temperature and torch.equal(temperature.detach(), torch.ones(1))
+    assert temperature.requires_grad
+
+
+def test_a_value_that_state_sync_cannot_send_is_refused_at_its_assignment():
+    # A numpy integer assigned to a plain value was accepted, committed, and refused only by
+    # the first re-formation that sent the state: the job stopped when a worker died.
+    state = TrainState(best_step=0)
+    with pytest.raises(TypeError, match=r"best_step.*int64.*\.item\(\)"):
+        state.best_step = np.int64(3)
+    assert state.best_step == 0
+    state.best_step = np.int64(3).item()
+    assert state.best_step == 3
 
 
 def test_restore_leaves_the_commit_untouched_by_later_training():
