@@ -79,6 +79,9 @@ def check_models(specs: Mapping[str, TensorSpec], committed: Mapping[str, Tensor
     told = {name: [spec.rows, spec.row_bytes, int(spec.sharded)] for name, spec in job.items()}
     fed = feed_payload(told if rank == verdict.source else None, verdict.source, group=group)
     theirs = _difference(specs, _read(fed.payload))
+    # every rank holds the description before one leaves or reports the round broken: else a
+    # rank still receiving it (the one that must leave) re-forms instead, one round more
+    dist.barrier(group=group)
     if verdict.tie:
         groups = {digest: [r for r, row in enumerate(rows) if int(row[0]) == digest]
                   for digest in {int(row[0]) for row in rows}}

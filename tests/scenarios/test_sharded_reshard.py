@@ -149,7 +149,9 @@ def test_a_joiner_whose_model_differs_leaves_with_one_line_and_the_job_trains_on
     assert "same code" in last, last
     at_five = [e for e in job.events() if e["event"] == "failure_detected"
                and e.get("world_size") == 5]
-    # each of the four re-formed; the model check told them, unless the joiner's leaving (it
+    # each of the four re-formed, and the joiner not (it left from the first check: a rank
+    # that reported the round broken while it still received the job's model description
+    # made it re-form once more); the model check told them, unless the joiner's leaving (it
     # stops at once) reached a rank's watch or its state sync first
     assert len({e["pid"] for e in at_five}) == 4, at_five
     assert any("built another model" in e.get("error", "") for e in at_five), at_five
