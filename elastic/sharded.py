@@ -396,11 +396,7 @@ class ShardedRuntime:
                 except BuddyCopyError as exc:
                     raise PeerFailureError(str(exc)) from exc
 
-            optimizer = self._model_and_optimizer()[1]
-            # whatever reads or writes the optimizer's state through it waits too
-            self._step_hooks = [optimizer.register_step_pre_hook(wait_own),
-                                optimizer.register_state_dict_pre_hook(wait_own),
-                                optimizer.register_load_state_dict_pre_hook(wait_own)]
+            self._step_hooks = waits_first(self._model_and_optimizer()[1], wait_own)
 
     def _drop_step_hooks(self) -> None:
         hooks, self._step_hooks = self._step_hooks, []
@@ -450,3 +446,15 @@ class ShardedRuntime:
             raise TypeError("parallelize(mesh) must return exactly one nn.Module and one "
                             f"optimizer; it returned {sorted(self.objects)}.")
         return models[0], optimizers[0]
+
+
+def waits_first(optimizer: torch.optim.Optimizer, wait: Callable[..., None]
+                ) -> list[RemovableHandle]:
+    """Has ``optimizer.step()``, ``state_dict()`` and ``load_state_dict()`` call ``wait`` before
+    anything else reads or writes the optimizer's state through them: before the pre-hooks
+    registered earlier (a user's, in ``parallelize``) too. Torch's step pre-hooks take no
+    ``prepend``: the hook is moved to the front of their ordered dict."""
+    step = optimizer.register_step_pre_hook(wait)
+    optimizer._optimizer_step_pre_hooks.move_to_end(step.id, last=False)
+    return [step, optimizer.register_state_dict_pre_hook(wait, prepend=True),
+            optimizer.register_load_state_dict_pre_hook(wait, prepend=True)]

@@ -47,6 +47,17 @@ def shard_shape(commit: ShardCommit, name: str, shard: int) -> tuple[int, ...]:
     return (stop - start, *own.shape[1:])
 
 
+def _failed(what: str, exc: BaseException) -> BaseException:
+    """The error a wait raises for ``exc`` of the exchange's thread: ``BuddyCopyError`` for a
+    peer's failure (torch's ``RuntimeError`` family, ``ValueError``), which re-forms the job;
+    anything else as it is, a fault of this rank that a re-formation would only repeat."""
+    if isinstance(exc, (RuntimeError, ValueError)):
+        error = BuddyCopyError(f"{what}: {exc}")
+        error.__cause__ = exc
+        return error
+    return exc
+
+
 class BuddyExchange:
     """Sends and receives one commit's buddy copies, on a thread.
 
@@ -99,18 +110,19 @@ class BuddyExchange:
         Raises:
             BuddyCopyError: it was not within ``timeout``, or its landing failed (a peer
                 failed: the live parts are incomplete).
+            Exception: what else the landing or copy raised on this rank, as it is.
         """
         if not self._own_copied.wait(timeout.total_seconds()):
             raise BuddyCopyError(f"the commit's own shard was not copied within {timeout}.")
         if self._own_error is not None:
-            raise BuddyCopyError(f"the reshard's last pieces did not land: {self._own_error}"
-                                 ) from self._own_error
+            raise _failed("the reshard's last pieces did not land", self._own_error)
 
     def wait(self, timeout: timedelta) -> None:
         """Returns once the exchange in flight (if any) completed.
 
         Raises:
-            BuddyCopyError: it failed, or did not end within ``timeout``.
+            BuddyCopyError: it failed (a peer), or did not end within ``timeout``.
+            Exception: what else failed on this rank, as it is (``settle``).
         """
         self.settle(timeout, lambda: False, timeout)
 
@@ -121,7 +133,8 @@ class BuddyExchange:
         left to its thread, which ends with its group's timeout.
 
         Raises:
-            BuddyCopyError: it failed, or did not end in time.
+            BuddyCopyError: it failed (a peer), or did not end in time.
+            Exception: what else failed on this rank, as it is.
         """
         thread, self._thread = self._thread, None
         if thread is None:
@@ -135,7 +148,7 @@ class BuddyExchange:
             raise BuddyCopyError("the buddy copies did not complete "
                                  f"{'after the release' if last else f'within {timeout}'}.")
         if self._error is not None:
-            raise BuddyCopyError(f"a buddy copy failed: {self._error}") from self._error
+            raise _failed("a buddy copy failed", self._error)
 
     def _run(self, commit: ShardCommit, commits: ShardCommits,
              own_from: Mapping[str, torch.Tensor] | None,
@@ -146,13 +159,13 @@ class BuddyExchange:
                     if landing is not None:
                         landing()
                     commits.hold(commit, {commit.own: host_copy(own_from, commits.buffers)})
-                except (RuntimeError, ValueError) as exc:
+                except Exception as exc:  # the training thread raises it (``wait_own``)
                     self._own_error = exc
                     raise
                 finally:
                     self._own_copied.set()
             self.exchange(commit, commits)
-        except (RuntimeError, ValueError) as exc:  # torch's DistError family: a peer failed
+        except Exception as exc:  # torch's DistError family (a peer failed), or a bug here
             self._error = exc
 
     def exchange(self, commit: ShardCommit, commits: ShardCommits) -> int:
