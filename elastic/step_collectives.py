@@ -43,8 +43,8 @@ class StepCollectives:
         if not isinstance(future, torch.futures.Future):
             raise TypeError(f"track() takes a torch.distributed Work or a torch.futures.Future, "
                             f"got {type(work).__name__}; pass what async_op=True or a comm hook returns.")
-        with self._lock:
-            self._pending.append(future)
+        with self._lock:  # those that completed well are let go, with their outputs
+            self._pending = [f for f in self._pending if _unsettled(f)] + [future]
 
     def forget(self) -> None:
         """Drops what a broken round left tracked: it is rolled back, not waited for."""
@@ -121,3 +121,14 @@ def _raise_nccl_error(device: torch.device) -> None:
     error = get_error()
     if error != torch._C._distributed_c10d.ErrorType.SUCCESS:
         raise PeerFailureError(f"NCCL reported {error} for this step's collectives")
+
+
+def _unsettled(future: torch.futures.Future) -> bool:
+    """Whether a vote still needs ``future``: not done yet, or done with an error."""
+    if not future.done():
+        return True
+    try:
+        future.value()
+    except Exception:  # torch re-raises the collective's error, of whatever type it set
+        return True
+    return False
