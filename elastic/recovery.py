@@ -205,7 +205,10 @@ class RunLoop:
         return None
 
     def _finish(self) -> None:
-        """Says this member is done and waits for the others, through an etcd outage."""
+        """Says this member is done and waits for the others, through an etcd outage; the
+        sharded state's copies in flight end first."""
+        if self._sharded is not None:
+            self._sharded.wait_copies()
         while True:
             try:
                 self._cluster.finish()

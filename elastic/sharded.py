@@ -126,6 +126,16 @@ class ShardedRuntime:
         otherwise restart this worker in place, and its shards would go with it. Lets go of
         the round's side group too: the formation's destroy frees it on a thread of its own
         (``ProcessGroup.destroy``), not the next ``choose`` on this one."""
+        self.wait_copies()
+        self._group = None
+        self._commits.freeze()  # the objects go: a copy-free commit's shards stop moving on
+        self.objects = {}
+        gc.collect()
+
+    def wait_copies(self) -> None:
+        """Waits for the buddy copies in flight (and a reshard's last pieces) as ``settle``
+        does, keeping the round's objects: at the job's end, so that no copy is cut off in a
+        collective by the process exiting, while ``run()``'s caller may still read them."""
         exchange, self._exchange, self._copied = self._exchange, None, None
         self._drop_step_hooks()
         if exchange is not None:
@@ -133,10 +143,6 @@ class ShardedRuntime:
                 exchange.settle(self._timeout, self._released, self._released_wait)
             except BuddyCopyError as exc:
                 log.info("buddy copies of the last commit incomplete: %s", exc)
-        self._group = None
-        self._commits.freeze()  # the objects go: a copy-free commit's shards stop moving on
-        self.objects = {}
-        gc.collect()
 
     def choose(self, topology: Topology, train: TrainState, group: ProcessGroup) -> None:
         """After forming: opens the round's gloo group for the shards' moves and copies (its
