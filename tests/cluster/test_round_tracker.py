@@ -151,7 +151,7 @@ def test_a_join_request_losing_its_key_is_not_a_member_leaving(monitor, broken):
 
 
 def test_a_member_of_another_job_leaving_is_ignored(monitor, broken):
-    other = JobKeys("job.launchers")
+    other = JobKeys("job").launchers()  # the sibling prefix of the job's launchers
     monitor.on_events([WatchEvent("delete", other.member("m1"), b"", 13)])
     assert broken == [] and not monitor.pending.is_set()
 

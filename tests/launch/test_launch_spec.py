@@ -81,3 +81,9 @@ def test_job_ids_are_checked_before_they_become_key_prefixes():
         with pytest.raises(ValueError):
             check_job_id(bad)
     assert JobKeys("job-1").launchers().prefix == "/elastic/job-1.launchers/"
+    # a job named for another's launchers would read and write their keys (who is in it)
+    for taken in ("job-1.launchers", "job-1.launchers.launchers"):
+        with pytest.raises(ValueError, match="launchers"):
+            check_job_id(taken)
+        with pytest.raises(ValueError, match="launchers"):
+            JobKeys(taken)

@@ -38,7 +38,7 @@ rounds are the generations of ``--plain`` (torchrun-compatible) jobs.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from elastic.cluster.etcd.key_range import KeyRange
 
@@ -52,8 +52,9 @@ def check_job_id(job_id: str) -> str:
     """Returns ``job_id`` if it is fit to become a key prefix (and an etcd role's name).
 
     Raises:
-        ValueError: empty, longer than ``MAX_JOB_ID``, or other characters than letters,
-            digits, ``.``, ``_`` and ``-`` (starting with a letter or digit).
+        ValueError: empty, longer than ``MAX_JOB_ID``, other characters than letters,
+            digits, ``.``, ``_`` and ``-`` (starting with a letter or digit), or ending in
+            ``LAUNCHERS_SUFFIX`` (the prefix of another job's launchers).
     """
     if len(job_id) > MAX_JOB_ID:
         raise ValueError(f"job id {job_id[:MAX_JOB_ID]!r}... is {len(job_id)} characters long; "
@@ -62,6 +63,10 @@ def check_job_id(job_id: str) -> str:
         raise ValueError(f"job id {job_id!r} must start with a letter or digit and hold only "
                          "letters, digits, '.', '_' and '-' (it becomes the etcd prefix "
                          f"{ROOT}/ID/).")
+    if job_id.endswith(LAUNCHERS_SUFFIX):
+        raise ValueError(f"job id {job_id!r} ends in {LAUNCHERS_SUFFIX!r}, which names the keys "
+                         f"of job {job_id.removesuffix(LAUNCHERS_SUFFIX)!r}'s launchers; choose "
+                         "another id.")
     return job_id
 
 
@@ -70,9 +75,11 @@ class JobKeys:
     """Builds the etcd keys of one job."""
 
     job_id: str
+    of_launchers: bool = field(default=False, repr=False)  # built by ``launchers()``
 
     def __post_init__(self) -> None:
-        check_job_id(self.job_id.removesuffix(LAUNCHERS_SUFFIX) or self.job_id)
+        check_job_id(self.job_id.removesuffix(LAUNCHERS_SUFFIX) if self.of_launchers
+                     else self.job_id)
 
     @property
     def prefix(self) -> str:
@@ -167,7 +174,7 @@ class JobKeys:
 
     def launchers(self) -> "JobKeys":
         """The keys of this job's launchers (their membership and ``--plain`` generations)."""
-        return JobKeys(f"{self.job_id}{LAUNCHERS_SUFFIX}")
+        return JobKeys(f"{self.job_id}{LAUNCHERS_SUFFIX}", of_launchers=True)
 
     def round_of(self, key: str) -> int | None:
         """Returns the round number in a ``rounds/{n}/...`` key, or None for other keys."""
