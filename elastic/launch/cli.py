@@ -27,6 +27,7 @@ from elastic.foundation.timeouts import Timeouts  # the standard library only: k
 from elastic.launch.etcd_flags import add_security_flags, security_of
 
 USAGE_ERROR = 2
+INTERRUPTED = 128 + 2  # SIGINT, as a shell reports it
 # The flags of the timeout table (elastic/foundation/timeouts.py), in seconds: field -> flag.
 _TIMEOUT_FLAGS = {field: str(Timeouts.flag_name(field)) for field in Timeouts.FLAGS}
 _VALUE_OPTIONS = {"--etcd", "--job-id", "-n", "--nproc-per-node", "--spares", "--min-workers",
@@ -374,6 +375,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ElasticError, FileNotFoundError) as exc:
         print(f"elastic: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # before the launcher's own handler is installed, or in status
+        print("elastic: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

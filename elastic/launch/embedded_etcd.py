@@ -127,8 +127,13 @@ class EmbeddedEtcd:
         Path(self.data_dir).mkdir(parents=True, exist_ok=True)  # a --data-dir to be made
         for attempt in range(self._attempts):
             self.client_port, self._peer_port = free_port(), free_port()
-            self._spawn(binary, self._peer_port)
-            if self._wait_healthy():
+            try:
+                self._spawn(binary, self._peer_port)
+                healthy = self._wait_healthy()
+            except KeyboardInterrupt:  # Ctrl-C while it starts: no server or directory left
+                self.stop()
+                raise
+            if healthy:
                 self._died = False  # an earlier attempt's exit is no reason to keep the log
                 self._lower_priority()
                 log.info("etcd %s listening on %s", binary, self.url)

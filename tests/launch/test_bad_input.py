@@ -182,3 +182,32 @@ def test_elastic_etcd_suggests_a_fresh_job_id_each_time_never_a_shared_one(cli, 
         suggested.append(re.search(r"--job-id (\S+)", run.text()).group(1))
     assert suggested[0] != suggested[1] and "myjob" not in suggested
     assert all(re.fullmatch(r"job-\d{8}-\d{6}-[0-9a-f]{4}", job) for job in suggested), suggested
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_the_shells_status_for_sigint(monkeypatch, capsys):
+    # Ctrl-C before the launcher's own handler was installed (etcd starting, a connect retry,
+    # `elastic status`) printed a KeyboardInterrupt traceback of up to 30 lines.
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(__import__("elastic.launch.cli", fromlist=["COMMANDS"]).COMMANDS,
+                        "status", interrupted)
+    assert main(["status", "--etcd", "http://127.0.0.1:2379", "--job-id", "x"]) == 130
+    one_clear_line(capsys.readouterr().err, "elastic: interrupted")
+
+
+def test_ctrl_c_while_the_embedded_etcd_starts_leaves_no_server_and_no_directory(monkeypatch):
+    from elastic.launch.embedded_etcd import EmbeddedEtcd
+
+    spawned = []
+
+    def interrupted(self):
+        spawned.append(self.process)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(EmbeddedEtcd, "_wait_healthy", interrupted)
+    server = EmbeddedEtcd()
+    with pytest.raises(KeyboardInterrupt):
+        server.start()
+    assert spawned[0].poll() is not None
+    assert not os.path.exists(server.data_dir)
