@@ -16,13 +16,14 @@ from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
+from elastic.checkpoint import CheckpointError
 from elastic.cluster.cluster import Cluster
 from elastic.cluster.rounds.topology import Topology
 from elastic.collective_commit import CollectiveCommit
 from elastic.console_story import ConsoleStory
 from elastic.durable import DurableCommits
 from elastic.error_causes import drop_causes
-from elastic.foundation.errors import ElasticError
+from elastic.foundation.errors import CheckpointUnusableError, ElasticError
 from elastic.foundation.events import EventLog
 from elastic.loop_helpers import BatchInHand, batches, ddp, print_main
 from elastic.outcome import RunOutcome
@@ -30,7 +31,7 @@ from elastic.recovery import RunLoop
 from elastic.sharded import Parallelize, ShardedRuntime
 from elastic.sharded_durable import ShardedDurable
 from elastic.foundation.settings import WorkerSettings
-from elastic.setup_check import before_joining, one_line_on_setup_error
+from elastic.setup_check import before_joining, checkpoint_url, one_line_on_setup_error
 from elastic.foundation.signals import LeaveRequest, relay_signals
 from elastic.step_collectives import StepCollectives
 from elastic.state import TrainState
@@ -72,9 +73,8 @@ class ElasticState(CollectiveCommit):
         self._callbacks: list[Callable[[ElasticState], None]] = []
         self._leave_requested = LeaveRequest()
         self._generation = 0
-        self._durable = DurableCommits(
-            self._settings.checkpoint, retry_for=self._settings.timeouts.storage_retry,
-            job_id=self._settings.job_id) if self._settings.checkpoint else None
+        with one_line_on_setup_error(self._settings):  # as a bad URL found at run() is
+            self._durable = self._open_durable()
         self._warned_not_durable = False
         self._progress_at: float | None = None
         self._progress_every_s = self._settings.timeouts.progress.total_seconds()
@@ -90,6 +90,22 @@ class ElasticState(CollectiveCommit):
             self._sharded.durable_writer, self._sharded.durable_loader = shards.write, shards.load
         for name, obj in objects.items():
             self.register(name, obj)
+
+    def _open_durable(self) -> DurableCommits | None:
+        """The durable commits at the job's checkpoint URL (None without one).
+
+        Raises:
+            CheckpointUnusableError: no installed backend serves the URL's scheme.
+        """
+        url = self._settings.checkpoint
+        if not url:
+            return None
+        try:
+            return DurableCommits(url, retry_for=self._settings.timeouts.storage_retry,
+                                  job_id=self._settings.job_id)
+        except CheckpointError as exc:
+            _, source = checkpoint_url(self._checkpoint_in_script, self._settings)
+            raise CheckpointUnusableError(f"{source}: {exc}") from exc
 
     # -- the registered objects, held by the TrainState --------------------------------------
     def __getattr__(self, name: str) -> Any:

@@ -33,6 +33,18 @@ def test_a_checkpoint_set_in_the_script_that_cannot_be_written_stops_before_the_
     assert "ElasticState(checkpoint=" in said, said
 
 
+def test_a_checkpoint_set_in_the_script_with_an_unknown_scheme_stops_in_one_line(cli, etcd):
+    # The store was opened in ElasticState's constructor, before the check that makes a
+    # setup mistake one line: a traceback per worker, each restarted once, the --plain hint.
+    run = cli("run", "--etcd", etcd.url, "--job-id", f"script-scheme-{os.getpid()}", "-n", "2",
+              NEWCOMER, "--checkpoint", "foo://bucket/run-7")
+    assert run.wait(90) == 1, run.text()
+    text = run.text()
+    assert "Traceback" not in text and "restarting worker" not in text, text
+    said = [line for line in text.splitlines() if "'foo'" in line]
+    assert said and all("ElasticState(checkpoint=" in line for line in said), text
+
+
 def test_a_checkpoint_flag_that_contradicts_the_script_is_an_error_naming_both(
         cli, etcd, tmp_path):
     run = cli("run", "--etcd", etcd.url, "--job-id", f"two-ckpts-{os.getpid()}",
