@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -204,7 +205,9 @@ def cmd_run(argv: Sequence[str]) -> int:
     from elastic.launch.launch_spec import LaunchSpec  # noqa: PLC0415 (keeps `--help` fast)
     from elastic.launch.output import OutputOptions  # noqa: PLC0415
     from elastic.launch.preload import parse_preload  # noqa: PLC0415
-    log_dir = str(Path(args.log_dir).resolve()) if args.log_dir else None
+    # the workers' event files go there (a --plain job's tee files only cost themselves)
+    log_dir = (str(Path(args.log_dir).resolve()) if args.plain else
+               _writable_dir(args.log_dir, "--log-dir")) if args.log_dir else None
     try:
         spec = LaunchSpec(
             command=command, target=target, etcd=args.etcd or "", job_id=job_id,
@@ -229,6 +232,23 @@ def cmd_run(argv: Sequence[str]) -> int:
     from elastic.launch.checkpoint_claim import held_checkpoint  # noqa: PLC0415
     with held_checkpoint(None if spec.plain else spec.checkpoint, spec.job_id, spec.timeouts):
         return _run_job(spec)
+
+
+def _writable_dir(path: str, flag: str) -> str:
+    """``path`` resolved, made if missing and probed with a file written and removed.
+
+    Raises:
+        UsageError: it cannot be made or written (checked before any worker starts).
+    """
+    resolved = Path(path).resolve()
+    try:
+        resolved.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=resolved, prefix=".elastic-probe-"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"elastic run: {flag} {path} cannot be written ({exc.strerror or exc}); "
+                         "give a directory this user can create and write.") from None
+    return str(resolved)
 
 
 def _run_job(spec) -> int:  # noqa: ANN001 (LaunchSpec is imported lazily)
@@ -311,6 +331,9 @@ def cmd_report(argv: Sequence[str]) -> int:
     p.add_argument("log_dir", help="the --log-dir of the run")
     p.add_argument("--out", help="PNG timeline to write (default LOGDIR/report.png)")
     args = p.parse_args(argv)
+    if args.out is not None and Path(args.out).suffix.lower() != ".png":
+        raise UsageError(f"elastic report: --out {args.out} must name a .png file (the "
+                         "timeline is a PNG; the tables go to the console).")
     from elastic.launch.report import report  # noqa: PLC0415
     return report(args.log_dir, args.out)
 

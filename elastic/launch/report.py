@@ -20,7 +20,7 @@ from elastic.foundation.errors import ElasticError
 
 
 class ReportError(ElasticError):
-    """The log directory holds no events to report on."""
+    """The log directory holds no events to report on, or the timeline cannot be written."""
 
 
 @dataclass
@@ -259,7 +259,7 @@ def report(log_dir: str, out: str | None = None) -> int:
     """Prints the tables and writes the PNG (or says why not); returns 0.
 
     Raises:
-        ReportError: no events in ``log_dir``.
+        ReportError: no events in ``log_dir``, or the PNG cannot be written.
     """
     timeline = build_timeline(load_events(log_dir))
     print(render_tables(timeline))
@@ -270,5 +270,8 @@ def report(log_dir: str, out: str | None = None) -> int:
         print("elastic report: no PNG: matplotlib is missing "
               "(`pip install 'elastic-trainer[report]'`).", file=sys.stderr)
         return 0
+    except OSError as exc:
+        raise ReportError(f"the timeline {target} cannot be written ({exc.strerror or exc}); "
+                          "give --out a path in a directory this user can write.") from None
     print(f"timeline written to {target}")
     return 0

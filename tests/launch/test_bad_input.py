@@ -44,6 +44,9 @@ def one_clear_line(text: str, *needles: str) -> None:
     (["run"], ["no script given"]),
     (["frobnicate"], ["unknown command 'frobnicate'"]),
     (["status", "--job-id", "x"], ["--etcd"]),
+    (["run", "--log-dir", "/proc/no-such-dir/logs", WORKER],
+     ["--log-dir /proc/no-such-dir/logs cannot be written"]),
+    (["report", "/proc/no-such-dir", "--out", "r.txt"], ["--out r.txt must name a .png file"]),
     (["run", "--lease-ttl", "-1", WORKER],
      ["argument --lease-ttl: must be a positive number of seconds, e.g. 3 (got '-1')"]),
     (["run", "--settle", "soon", WORKER], ["argument --settle", "(got 'soon')"]),
@@ -164,6 +167,15 @@ def test_report_writes_a_png_and_prints_the_recoveries(cli, tmp_path):
     assert "failures: 1\n  failure at 5.00 s: detected by 2 peers" in run.text()
     assert "written          24        0.004      0.250  file:///ck/000000000024" in run.text()
     assert "failed           28" in run.text() and "storage gone" in run.text()
+
+
+def test_report_to_an_unwritable_png_names_the_flag_in_one_line(tmp_path, capsys):
+    (tmp_path / "events-w.jsonl").write_text(json.dumps(
+        {"t": 1.0, "event": "resumed", "worker": "w", "round": 1, "world_size": 1,
+         "reason": "start", "version": 1}) + "\n")
+    assert main(["report", str(tmp_path), "--out", "/proc/no-such-dir/r.png"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "give --out a path" in err, err
 
 
 def test_report_on_a_directory_without_events_says_what_to_pass(cli, tmp_path):
