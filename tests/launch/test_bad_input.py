@@ -223,3 +223,21 @@ def test_ctrl_c_while_the_embedded_etcd_starts_leaves_no_server_and_no_directory
         server.start()
     assert spawned[0].poll() is not None
     assert not os.path.exists(server.data_dir)
+
+
+def test_an_etcd_url_that_serves_grpc_but_not_etcd_is_one_line(capsys):
+    # Any gRPC server answers etcd's calls with UNIMPLEMENTED: a 70-line traceback ending in
+    # aetcd's ClientError('Method not found!').
+    import grpc
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = grpc.server(ThreadPoolExecutor(1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        code = main(["status", "--etcd", f"http://127.0.0.1:{port}", "--job-id", "x"])
+    finally:
+        server.stop(None)
+    assert code == 1
+    one_clear_line(capsys.readouterr().err, "not an etcd v3 client URL")
+

@@ -211,6 +211,11 @@ def refusal(exc: aetcd.ClientError, what: str, urls: str,
             "--quota-backend-bytes. Compact and defragment it, then clear its alarm "
             "(etcdctl compact REVISION; etcdctl defrag; etcdctl alarm disarm), and run it with "
             "--auto-compaction-retention (docs/multi-node.md).")
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return EtcdAccessError(
+            f"{urls} answered {what} with 'method not found' ({exc}): it serves gRPC, but is "
+            "not an etcd v3 client URL (another service, or etcd's peer port). Check --etcd / "
+            "ELASTIC_ETCD.")
     if code == grpc.StatusCode.INVALID_ARGUMENT or (
             code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in str(exc)):
         return EtcdAccessError(
