@@ -53,8 +53,13 @@ class JobConfig:
     def differences(self, other: "JobConfig") -> list[str]:
         """Names each field that differs, as ``name: theirs != ours``."""
         mine, theirs = asdict(self), asdict(other)
-        return [f"{name}: {theirs[name]!r} (running) != {mine[name]!r} (yours)"
+        return [f"{name}: {_shown(theirs[name])} (running) != {_shown(mine[name])} (yours)"
                 for name in mine if mine[name] != theirs[name]]
+
+
+def _shown(value: object) -> str:
+    """A setting as a user would name it: none when unset (not Python's ``None``)."""
+    return "none" if value is None else repr(value)
 
 
 def is_running(client: EtcdClient, keys: JobKeys) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -41,6 +42,8 @@ def one_clear_line(text: str, *needles: str) -> None:
     (["run", "--min-workers", "3", "--max-workers", "2", WORKER],
      ["--max-workers (2) must be >= --min-workers (3)"]),
     (["run", "--etcd", "nonsense", WORKER], ["needs a host and a port"]),
+    (["status", "--etcd", "http://127.0.0.1:99999", "--job-id", "x"],
+     ["etcd URL 'http://127.0.0.1:99999' has a port outside 1-65535"]),
     (["run"], ["no script given"]),
     (["frobnicate"], ["unknown command 'frobnicate'"]),
     (["status", "--job-id", "x"], ["--etcd"]),
@@ -241,3 +244,10 @@ def test_an_etcd_url_that_serves_grpc_but_not_etcd_is_one_line(capsys):
     assert code == 1
     one_clear_line(capsys.readouterr().err, "not an etcd v3 client URL")
 
+
+
+def test_a_setting_that_differs_from_the_running_jobs_reads_as_a_user_would_write_it():
+    running = JobConfig(mode="elastic", target="train.py", min_workers=1, max_workers=None,
+                        checkpoint=None, backend="auto")
+    mine = dataclasses.replace(running, checkpoint="/ck/run-7")
+    assert mine.differences(running) == ["checkpoint: none (running) != '/ck/run-7' (yours)"]

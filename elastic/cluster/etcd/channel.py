@@ -76,7 +76,12 @@ def _parse_urls(urls: str) -> list[tuple[str, str, int]]:
         parts = urlsplit(url if "://" in url else f"http://{url}")
         if parts.scheme not in ("http", "https"):
             raise ValueError(f"etcd URL {url!r} must start with http:// or https://.")
-        if not parts.hostname or not parts.port:
+        try:
+            port = parts.port
+        except ValueError:  # urllib's "Port out of range 0-65535" names no URL
+            raise ValueError(f"etcd URL {url!r} has a port outside 1-65535, e.g. "
+                             "http://127.0.0.1:2379.") from None
+        if not parts.hostname or not port:
             raise ValueError(f"etcd URL {url!r} needs a host and a port, e.g. http://127.0.0.1:2379.")
         endpoints.append((parts.scheme, parts.hostname, parts.port))
     if not endpoints:
