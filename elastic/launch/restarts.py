@@ -7,6 +7,9 @@ returns for not restarting.
 
 from __future__ import annotations
 
+import re
+
+_NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+")
 # Python errors that end a script before it can join the job: its file or an import is broken.
 _IMPORT_FAILURES = frozenset({"SyntaxError", "IndentationError", "TabError", "ImportError",
                               "ModuleNotFoundError"})
@@ -23,9 +26,9 @@ def import_failure(error_line: str) -> str | None:
 
 class Restarts:
     """Which crashed workers the launcher restarts: at most ``max_restarts`` in all, and never
-    one that failed before its first commit with the same last line as its previous failure
-    (a missing module, a bad argument, a wrong path, a bug in the first step: a restart cannot
-    fix those).
+    one that failed before its first commit with the same last line as its previous failure, but
+    for the numbers in it (a missing module, a bad argument, a wrong path, a bug in the first
+    step: a restart cannot fix those).
 
     Args:
         max_restarts: ``--max-restarts``.
@@ -73,8 +76,9 @@ class Restarts:
             return (f"worker local_rank={local_rank} failed before it joined the job "
                     f"({error_line}): the script or one of its imports is broken; not restarting "
                     "it: fix the script (see its output above) and run it again.")
-        repeated = bool(error_line) and not committed and self._last.get(local_rank) == error_line
-        self._last[local_rank] = "" if committed else error_line
+        shape = _NUMBERS.sub("#", error_line)  # a step, a shape or an address may differ
+        repeated = bool(error_line) and not committed and self._last.get(local_rank) == shape
+        self._last[local_rank] = "" if committed else shape
         if repeated:
             self.failed += 1
             when = "before its first commit" if joined else "before it joined the job"

@@ -43,6 +43,17 @@ def test_different_errors_or_different_slots_do_not_count_as_a_repeat():
     assert restarts.refusal(0, "", joined=False) == "", "an unknown error is not a repeat"
 
 
+def test_an_error_that_repeats_but_for_its_numbers_counts_as_a_repeat():
+    # A message holding a value (a step, a shape, an address) differed at every failure: the
+    # worker was restarted until --max-restarts ran out, its traceback shown each time.
+    restarts = Restarts(max_restarts=5)
+    assert restarts.refusal(0, "ValueError: loss is nan at step 3 (0x7f3a2c)", joined=True) == ""
+    said = restarts.refusal(0, "ValueError: loss is nan at step 7 (0x7f9b11)", joined=True)
+    assert "failed the same way again before its first commit" in said
+    assert restarts.refusal(1, "ValueError: loss is nan at step 3", joined=True) == ""
+    assert restarts.refusal(1, "ValueError: loss is inf at step 3", joined=True) == ""
+
+
 def test_restarts_stop_when_max_restarts_is_used_up():
     restarts = Restarts(max_restarts=1)
     assert restarts.refusal(0, "a", joined=True, committed=True) == ""
